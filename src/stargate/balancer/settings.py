@@ -1,0 +1,87 @@
+"""Normalised algorithm settings: what `lb-config.json` parses into and what policies are built from.
+
+One flat frozen definition serves every algorithm; fields an algorithm does not use keep their
+defaults (the parser rejects them in JSON). Definitions compare by identity: two independently
+constructed definitions are distinct even with equal settings, because each owns its own policy
+instances (round-robin counters, caches).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from stargate.balancer.types import Candidate, Decision, LbRequest
+
+
+class Algorithm(StrEnum):
+    POWER_OF_N = "power-of-n"
+    WAIT_AND_WIDEN = "wait-and-widen"
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    PULSAR = "pulsar"
+    PULSAR_WAIT_AND_WIDEN = "pulsar-wait-and-widen"
+
+
+ALIASES: dict[str, Algorithm] = {
+    **{a.value: a for a in Algorithm},
+    "power-of-two": Algorithm.POWER_OF_N,
+    "powerOf2": Algorithm.POWER_OF_N,
+    "powerOfN": Algorithm.POWER_OF_N,
+    "powerof2": Algorithm.POWER_OF_N,
+    "powerofn": Algorithm.POWER_OF_N,
+    "groq-multiregion": Algorithm.WAIT_AND_WIDEN,
+    "pulsar-multiregion": Algorithm.PULSAR_WAIT_AND_WIDEN,
+}
+
+
+class Comparator(StrEnum):
+    TTFT = "ttft"
+    QUEUE_TIME = "queue-time"
+    INPUT_WORK_SECONDS = "input-work-seconds"
+    UTILIZATION = "utilization"
+    NUM_REQUESTS_QUEUED = "num-requests-queued"
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class AlgorithmDefinition:
+    """Normalised settings of one configured algorithm (spec §2.4, defaults applied)."""
+
+    algorithm: Algorithm
+    # common
+    require_cache_affinity_key: bool = False
+    require_input_tokens: bool = False
+    max_input_work_seconds: float | None = None
+    # power-of-n
+    sample_count: int = 2
+    # power-of-n, wait-and-widen (None for algorithms without a comparator)
+    comparator: Comparator | None = None
+    # wait-and-widen family and pulsar
+    seed: str = ""
+    virtual_nodes: int = 150
+    selection_count: int | None = None
+    queue_slo_ms: tuple[int, int] | None = None  # (floor, ceil), only when both are set
+    ttft_bucket_size_ms: int = 20
+    next_bucket_unlock_factor: float = 0.25
+    n: int = 2
+    max_queued: int = 0
+    ignore_queue_time: bool = False
+    ignore_input_processing_time: bool = False
+    consider_kv_free_tokens: bool = False
+    cache_affinity_wait_ms: int = 0
+    cache_affinity_input_tokens_scale: float = 1.0
+
+
+class Policy(Protocol):
+    """A load balancer instance: one per (routing-target generation, definition).
+
+    ``decide`` is synchronous and pure apart from the policy's own counters and caches; time
+    comes from the request and randomness from ``rng``.
+    """
+
+    definition: AlgorithmDefinition
+
+    def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
+        ...

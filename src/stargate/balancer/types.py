@@ -1,0 +1,121 @@
+"""Immutable values the decision core works on: stats, candidates, requests and decisions.
+
+Everything here is a frozen value: routing state builds new snapshots on every update and hands
+the same objects to every request (no per-request copies).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+EMPTY_PRIORITY_MAP: Mapping[int, int] = MappingProxyType({})
+
+
+def valid_tps(value: float) -> bool:
+    """A throughput is usable only when finite and positive."""
+    return value > 0.0 and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """One backend's (or one cluster's aggregated) stats for one model; proto fields 1..17."""
+
+    last_mean_input_tps: float = 0.0
+    output_tps: float = 0.0
+    queue_size: int = 0
+    queued_input_size: int = 0
+    max_output_tps: float = 0.0
+    kv_cache_capacity_tokens: int = 0
+    kv_cache_used_tokens: int = 0
+    kv_cache_free_tokens: int = 0
+    num_running_queries: int = 0
+    max_engine_concurrency: int = 0
+    total_query_input_size: int = 0
+    queue_time_estimate_ms_by_priority: Mapping[int, int] = field(default=EMPTY_PRIORITY_MAP)
+    input_processing_queries: int = 0
+    output_generation_queries: int = 0
+    stats_observed_at_unix_ms: int = 0
+    stats_capabilities: tuple[str, ...] = ()
+    stats_sources: tuple[str, ...] = ()
+
+    @property
+    def has_kv_metrics(self) -> bool:
+        return (
+            self.kv_cache_capacity_tokens > 0
+            or self.kv_cache_used_tokens > 0
+            or self.kv_cache_free_tokens > 0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A routed cluster snapshot: what a load balancer chooses between (never a single backend).
+
+    ``stats`` already includes pending routing reservations.
+    """
+
+    cluster_id: str
+    stats: ModelStats
+    rtt_s: float
+    updated_at: float = 0.0
+    active_backend_count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Routing target: requests and registrations meet on ``(routing_key, model_id)``."""
+
+    routing_key: str | None
+    model_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LbRequest:
+    """What a policy knows about one routing attempt. Times are seconds on one monotonic clock."""
+
+    target: Target
+    input_tokens: int
+    received_at: float
+    now: float
+    priority: int = 0
+    cache_affinity_key: str | None = None
+    request_slo_ms: int | None = None
+    excluded: frozenset[str] = frozenset()
+
+    @property
+    def elapsed_ms(self) -> float:
+        return max(0.0, (self.now - self.received_at) * 1000.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The chosen candidate. ``rank_depth > 1`` is reported as a fallback selection."""
+
+    index: int
+    rank_depth: int = 1
+    selected_after_kv_free_tokens_skip: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Selected:
+    choice: Choice
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing is selectable yet; something may become selectable after ``ms`` milliseconds."""
+
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """Nothing is selectable and no known wake-up time exists."""
+
+
+UNAVAILABLE = Unavailable()
+
+Decision = Selected | Wait | Unavailable
