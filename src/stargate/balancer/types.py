@@ -14,6 +14,10 @@ from types import MappingProxyType
 EMPTY_PRIORITY_MAP: Mapping[int, int] = MappingProxyType({})
 
 
+def _empty_priority_map() -> Mapping[int, int]:
+    return EMPTY_PRIORITY_MAP
+
+
 def valid_tps(value: float) -> bool:
     """A throughput is usable only when finite and positive."""
     return value > 0.0 and math.isfinite(value)
@@ -34,7 +38,7 @@ class ModelStats:
     num_running_queries: int = 0
     max_engine_concurrency: int = 0
     total_query_input_size: int = 0
-    queue_time_estimate_ms_by_priority: Mapping[int, int] = field(default=EMPTY_PRIORITY_MAP)
+    queue_time_estimate_ms_by_priority: Mapping[int, int] = field(default_factory=_empty_priority_map)
     input_processing_queries: int = 0
     output_generation_queries: int = 0
     stats_observed_at_unix_ms: int = 0

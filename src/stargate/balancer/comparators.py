@@ -1,0 +1,53 @@
+"""Comparator scores (spec §3.2): lower wins, ``inf`` sorts last.
+
+Each score reads the candidate snapshot as-is (reservations included, no staleness filter). The
+queue-based scores use the effective queue delay (free-slot rule); the others use raw stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stargate.balancer.estimates import prefill_ms, queue_ms, usable_tps, work
+from stargate.balancer.settings import Comparator
+from stargate.balancer.types import Candidate
+
+Score = Callable[[Candidate, int, int], float]
+"""``score(candidate, priority, input_tokens)``."""
+
+
+def ttft_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    stats = candidate.stats
+    return candidate.rtt_s * 1000.0 + queue_ms(stats, priority) + prefill_ms(stats, input_tokens)
+
+
+def queue_time_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    return queue_ms(candidate.stats, priority)
+
+
+def input_work_seconds_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    stats = candidate.stats
+    return work(stats.queued_input_size + input_tokens, usable_tps(stats))
+
+
+def utilization_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    stats = candidate.stats
+    return stats.num_running_queries / max(stats.max_engine_concurrency, 1)
+
+
+def num_requests_queued_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    return float(candidate.stats.queue_size)
+
+
+SCORES: dict[Comparator, Score] = {
+    Comparator.TTFT: ttft_score,
+    Comparator.QUEUE_TIME: queue_time_score,
+    Comparator.INPUT_WORK_SECONDS: input_work_seconds_score,
+    Comparator.UTILIZATION: utilization_score,
+    Comparator.NUM_REQUESTS_QUEUED: num_requests_queued_score,
+}
+
+
+def score_for(comparator: Comparator | None) -> Score:
+    """The score function of a comparator; an unset comparator means ``ttft`` (§2.7)."""
+    return SCORES[comparator or Comparator.TTFT]

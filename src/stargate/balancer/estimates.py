@@ -1,0 +1,183 @@
+"""Queue, prefill and TTFT estimates (spec §1.9, §1.12, §3.1), all in milliseconds.
+
+Two queue notions exist. ``queue_estimate`` is the raw shared estimate of §1.12 (what a backend's
+published stats say is waiting). ``effective_queue_ms`` applies the free-slot rule: a backend with a
+known concurrency limit and a free slot starts the request at once, so its effective queue delay is
+0. Every queue-based routing estimate and the ``x-stargate-expected-queue-ms`` header use the
+effective value; input-work scores, utilization, capacity checks and admission use the raw stats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats, valid_tps
+
+U64_MAX = 2**64 - 1
+INF = math.inf
+
+
+def saturating_add(value: int, delta: int) -> int:
+    """u64 addition that clamps at the maximum instead of wrapping."""
+    total = value + delta
+    return total if total <= U64_MAX else U64_MAX
+
+
+def work(amount: float, rate: float) -> float:
+    """Time to process ``amount`` at ``rate``: no work is free even without capacity."""
+    if amount == 0:
+        return 0.0
+    if rate <= 0.0:
+        return INF
+    return amount / rate
+
+
+def usable_tps(stats: ModelStats) -> float:
+    tps = stats.last_mean_input_tps
+    return tps if valid_tps(tps) else 0.0
+
+
+def floor_lookup(estimates: Mapping[int, int], priority: int) -> int | None:
+    """Value at the greatest priority key ``<= priority`` (None when every key is less urgent)."""
+    best: int | None = None
+    for key in estimates:
+        if key <= priority and (best is None or key > best):
+            best = key
+    return None if best is None else estimates[best]
+
+
+def queue_estimate(stats: ModelStats, priority: int) -> int | None:
+    """Raw shared queue-time estimate (§1.12); None when capacity is unknown or it overflows u64."""
+    estimates = stats.queue_time_estimate_ms_by_priority
+    if estimates:
+        value = floor_lookup(estimates, priority)
+        return 0 if value is None else value
+    queued = stats.queued_input_size
+    if queued == 0:
+        return 0
+    tps = stats.last_mean_input_tps
+    if not valid_tps(tps):
+        return None
+    millis = queued / tps * 1000.0
+    if not math.isfinite(millis) or millis > U64_MAX:
+        return None
+    result = math.ceil(millis)
+    return result if result <= U64_MAX else None
+
+
+def has_free_slot(stats: ModelStats) -> bool:
+    """A known concurrency limit with room left: the next request starts without queueing."""
+    limit = stats.max_engine_concurrency
+    return limit > 0 and stats.num_running_queries < limit
+
+
+def effective_queue_ms(stats: ModelStats, priority: int) -> int | None:
+    """The queue estimate after the free-slot rule; the ``x-stargate-expected-queue-ms`` value."""
+    if has_free_slot(stats):
+        return 0
+    return queue_estimate(stats, priority)
+
+
+def queue_ms(stats: ModelStats, priority: int) -> float:
+    """Effective queue delay as a routing score: an unknown estimate with queued work is infinite.
+
+    Equal to ``effective_queue_ms`` as a float where that is known; written flat because it runs
+    once per candidate per decision.
+    """
+    limit = stats.max_engine_concurrency
+    if limit > 0 and stats.num_running_queries < limit:
+        return 0.0
+    estimates = stats.queue_time_estimate_ms_by_priority
+    if estimates:
+        value = estimates.get(priority)
+        if value is None:
+            value = floor_lookup(estimates, priority)
+        return 0.0 if value is None else float(value)
+    queued = stats.queued_input_size
+    if queued == 0:
+        return 0.0
+    tps = stats.last_mean_input_tps
+    if not 0.0 < tps < INF:
+        return INF
+    millis = queued / tps * 1000.0
+    # Past u64 the shared estimate is unknown and the raw work quotient is used instead.
+    return float(math.ceil(millis)) if millis <= U64_MAX else millis
+
+
+def prefill_ms(stats: ModelStats, input_tokens: int, scale: float = 1.0) -> float:
+    """The request's own prefill time; ``scale`` discounts cached tokens but never rescues tps 0."""
+    if input_tokens == 0:
+        return 0.0
+    tps = usable_tps(stats)
+    if tps <= 0.0:
+        return INF
+    return input_tokens * scale * 1000.0 / tps
+
+
+def ttft_ms(stats: ModelStats, rtt_s: float, input_tokens: int, priority: int) -> float:
+    """Full time-to-first-token estimate: rtt + effective queue + prefill (§3.1)."""
+    return rtt_s * 1000.0 + queue_ms(stats, priority) + prefill_ms(stats, input_tokens)
+
+
+def has_capacity(stats: ModelStats, max_queued: int) -> bool:
+    """Wait-and-widen capacity check: unknown concurrency never blocks (§3.4)."""
+    limit = stats.max_engine_concurrency
+    return limit == 0 or stats.num_running_queries < limit + max_queued
+
+
+def _bump_priority_map(
+    estimates: Mapping[int, int], tps: float, input_tokens: int, priority: int
+) -> Mapping[int, int]:
+    if not estimates:
+        return estimates
+    if input_tokens == 0:
+        delta = 0
+    elif not valid_tps(tps):
+        return EMPTY_PRIORITY_MAP
+    else:
+        millis = input_tokens / tps * 1000.0
+        delta = U64_MAX if not math.isfinite(millis) or millis >= U64_MAX else math.ceil(millis)
+    bumped = {
+        key: saturating_add(value, delta) if key > priority else value for key, value in estimates.items()
+    }
+    if priority in estimates:
+        base = estimates[priority]
+    else:
+        floor = floor_lookup(estimates, priority)
+        base = 0 if floor is None else floor
+    bumped[priority] = saturating_add(base, delta)
+    return MappingProxyType(dict(sorted(bumped.items())))
+
+
+def with_reservation(stats: ModelStats, input_tokens: int, priority: int) -> ModelStats:
+    """Apply one pending routing reservation (§1.9) to cluster stats.
+
+    Load counters grow (saturating u64); the priority map gains ``ceil(tokens / tps * 1000)`` ms at
+    the request priority (inserted from the floor lookup when missing) and every less urgent entry.
+    With no request tokens the map gets a zero bump; with tokens but no valid tps it is cleared,
+    because no per-priority estimate can account for the new work. Throughput, KV and concurrency
+    fields are never touched.
+    """
+    return ModelStats(
+        last_mean_input_tps=stats.last_mean_input_tps,
+        output_tps=stats.output_tps,
+        queue_size=saturating_add(stats.queue_size, 1),
+        queued_input_size=saturating_add(stats.queued_input_size, input_tokens),
+        max_output_tps=stats.max_output_tps,
+        kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens,
+        kv_cache_used_tokens=stats.kv_cache_used_tokens,
+        kv_cache_free_tokens=stats.kv_cache_free_tokens,
+        num_running_queries=saturating_add(stats.num_running_queries, 1),
+        max_engine_concurrency=stats.max_engine_concurrency,
+        total_query_input_size=saturating_add(stats.total_query_input_size, input_tokens),
+        queue_time_estimate_ms_by_priority=_bump_priority_map(
+            stats.queue_time_estimate_ms_by_priority, stats.last_mean_input_tps, input_tokens, priority
+        ),
+        input_processing_queries=stats.input_processing_queries,
+        output_generation_queries=stats.output_generation_queries,
+        stats_observed_at_unix_ms=stats.stats_observed_at_unix_ms,
+        stats_capabilities=stats.stats_capabilities,
+        stats_sources=stats.stats_sources,
+    )

@@ -1,0 +1,63 @@
+"""``power-of-n`` (spec §3.3): sample ``k`` clusters uniformly, keep the best by the comparator."""
+
+from __future__ import annotations
+
+import random
+
+from stargate.balancer.comparators import score_for
+from stargate.balancer.settings import AlgorithmDefinition
+from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected
+from stargate.errors import ConfigError
+
+
+class PowerOfN:
+    def __init__(self, definition: AlgorithmDefinition) -> None:
+        if not 1 <= definition.sample_count <= 64:
+            raise ConfigError(
+                f"power-of-n sample_count must be between 1 and 64, got {definition.sample_count}"
+            )
+        self.definition = definition
+        self._score = score_for(definition.comparator)
+        self._k = definition.sample_count
+
+    def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
+        sample = self._sample(candidates, request.excluded, rng)
+        if not sample:
+            return UNAVAILABLE
+        score = self._score
+        priority, tokens = request.priority, request.input_tokens
+        best = sample[0]
+        best_score = score(candidates[best], priority, tokens)
+        ties = 1
+        for index in sample[1:]:
+            value = score(candidates[index], priority, tokens)
+            if value < best_score:
+                best, best_score, ties = index, value, 1
+            elif value == best_score:
+                # Reservoir choice: the t-th equal score replaces the incumbent with probability 1/t.
+                ties += 1
+                if rng.random() * ties < 1.0:
+                    best = index
+        return Selected(Choice(best))
+
+    def _sample(
+        self, candidates: tuple[Candidate, ...], excluded: frozenset[str], rng: random.Random
+    ) -> list[int]:
+        total = len(candidates)
+        if excluded:
+            eligible = [i for i, c in enumerate(candidates) if c.cluster_id not in excluded]
+            if len(eligible) <= self._k:
+                return eligible
+            return rng.sample(eligible, self._k)
+        m = min(self._k, total)
+        if m == 0:
+            return []
+        if m == total:
+            return list(range(total))
+        if m == 1:
+            return [int(rng.random() * total)]
+        if m == 2:
+            a = int(rng.random() * total)
+            b = int(rng.random() * (total - 1))
+            return [a, b + 1 if b >= a else b]
+        return rng.sample(range(total), m)

@@ -1,0 +1,284 @@
+"""``wait-and-widen`` (spec §3.4 with the [PR] two-phase affinity wait of §3.10).
+
+Candidates are grouped into TTFT buckets `bucket` ms wide. The fastest bucket is open at once; each
+later bucket opens after the request has waited ``gap * factor`` ms more, so a request widens its
+choice only as long as it has been waiting. Among open buckets the clusters with capacity are
+sampled (``n``) and the comparator picks the winner.
+
+A phase evaluates one candidate set with one prefill scale and one "time waited" and yields
+``PhaseResult``: a ``Choice``, a float wait hint (ms until the next time-locked bucket opens), or
+None (nothing selectable and waiting alone will not help). The snapshot's single-bucket fast path
+and two-index shortcut are not separate code paths here: both give the same choice distribution
+as the general path they shortcut.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from enum import Enum
+
+from stargate.balancer.comparators import score_for
+from stargate.balancer.estimates import INF, queue_ms
+from stargate.balancer.settings import AlgorithmDefinition, Comparator
+from stargate.balancer.types import (
+    UNAVAILABLE,
+    Candidate,
+    Choice,
+    Decision,
+    LbRequest,
+    ModelStats,
+    Selected,
+    Wait,
+)
+from stargate.balancer.wait_and_widen_affinity import AffinityGroups
+from stargate.errors import ConfigError
+
+PhaseResult = Choice | float | None
+
+GLOBAL_RANK_DEPTH = 2
+"""rank_depth of a global (post-affinity-wait) pick: any value > 1 reports it as a fallback."""
+
+# Entry layout of one evaluated candidate: (bucket ttft, cluster id, index, rank score, has capacity).
+_Entry = tuple[float, str, int, float, bool]
+
+
+class Ranking(Enum):
+    TTFT = "ttft"  # rtt + effective queue + (scaled) prefill, ignore flags never applied
+    QUEUE = "queue"  # effective queue delay
+    PLAIN = "plain"  # the §3.2 comparator score
+    LEAST_QUEUE = "least-queue"  # queue delay, ties by relative load (pulsar-wait-and-widen)
+
+
+def _less_loaded(a: ModelStats, b: ModelStats) -> bool:
+    limit_a, limit_b = a.max_engine_concurrency, b.max_engine_concurrency
+    if limit_a == 0 or limit_b == 0:
+        return a.num_running_queries < b.num_running_queries
+    return a.num_running_queries / limit_a < b.num_running_queries / limit_b
+
+
+class WawSelector:
+    """Bucket formation, queue-SLO admission, capacity check, ``n`` sample and final ranking."""
+
+    def __init__(self, definition: AlgorithmDefinition, ranking: Ranking) -> None:
+        self._ranking = ranking
+        self._plain = score_for(definition.comparator)
+        self._bucket = float(definition.ttft_bucket_size_ms)
+        self._factor = definition.next_bucket_unlock_factor
+        self._n = max(1, definition.n)
+        self._max_queued = definition.max_queued
+        self._ignore_queue = definition.ignore_queue_time
+        self._ignore_prefill = definition.ignore_input_processing_time
+        self.queue_slo = definition.queue_slo_ms
+
+    def queue_limit_ms(self, request: LbRequest) -> float | None:
+        """Allowed queue delay, interpolated from floor to ceil over the request's SLO (§3.4)."""
+        slo = self.queue_slo
+        if slo is None:
+            return None
+        floor, ceil = slo
+        budget = request.request_slo_ms
+        fraction = min(1.0, max(0.0, request.elapsed_ms / budget)) if budget else 1.0
+        return floor + (ceil - floor) * fraction
+
+    def phase(
+        self,
+        candidates: tuple[Candidate, ...],
+        indices: Sequence[int] | None,
+        request: LbRequest,
+        scale: float,
+        slept_ms: float,
+        queue_limit: float | None,
+        rng: random.Random,
+    ) -> PhaseResult:
+        """Evaluate ``indices`` (all candidates when None); excluded clusters are skipped."""
+        excluded = request.excluded
+        priority, tokens = request.priority, request.input_tokens
+        plain, max_queued = self._plain, self._max_queued
+        rank_ttft = self._ranking is Ranking.TTFT
+        rank_plain = self._ranking is Ranking.PLAIN
+        ms_per_token = scale * 1000.0
+        ignore_queue, ignore_prefill = self._ignore_queue, self._ignore_prefill
+        entries: list[_Entry] = []
+        low, high, all_finite = INF, -INF, True
+        pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
+        for index, candidate in pairs:
+            cluster_id = candidate.cluster_id
+            if excluded and cluster_id in excluded:
+                continue
+            stats = candidate.stats
+            queue = queue_ms(stats, priority)
+            if queue_limit is not None and queue > queue_limit:
+                continue
+            if tokens == 0:
+                prefill = 0.0
+            else:
+                tps = stats.last_mean_input_tps
+                prefill = tokens * ms_per_token / tps if 0.0 < tps < INF else INF
+            rtt = candidate.rtt_s * 1000.0
+            bucket_ttft = rtt
+            if not ignore_queue:
+                bucket_ttft += queue
+            if not ignore_prefill:
+                bucket_ttft += prefill
+            if rank_ttft:
+                rank = rtt + queue + prefill
+            elif rank_plain:
+                rank = plain(candidate, priority, tokens)
+            else:
+                rank = queue
+            limit = stats.max_engine_concurrency
+            entries.append(
+                (
+                    bucket_ttft,
+                    cluster_id,
+                    index,
+                    rank,
+                    limit == 0 or stats.num_running_queries < limit + max_queued,
+                )
+            )
+            if bucket_ttft < INF:
+                if bucket_ttft < low:
+                    low = bucket_ttft
+                if bucket_ttft > high:
+                    high = bucket_ttft
+            else:
+                all_finite = False
+        if low == INF:
+            return None
+        hint: float | None = None
+        if all_finite and high - low <= self._bucket:
+            unlocked = entries
+        else:
+            unlocked, hint = self._unlock(entries, slept_ms)
+        available = [entry for entry in unlocked if entry[4]]
+        if not available:
+            return hint
+        return Choice(self._pick(candidates, available, rng))
+
+    def _unlock(self, entries: list[_Entry], slept_ms: float) -> tuple[list[_Entry], float | None]:
+        """Walk buckets in TTFT order, spending waited time to open each later bucket."""
+        entries.sort()
+        bucket, factor = self._bucket, self._factor
+        start = entries[0][0]
+        slept = slept_ms
+        reached = 0
+        for entry in entries:
+            ttft = entry[0]
+            if not ttft < INF:
+                break
+            gap = ttft - start
+            if gap > bucket:
+                need = gap * factor
+                if slept < need:
+                    return entries[:reached], need - slept
+                slept -= need
+                start = ttft
+            reached += 1
+        return entries[:reached], None
+
+    def _pick(self, candidates: tuple[Candidate, ...], available: list[_Entry], rng: random.Random) -> int:
+        """Partial Fisher-Yates over the first ``n`` positions, then the first best among them."""
+        total = len(available)
+        sample = min(self._n, total)
+        if total > 1:
+            for position in range(sample):
+                other = position + int(rng.random() * (total - position))
+                available[position], available[other] = available[other], available[position]
+        best = available[0]
+        least_queue = self._ranking is Ranking.LEAST_QUEUE
+        for position in range(1, sample):
+            entry = available[position]
+            if entry[3] < best[3] or (
+                least_queue
+                and entry[3] == best[3]
+                and _less_loaded(candidates[entry[2]].stats, candidates[best[2]].stats)
+            ):
+                best = entry
+        return best[2]
+
+
+def as_decision(result: PhaseResult) -> Decision:
+    if isinstance(result, Choice):
+        return Selected(result)
+    if result is not None:
+        return Wait(result)
+    return UNAVAILABLE
+
+
+def check_affinity_settings(definition: AlgorithmDefinition) -> None:
+    scale = definition.cache_affinity_input_tokens_scale
+    if not 0.0 <= scale <= 1.0:
+        raise ConfigError(f"cache_affinity_input_tokens_scale must be between 0.0 and 1.0, got {scale}")
+
+
+class WaitAndWiden:
+    """Plain WAW over all candidates, or the two-phase affinity decision when a group applies.
+
+    Two-phase decision (§3.10), ``elapsed`` measured from arrival and ``X = cache_affinity_wait_ms``:
+    the affinity group (scaled prefill) is tried first on every attempt; before X the decision is
+    a Wait for the earlier of X and the group's next bucket unlock; from X on, every non-excluded
+    candidate competes at full prefill with buckets widening only by ``elapsed - X``, and a pick
+    there is reported with ``rank_depth`` 2. Without a group (no key, or no selection count) the
+    plain decision waits for the next bucket unlock when a bucket is locked only by time.
+    """
+
+    def __init__(self, definition: AlgorithmDefinition) -> None:
+        if definition.consider_kv_free_tokens:
+            raise ConfigError(
+                "consider_kv_free_tokens is supported only for pulsar and pulsar-wait-and-widen"
+            )
+        check_affinity_settings(definition)
+        self.definition = definition
+        comparator = definition.comparator or Comparator.TTFT
+        if comparator is Comparator.TTFT:
+            ranking = Ranking.TTFT
+        elif comparator is Comparator.QUEUE_TIME:
+            ranking = Ranking.QUEUE
+        else:
+            ranking = Ranking.PLAIN
+        self._selector = WawSelector(definition, ranking)
+        count = definition.selection_count
+        self._groups = AffinityGroups(definition, count) if count else None
+        self._wait_ms = float(definition.cache_affinity_wait_ms)
+        self._scale = definition.cache_affinity_input_tokens_scale
+
+    def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
+        if not candidates:
+            return UNAVAILABLE
+        selector = self._selector
+        queue_limit = selector.queue_limit_ms(request)
+        key = request.cache_affinity_key
+        groups = self._groups
+        if key and groups is not None:
+            return self._decide_with_affinity(
+                candidates, request, groups.group(candidates, request.target, key), queue_limit, rng
+            )
+        return as_decision(
+            selector.phase(candidates, None, request, 1.0, request.elapsed_ms, queue_limit, rng)
+        )
+
+    def _decide_with_affinity(
+        self,
+        candidates: tuple[Candidate, ...],
+        request: LbRequest,
+        group: tuple[int, ...],
+        queue_limit: float | None,
+        rng: random.Random,
+    ) -> Decision:
+        excluded = request.excluded
+        if excluded and all(candidate.cluster_id in excluded for candidate in candidates):
+            return UNAVAILABLE
+        elapsed = request.elapsed_ms
+        selector = self._selector
+        affine = selector.phase(candidates, group, request, self._scale, elapsed, queue_limit, rng)
+        if isinstance(affine, Choice):
+            return Selected(affine)
+        if elapsed < self._wait_ms:
+            remaining = self._wait_ms - elapsed
+            return Wait(remaining if affine is None else min(affine, remaining))
+        public = selector.phase(candidates, None, request, 1.0, elapsed - self._wait_ms, queue_limit, rng)
+        if isinstance(public, Choice):
+            return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
+        hints = [hint for hint in (affine, public) if hint is not None]
+        return Wait(min(hints)) if hints else UNAVAILABLE

@@ -1,0 +1,95 @@
+"""``stargate-bench demo``: the quickest way to see the router work on one machine.
+
+Runs ``benches/demo.yaml`` (1 Stargate, 4 Pylons, 4 mock engines, a mixed workload) for
+``--duration`` seconds per algorithm and prints the results table and the report path. With
+``--serve`` it then starts a fresh fleet and keeps it up until Ctrl-C, printing a ``curl`` command
+that sends one streaming request through it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+from pathlib import Path
+
+import orjson
+from rich.console import Console
+
+from stargate.bench.cli import (
+    EXIT_OK,
+    RichProgress,
+    benches_dir,
+    print_result,
+    resolve_scenario,
+    run_async,
+)
+from stargate.bench.fleet import Fleet
+from stargate.bench.runner import run_suite
+from stargate.bench.scenario import Scenario, load_scenario
+from stargate.bench.workload import build_workload
+from stargate.errors import ConfigError
+
+DEMO_SCENARIO = "demo.yaml"
+
+
+def demo_scenario(value: str | None, duration_s: float) -> Scenario:
+    if value is not None:
+        path = resolve_scenario(value)
+    else:
+        path = benches_dir() / DEMO_SCENARIO
+        if not path.is_file():
+            raise ConfigError(f"the demo scenario {path} is missing", path="--scenario")
+    sc = load_scenario(path)
+    base = sc.base_dir
+    sc = sc.model_copy(update={"execution": sc.execution.model_copy(update={"duration_s": duration_s})})
+    sc._base_dir = base
+    return sc
+
+
+def curl_command(url: str, model: str) -> str:
+    """A copy-pasteable streaming request with the headers Stargate requires."""
+    body = orjson.dumps({"model": model, "stream": True, "max_tokens": 8,
+                         "messages": [{"role": "user", "content": "Hello from the demo"}]}).decode()
+    headers = {"content-type": "application/json", "x-request-id": "demo-curl-1", "x-model": model,
+               "x-input-tokens": "16", "x-output-tokens": "8", "x-cache-affinity-key": "demo-session"}
+    parts = ["curl", "-sN", "-i", url]
+    for name, value in headers.items():
+        parts += ["-H", f"{name}: {value}"]
+    parts += ["-d", body]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+async def serve(console: Console, sc: Scenario, out_dir: Path) -> None:
+    """Keep one fleet (the first algorithm's) up until cancelled; fails if a process dies."""
+    run = sc.runs()[0]
+    console.print(f"starting a fleet for [bold]{run.name}[/bold] ...", highlight=False)
+    async with Fleet(sc, run, out_dir / "serve") as fleet:
+        url = fleet.stargate_urls[0]
+        console.print(f"fleet ready: {len(fleet.stargates)} Stargate, {len(fleet.pylons)} Pylons, "
+                      f"{len(fleet.engines)} mock engines; logs in {fleet.log_dir}", highlight=False)
+        console.print("try it (Ctrl-C stops the fleet):", highlight=False)
+        console.print(curl_command(url, sc.model), highlight=False, soft_wrap=True)
+        while True:
+            fleet.check_alive()
+            await asyncio.sleep(1.0)
+
+
+def demo_command(console: Console, args: argparse.Namespace) -> int:
+    sc = demo_scenario(args.scenario, args.duration)
+    if not sc.runs():
+        raise ConfigError("the demo scenario has no algorithms", path="$.algorithms")
+    out_dir: Path = args.out or Path(".bench-out") / "demo"
+    code = EXIT_OK
+    if not (args.serve and args.no_workload):
+        workload = build_workload(sc)
+        with RichProgress(console) as progress:
+            result = run_async(run_suite(sc, workload, out_dir, runs=sc.runs(), progress=progress,
+                                         seed=workload.seed, argv=["stargate-bench", "demo"]))
+        code = print_result(console, result)
+    if args.serve:
+        try:
+            run_async(serve(console, sc, out_dir))
+        except KeyboardInterrupt:
+            console.print("fleet stopped")
+    return code

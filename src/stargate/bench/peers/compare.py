@@ -1,0 +1,225 @@
+"""``stargate-bench compare``: Stargate algorithms and other routers on identical fresh fleets.
+
+Every (router, repeat) gets a fresh set of mock engines (empty caches, new ports); a Stargate run also
+gets its Stargates and Pylons, a peer run its router process pointed straight at the engines. The
+workload is built once, so every router sees the same requests, prompt texts and mock seeds; each
+router gets the request headers it can use (``adapters``). Repeats are interleaved by default.
+Cache hits and the serving engine come from the mock engines' ground-truth request log, joined on
+request id (``ground_truth``), so attribution never depends on what a router passes back.
+
+Peer routers drop the bench's request headers (sglang-router forwards only ``x-request-id``), so a
+header-keyed mock cache would see no key behind them: when a peer is compared and the scenario uses
+``mock.kv_mode: affinity``, every run of the comparison switches to ``prefix`` (content blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from stargate.balancer.config import parse_algorithm_name
+from stargate.bench.driver import Driver, make_session
+from stargate.bench.fleet import Fleet, FleetTimeouts
+from stargate.bench.peers.adapters import (
+    PACKAGES,
+    DirectAdapter,
+    Kind,
+    PeerRouterAdapter,
+    RouterAdapter,
+    StargateAdapter,
+    parse_router_label,
+)
+from stargate.bench.peers.ground_truth import GROUND_TRUTH_FILE, apply_ground_truth, read_ground_truth
+from stargate.bench.peers.install import PeerInstallError, ensure_installed, peers_root
+from stargate.bench.peers.tokenizer import write_tokenizer_dir
+from stargate.bench.report import write_report
+from stargate.bench.runner import (
+    Order,
+    PlannedRun,
+    Progress,
+    RunOutcome,
+    SilentProgress,
+    SuiteResult,
+    plan_runs,
+    summarize_outcome,
+    write_records,
+    write_run_metadata,
+)
+from stargate.bench.scenario import RunSpec, Scenario
+from stargate.bench.workload import PlannedRequest, Workload
+from stargate.errors import ConfigError
+from stargate.mock_engine.peer_compat import TOKENIZER_ENV
+
+AdapterFactory = Callable[[], RouterAdapter]
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    install: bool = True
+    nodelay: bool = False
+    root: Path | None = None
+
+    def tokenizer_dir(self, model: str) -> Path:
+        directory = (self.root or peers_root()) / "tokenizers" / model.replace("/", "_")
+        return write_tokenizer_dir(directory, model)
+
+
+@dataclass(frozen=True)
+class RouterChoice:
+    label: str
+    kind: Kind
+    spec: RunSpec  # the Stargate run (lb config, pylon args); a named placeholder for other routers
+    make: AdapterFactory
+
+
+def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list[RouterChoice]:
+    """Parse ``--routers``; ``stargate:<name>`` is an ``algorithms[]`` entry, else a bare algorithm."""
+    labels = [part.strip() for part in text.split(",") if part.strip()]
+    if not labels:
+        raise ConfigError("no routers given", path="--routers")
+    if len(set(labels)) != len(labels):
+        raise ConfigError("a router is listed twice", path="--routers")
+    entries = {spec.name: spec for spec in scenario.runs()}
+    choices: list[RouterChoice] = []
+    for label in labels:
+        kind, name = parse_router_label(label)
+        if kind == "stargate":
+            spec = entries.get(name)
+            if spec is None:
+                algorithm = parse_algorithm_name(name, "--routers").value
+                spec = RunSpec(name, {"default": algorithm}, [])
+            spec = RunSpec(label, spec.lb_config, spec.pylon_args)
+            choices.append(RouterChoice(label, kind, spec, functools.partial(StargateAdapter, label)))
+        elif kind == "direct":
+            choices.append(RouterChoice(label, kind, RunSpec(label, {}, []), DirectAdapter))
+        else:
+            tok = options.tokenizer_dir(scenario.model)
+
+            make = functools.partial(PeerRouterAdapter, kind, name, tok, peers_root=options.root,
+                                     install=options.install, nodelay=options.nodelay)
+            choices.append(RouterChoice(label, kind, RunSpec(label, {}, []), make))
+    return choices
+
+
+def comparable_scenario(scenario: Scenario, choices: Sequence[RouterChoice]) -> Scenario:
+    """The scenario with a content-keyed mock cache when a header-dropping peer is compared."""
+    if scenario.mock.kv_mode != "affinity" or all(c.kind in ("stargate", "direct") for c in choices):
+        return scenario
+    base = scenario.base_dir
+    copy = scenario.model_copy(update={"mock": scenario.mock.model_copy(update={"kv_mode": "prefix"})})
+    copy._base_dir = base
+    return copy
+
+
+def adapt_workload(workload: Workload, adapter: RouterAdapter) -> Workload:
+    """The same requests with the headers ``adapter`` can use."""
+    requests = tuple(dataclasses.replace(r, headers=adapter.request_headers(r)) for r in workload.requests)
+    by_id: dict[str, PlannedRequest] = {r.request_id: r for r in requests}
+    sessions = tuple(tuple(by_id.get(t.request_id, t) for t in s) for s in workload.sessions)
+    return dataclasses.replace(workload, requests=requests, sessions=sessions)
+
+
+def engine_args(workload: Workload, with_peers: bool) -> list[str]:
+    """With peers, the engines' default output length covers the longest request.
+
+    sglang-router drops ``x-output-tokens`` and renames ``max_tokens`` to ``max_completion_tokens``,
+    so behind it the engine falls back to its default length; raising the default to the workload's
+    longest output keeps every router's responses the lengths the workload asked for wherever the
+    engine honours the body's limit. Every run of a comparison uses the same engine arguments.
+    """
+    if not with_peers or not workload.requests:
+        return []
+    return ["--num-tokens", str(max(r.output_tokens for r in workload.requests))]
+
+
+async def execute_choice(scenario: Scenario, workload: Workload, planned: PlannedRun, choice: RouterChoice,
+                         progress: Progress, timeouts: FleetTimeouts | None,
+                         tokenizer_dir: Path | None) -> RunOutcome:
+    """One run of one router; failures become ``outcome.error`` (cancellation propagates after teardown)."""
+    outcome = RunOutcome(planned)
+    progress.run_started(planned.name, len(workload.requests))
+    planned.run_dir.mkdir(parents=True, exist_ok=True)
+    adapter = choice.make()
+    (planned.run_dir / "run-info.json").write_bytes(orjson.dumps(
+        {"name": planned.name, "router": choice.label, "kind": choice.kind, "signal": adapter.signal,
+         "repeat": planned.repeat, "lb_config": planned.spec.lb_config, "pylon_args": planned.spec.pylon_args,
+         "kv_mode": scenario.mock.kv_mode}, option=orjson.OPT_INDENT_2))
+    env = {TOKENIZER_ENV: str(tokenizer_dir)} if tokenizer_dir is not None else None
+    truth_path = planned.run_dir / GROUND_TRUTH_FILE
+    try:
+        async with Fleet(scenario, planned.spec, planned.run_dir, timeouts,
+                         with_stargate=choice.kind == "stargate", engine_env=env,
+                         engine_args=[*engine_args(workload, tokenizer_dir is not None),
+                                      "--request-log", str(truth_path)]) as fleet:
+            try:
+                await adapter.attach(fleet, fleet.log_dir)
+                if choice.kind == "stargate":
+                    await fleet.scrape("before")
+                (planned.run_dir / "fleet.json").write_bytes(orjson.dumps(
+                    {"stargates": fleet.stargates, "pylons": fleet.pylons, "engines": fleet.engines,
+                     "router_urls": adapter.urls}, option=orjson.OPT_INDENT_2))
+                adapted = adapt_workload(workload, adapter)
+                async with make_session(workload.max_concurrency) as session:
+                    driver = Driver(session, adapter.urls, planned.name,
+                                    on_record=lambda r: progress.request_done(planned.name, r))
+                    started = time.perf_counter()
+                    outcome.records = await driver.replay(adapted)
+                    outcome.duration_s = time.perf_counter() - started
+                if choice.kind == "stargate":
+                    await fleet.scrape("after")
+            finally:
+                await adapter.stop()
+        truth = await asyncio.to_thread(read_ground_truth, truth_path)  # engines flushed on exit
+        outcome.records = apply_ground_truth(outcome.records, truth)
+    except Exception as exc:  # one failed run must not end the suite
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        (planned.run_dir / "error.txt").write_text(outcome.error + "\n")
+    finally:
+        write_records(planned.run_dir / "requests.jsonl", outcome.records)
+        progress.run_finished(planned.name, outcome.error)
+    return outcome
+
+
+async def run_compare(scenario: Scenario, workload: Workload, out_dir: Path,
+                      choices: Sequence[RouterChoice], *,
+                      repeats: int = 1, order: Order = "interleaved", seed: int = 0,
+                      progress: Progress | None = None, timeouts: FleetTimeouts | None = None,
+                      slo_ttft_ms: float | None = None, argv: Sequence[str] = (),
+                      options: PeerOptions | None = None) -> SuiteResult:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_run_metadata(out_dir / "run-metadata.json", argv)
+    opts = options or PeerOptions()
+    tokenizer_dir = None
+    peers = sorted({c.kind for c in choices if c.kind in ("sglang", "vllm")})
+    if peers:
+        tokenizer_dir = await asyncio.to_thread(opts.tokenizer_dir, scenario.model)
+    if opts.install:
+        for kind in peers:  # install before the first run; a failure resurfaces as that router's run error
+            with contextlib.suppress(PeerInstallError):
+                await asyncio.to_thread(ensure_installed, PACKAGES[kind], opts.root)
+    watcher = progress or SilentProgress()
+    by_label = {c.label: c for c in choices}
+    outcomes: list[RunOutcome] = []
+    for planned in plan_runs([c.spec for c in choices], out_dir, repeats, order, seed):
+        choice = by_label[planned.spec.name]
+        outcomes.append(await execute_choice(scenario, workload, planned, choice, watcher, timeouts,
+                                             tokenizer_dir))
+    summaries = [summarize_outcome(o, scenario, slo_ttft_ms) for o in outcomes]
+    records_by_run = {o.planned.name: o.records for o in outcomes}
+    report = await asyncio.to_thread(write_report, out_dir, scenario, summaries, records_by_run)
+    signals = [{"router": c.label, "signal": c.make().signal} for c in choices]
+    (out_dir / "routers.json").write_bytes(orjson.dumps(
+        {"kv_mode": scenario.mock.kv_mode, "routers": signals}, option=orjson.OPT_INDENT_2))
+    with report.open("a") as sink:
+        sink.write("\n## Routers and the signal each was given\n\n| router | signal |\n|---|---|\n")
+        sink.writelines(f"| {s['router']} | {s['signal']} |\n" for s in signals)
+        sink.write(f"\nMock KV cache mode for every run: `{scenario.mock.kv_mode}`.\n")
+    return SuiteResult(out_dir, tuple(outcomes), tuple(summaries), report)

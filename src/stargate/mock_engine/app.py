@@ -1,0 +1,140 @@
+"""The aiohttp application of the mock engine: routes, identity header, lifecycle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from . import control as control_module
+from . import metrics
+from . import openai_format as fmt
+from . import tokens as tok
+from .control import Failure, request_class
+from .engine import Engine, QueueFull
+from .generate import error_response, failure_response, generate, new_id, read_json, resolve_model
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+BACKEND_HEADER = "x-mock-backend-id"
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+
+
+async def embeddings(engine: Engine, request: web.Request) -> web.Response:
+    body = await read_json(request)
+    if "input" not in body:
+        raise web.HTTPUnprocessableEntity(text="field 'input' is required")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise web.HTTPUnprocessableEntity(text="field 'encoding_format' must be 'float' or 'base64'")
+    model = resolve_model(engine, body)
+    header_id = request.headers.get("x-request-id", "")
+    klass = request_class(header_id)
+    engine.control.count("embeddings", model, klass)
+    await engine.control.bringup_hold(model, klass)
+    plan = engine.control.faults.take()
+    if plan.failure is not None:
+        return failure_response(plan.failure)
+    try:
+        await engine.slots.acquire()
+    except QueueFull:
+        return failure_response(Failure(429, True, 1))
+    try:
+        value = body["input"]
+        items = tok.embeddings_item_count(value)
+        header = tok.parse_token_header(request.headers.get("x-input-tokens"))
+        prompt_tokens = max(1, header) if header is not None else tok.embeddings_input_estimate(value)
+        engine.stats.emit(header_id or new_id("embd-mock-"), model, prompt_tokens, None, True)
+        return _json(fmt.embeddings_body(model, items, prompt_tokens, encoding == "base64"))
+    finally:
+        engine.slots.release()
+
+
+def build_app(engine: Engine) -> web.Application:
+    app = web.Application(client_max_size=engine.config.max_body_bytes)
+    app[ENGINE_KEY] = engine
+
+    async def add_identity(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers[BACKEND_HEADER] = engine.backend_id
+
+    app.on_response_prepare.append(add_identity)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await generate(engine, request, "chat")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await generate(engine, request, "completions")
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await generate(engine, request, "responses")
+
+    async def embed(request: web.Request) -> web.Response:
+        return await embeddings(engine, request)
+
+    async def models(_: web.Request) -> web.Response:
+        engine.control.discovery_requests += 1
+        data = [{"id": model, "object": "model", "owned_by": "mock"} for model in engine.control.discovered]
+        return _json({"object": "list", "data": data})
+
+    async def health(_: web.Request) -> web.Response:
+        if engine.config.health_delay_ms > 0:
+            await engine.sleep(engine.config.health_delay_ms / 1000.0)
+        return web.Response(text="ok")
+
+    async def ready(_: web.Request) -> web.Response:
+        return _json({"status": "ready", "object": "health.response", "message": "ready"})
+
+    async def kv_stats(_: web.Request) -> web.Response:
+        return _json(engine.kv.stats(engine.config.model))
+
+    async def metrics_view(_: web.Request) -> web.Response:
+        return web.Response(text=metrics.render(engine), headers={"content-type": metrics.CONTENT_TYPE})
+
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", chat),
+            web.post("/v1/completions", completions),
+            web.post("/v1/responses", responses),
+            web.post("/v1/embeddings", embed),
+            web.get("/v1/models", models),
+            web.get("/health", health),
+            web.get("/v1/health/ready", ready),
+            web.get("/pylon/v1/stats/stream", engine.stats.handle),
+            web.get("/kv-cache/stats", kv_stats),
+            web.get("/metrics", metrics_view),
+            *control_module.routes(engine.control),
+        ]
+    )
+
+    async def lifecycle(_: web.Application) -> Any:
+        if engine.log is not None:
+            await engine.log.start()
+        yield
+        if engine.log is not None:
+            await engine.log.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Start serving; returns the runner and the bound base URL (``port`` 0 picks one)."""
+    runner = web.AppRunner(
+        build_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    await site.start()
+    bound = runner.addresses[0]
+    if not engine.backend_id:
+        engine.backend_id = f"{engine.config.model}/{bound[1]}"
+        if engine.log is not None:
+            engine.log.backend_id = engine.backend_id
+    url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    return runner, f"http://{url_host}:{bound[1]}"
+
+
+__all__ = ["BACKEND_HEADER", "ENGINE_KEY", "build_app", "error_response", "start_server"]

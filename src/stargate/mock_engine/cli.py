@@ -1,0 +1,194 @@
+"""``stargate-mock-engine``: command line, event loop and signal handling.
+
+Prints ``stargate-mock-engine listening on http://HOST:PORT`` on stdout once bound (port 0 picks a
+free port) and shuts down cleanly on SIGTERM/SIGINT. Usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import math
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from .app import start_server
+from .engine import Engine, EngineConfig
+from .timing import TimingConfig
+
+LISTEN_LINE = "stargate-mock-engine listening on "
+log = logging.getLogger("stargate.mock_engine")
+
+
+def parse_listen_addr(value: str) -> tuple[str, int]:
+    """``IP:PORT`` or ``[IPv6]:PORT``; raises ValueError otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"not a socket address: {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    ipaddress.ip_address(host)
+    return host, int(port)
+
+
+def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}") from exc
+        if isinstance(value, float) and math.isnan(value):
+            return value
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stargate-mock-engine", description="Mock OpenAI-compatible inference engine."
+    )
+    p.add_argument("--http-listen-addr", default="127.0.0.1:8090", help="IP:PORT to listen on (port 0: any)")
+    p.add_argument("--host", help="listen host (overrides the host of --http-listen-addr)")
+    p.add_argument("--port", type=int, help="listen port (overrides the port of --http-listen-addr)")
+    p.add_argument("--model-name", "--model", dest="model", default="dummy-model")
+    p.add_argument(
+        "--backend-id",
+        help="engine identity in x-mock-backend-id and system_fingerprint (default MODEL/PORT)",
+    )
+    p.add_argument("--num-tokens", type=int, default=10, help="default and maximum output tokens")
+    p.add_argument("--token-delay-ms", type=_non_negative(float), default=100.0)
+    p.add_argument(
+        "--decode-tokens-per-s", type=_non_negative(float), help="sets --token-delay-ms to 1000/TPS"
+    )
+    p.add_argument("--decode-jitter-ms", type=_non_negative(int), default=0)
+    p.add_argument("--ttft-ms", type=_non_negative(float), default=0.0)
+    p.add_argument("--ttft-jitter-ms", type=_non_negative(int), default=0)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0)
+    p.add_argument("--batching", choices=("independent", "continuous"), default="independent")
+    p.add_argument(
+        "--decode-slowdown",
+        type=_non_negative(float),
+        default=0.05,
+        help="continuous: extra fraction of the token delay per additional decoding request",
+    )
+    p.add_argument("--max-concurrent-requests", type=_non_negative(int), default=0, help="0 = unlimited")
+    p.add_argument("--max-waiting-requests", type=_non_negative(int), default=100_000)
+    p.add_argument("--health-delay-ms", type=_non_negative(float), default=0.0)
+    p.add_argument(
+        "--kv-cache-capacity-tokens", type=_non_negative(int), default=0, help="0 disables the cache"
+    )
+    p.add_argument("--kv-cache-mode", choices=("affinity", "prefix"), default="affinity")
+    p.add_argument("--kv-block-size", type=int, default=16, help="prefix mode: tokens per cached block")
+    p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request")
+    p.add_argument(
+        "--responses-stream-only", action="store_true", help="answer 400 to non-streaming /v1/responses"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def config_from_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[EngineConfig, str, int]:
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_listen_addr(args.http_listen_addr)
+    except ValueError:
+        parser.error(f"--http-listen-addr: not an IP:PORT socket address: {args.http_listen_addr!r}")
+    if args.host is not None:
+        host = args.host
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            parser.error("--port: must be in [0, 65535]")
+        port = args.port
+    if args.kv_block_size < 1:
+        parser.error("--kv-block-size: must be >= 1")
+    if args.max_body_bytes < 1024:
+        parser.error("--max-body-bytes: must be >= 1024")
+    token_delay = args.token_delay_ms
+    if args.decode_tokens_per_s is not None:
+        if not args.decode_tokens_per_s > 0:
+            parser.error("--decode-tokens-per-s: must be > 0")
+        token_delay = 1000.0 / args.decode_tokens_per_s
+    timing = TimingConfig(
+        num_tokens=args.num_tokens,
+        token_delay_ms=token_delay,
+        decode_jitter_ms=args.decode_jitter_ms,
+        ttft_ms=args.ttft_ms,
+        ttft_jitter_ms=args.ttft_jitter_ms,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        batching=args.batching,
+        decode_slowdown=args.decode_slowdown,
+    )
+    config = EngineConfig(
+        model=args.model,
+        backend_id=args.backend_id or "",
+        timing=timing,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_waiting_requests=args.max_waiting_requests,
+        health_delay_ms=args.health_delay_ms,
+        kv_cache_capacity_tokens=args.kv_cache_capacity_tokens,
+        kv_cache_mode=args.kv_cache_mode,
+        kv_block_size=args.kv_block_size,
+        request_log=args.request_log,
+        responses_stream_only=args.responses_stream_only,
+        max_body_bytes=args.max_body_bytes,
+    )
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s %(message)s"
+    )
+    return config, host, port
+
+
+async def serve(config: EngineConfig, host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        engine = Engine(config)
+        runner, url = await start_server(engine, host, port)
+    except OSError as exc:
+        raise SystemExit(
+            f"stargate-mock-engine: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from exc
+    print(LISTEN_LINE + url, flush=True)
+    log.info("serving model %s as %s", config.model, engine.backend_id)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _runner() -> Callable[[Coroutine[Any, Any, None]], None]:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+
+    def run(coro: Coroutine[Any, Any, None]) -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(coro)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, host, port = config_from_args(build_parser(), argv)
+    try:
+        _runner()(serve(config, host, port))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

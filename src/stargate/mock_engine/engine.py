@@ -1,0 +1,198 @@
+"""Engine state shared by the handlers: configuration, concurrency slots, prefill scheduling.
+
+The time source is injected (``clock`` returns monotonic seconds, ``sleep`` awaits a duration) so
+tests drive the timing model exactly without sleeping. Only the continuous-batching prefill pool
+uses the event loop's timers directly; its arithmetic lives in the pure
+:class:`~stargate.mock_engine.timing.ProcessorSharing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .control import TestControl
+from .kv_cache import AffinityKVCache, KVCache, PrefixKVCache
+from .request_log import RequestLog
+from .scheduler import DecodeScheduler, LoopTimer, Timer
+from .stats_stream import StatsHub
+from .timing import ProcessorSharing, TimingConfig, prefill_seconds
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+KVMode = Literal["affinity", "prefix"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "dummy-model"
+    backend_id: str = ""
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    max_concurrent_requests: int = 0
+    max_waiting_requests: int = 100_000
+    health_delay_ms: float = 0.0
+    kv_cache_capacity_tokens: int = 0
+    kv_cache_mode: KVMode = "affinity"
+    kv_block_size: int = 16
+    request_log: str | None = None
+    responses_stream_only: bool = False
+    max_body_bytes: int = 64 << 20
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``--max-waiting-requests``."""
+
+
+class Slots:
+    """FIFO concurrency slots; ``limit`` 0 means unlimited (only counted)."""
+
+    def __init__(self, limit: int, max_waiting: int) -> None:
+        self.limit = limit
+        self.max_waiting = max_waiting
+        self.running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        if self.limit <= 0 or (self.running < self.limit and not self._waiters):
+            self.running += 1
+            return
+        if len(self._waiters) >= self.max_waiting:
+            raise QueueFull
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # the slot was handed over just before the cancellation
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # hand the slot over: running stays the same
+                return
+        self.running -= 1
+
+
+class PrefillPool:
+    """Continuous batching: concurrent prefills share the engine's prefill throughput equally."""
+
+    def __init__(self, tokens_per_s: float) -> None:
+        self._tps = tokens_per_s
+        self._ps: ProcessorSharing | None = None
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._ids = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    async def run(self, tokens: int) -> None:
+        loop = asyncio.get_running_loop()
+        if self._ps is None:
+            self._ps = ProcessorSharing(self._tps, loop.time())
+        job = next(self._ids)
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters[job] = waiter
+        self._ps.add(job, tokens, loop.time())
+        self._schedule(loop)
+        try:
+            await waiter
+        finally:
+            if self._waiters.pop(job, None) is not None:
+                self._ps.remove(job, loop.time())
+                self._schedule(loop)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        assert self._ps is not None
+        due = self._ps.next_finish(loop.time())
+        if due is not None:
+            self._timer = loop.call_at(due, self._on_timer, loop)
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        assert self._ps is not None
+        for job in self._ps.pop_finished(loop.time()):
+            waiter = self._waiters.pop(job, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        self._schedule(loop)
+
+
+def make_kv_cache(config: EngineConfig) -> KVCache:
+    if config.kv_cache_mode == "prefix":
+        return PrefixKVCache(config.kv_cache_capacity_tokens, config.kv_block_size)
+    return AffinityKVCache(config.kv_cache_capacity_tokens)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        wall_clock: Clock = time.time,
+        timer: Timer | None = None,
+    ) -> None:
+        self.config = config
+        self.timing = config.timing
+        self.clock = clock
+        self.sleep = sleep
+        self.wall_clock = wall_clock
+        self.backend_id = config.backend_id
+        self.kv = make_kv_cache(config)
+        self.slots = Slots(config.max_concurrent_requests, config.max_waiting_requests)
+        self.stats = StatsHub(config.model, config.max_concurrent_requests)
+        self.scheduler = DecodeScheduler(config.timing, timer or LoopTimer())
+        self.control = TestControl(
+            config.model, on_pause=self.scheduler.pause, on_resume=self.scheduler.resume
+        )
+        self.log = RequestLog(config.request_log, config.backend_id) if config.request_log else None
+        continuous = config.timing.batching == "continuous" and config.timing.prefill_enabled
+        self._pool = PrefillPool(config.timing.prefill_tokens_per_s) if continuous else None
+        self.prefilling = 0
+        self.requests_total = 0
+        self.generated_tokens_total = 0
+        self._wall_offset = wall_clock() - clock()
+
+    @property
+    def decoding(self) -> int:
+        return self.scheduler.decoding
+
+    def to_wall(self, monotonic: float) -> float:
+        return monotonic + self._wall_offset
+
+    async def prefill(self, uncached_tokens: int) -> None:
+        """Spend the prefill time of ``uncached_tokens`` under the configured batching mode."""
+        if uncached_tokens <= 0 or not self.timing.prefill_enabled:
+            return
+        self.prefilling += 1
+        try:
+            if self._pool is not None:
+                await self._pool.run(uncached_tokens)
+            else:
+                await self.sleep(prefill_seconds(uncached_tokens, self.timing.prefill_tokens_per_s))
+        finally:
+            self.prefilling -= 1
+
+    async def sleep_until(self, deadline: float) -> None:
+        delay = deadline - self.clock()
+        if delay > 0:
+            await self.sleep(delay)

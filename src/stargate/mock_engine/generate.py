@@ -1,0 +1,330 @@
+"""The generating endpoints: chat completions, completions and responses (streaming or JSON).
+
+Timeline of one request (docs/mock-engine.md): count and hold → failure switches and injected
+faults → wait for a slot → token counts → stats ``(0,0)`` (streaming) → KV access → prefill of
+the uncached tokens → KV commit → injected delay → response headers → first-token delay → tokens
+on absolute deadlines (the per-token overhead never accumulates) → finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+from . import openai_format as fmt
+from . import tokens as tok
+from .control import Failure, request_class
+from .engine import Engine, QueueFull
+from .kv_cache import Eviction, Lookup
+from .request_log import RequestRecord
+from .scheduler import Decode
+from .timing import first_token_delay_s
+
+Kind = Literal["chat", "completions", "responses"]
+_ENDPOINT = {"chat": "chat_completions", "completions": "completions", "responses": "responses"}
+_ID_PREFIX = {"chat": "chatcmpl-mock-", "completions": "cmpl-mock-", "responses": "resp-mock-"}
+_last_ns = 0
+
+
+def new_id(prefix: str) -> str:
+    """``prefix`` + hex nanoseconds, strictly increasing within the process."""
+    global _last_ns
+    _last_ns = max(time.time_ns(), _last_ns + 1)
+    return f"{prefix}{_last_ns:x}"
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    body = orjson.dumps({"error": {"message": message, "code": status}})
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def failure_response(failure: Failure) -> web.Response:
+    headers: dict[str, str] = {}
+    if failure.retryable:
+        headers["x-stargate-upstream-retryable"] = "true"
+    if failure.retry_after_s is not None:
+        headers["retry-after"] = str(failure.retry_after_s)
+    return error_response(failure.status, "mock injected failure", headers)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The JSON object body: 415 without a JSON content type, 400 malformed, 422 not an object."""
+    if request.content_type != "application/json":
+        raise web.HTTPUnsupportedMediaType(text="expected content-type: application/json")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise web.HTTPBadRequest(text=f"malformed JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise web.HTTPUnprocessableEntity(text="request body must be a JSON object")
+    return body
+
+
+def _field_error(name: str, expected: str) -> web.HTTPUnprocessableEntity:
+    return web.HTTPUnprocessableEntity(text=f"field {name!r} must be {expected}")
+
+
+def resolve_model(engine: Engine, body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        return engine.config.model
+    if not isinstance(model, str):
+        raise _field_error("model", "a string")
+    return model or engine.config.model
+
+
+def _input_tokens(engine: Engine, kind: Kind, body: dict[str, Any], header: int | None) -> tuple[int, bytes]:
+    """(input tokens, prompt bytes); the prompt bytes are built only in prefix KV mode."""
+    prefix_mode = engine.kv.mode == "prefix"
+    if kind == "chat":
+        value = body.get("messages", [])
+        prompt = tok.chat_prompt_bytes(value) if prefix_mode else b""
+    else:
+        value = body.get("prompt" if kind == "completions" else "input")
+        prompt = tok.raw_prompt_bytes(value) if prefix_mode else b""
+    if header is not None:
+        return max(1, header), prompt
+    if prefix_mode:
+        return tok.text_token_estimate(prompt), prompt
+    if kind == "chat":
+        return tok.chat_input_estimate(value), prompt
+    if kind == "completions":
+        return tok.completions_input_estimate(value), prompt
+    return tok.responses_input_estimate(value), prompt
+
+
+def _validate(kind: Kind, body: dict[str, Any]) -> Any:
+    if kind == "chat" and not isinstance(body.get("messages", []), list):
+        raise _field_error("messages", "an array")
+    limit_name = "max_output_tokens" if kind == "responses" else "max_tokens"
+    limit = body.get(limit_name)
+    if kind == "chat" and limit is None:
+        limit = body.get("max_completion_tokens")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+        raise _field_error(limit_name, "an integer")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _field_error("stream_options", "an object")
+    return limit
+
+
+def kv_headers(engine: Engine, lookup: Lookup, eviction: Eviction, inp: int, out: int) -> dict[str, str]:
+    return {
+        "x-kv-cache-hit": "true" if lookup.hit else "false",
+        "x-kv-cache-evicted-entries": str(eviction.entries),
+        "x-kv-cache-evicted-tokens": str(eviction.tokens),
+        "x-kv-cache-reused-input-tokens": str(lookup.reused),
+        "x-kv-cache-uncached-input-tokens": str(lookup.uncached),
+        "x-mock-input-tokens": str(inp),
+        "x-mock-output-tokens": str(out),
+    }
+
+
+async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.StreamResponse:
+    arrival = engine.clock()
+    body = await read_json(request)
+    model = resolve_model(engine, body)
+    stream = body.get("stream") is True
+    if kind == "responses" and not stream and engine.config.responses_stream_only:
+        return web.json_response({"error": "mock-dynamo /v1/responses requires stream=true"}, status=400)
+    limit = _validate(kind, body)
+    headers_in = request.headers
+    header_id = headers_in.get("x-request-id", "")
+    ident = new_id(_ID_PREFIX[kind])
+    request_id = header_id or ("" if kind == "responses" else ident)
+    control = engine.control
+    klass = request_class(header_id)
+    control.count(_ENDPOINT[kind], model, klass)
+    await control.bringup_hold(model, klass)
+    if kind == "chat" and control.chat_failure(model):
+        return error_response(503, f"mock chat failure enabled for model {model}")
+    plan = control.faults.take()
+    if plan.failure is not None:
+        return failure_response(plan.failure)
+    if control.paused:
+        await control.wait_resumed()
+    record = RequestRecord(request_id, _ENDPOINT[kind], model, engine.to_wall(arrival), stream)
+    slot_start = engine.clock()
+    try:
+        await engine.slots.acquire()
+    except QueueFull:
+        record.status, record.outcome = 429, "queue_full"
+        _log(engine, record)
+        return failure_response(Failure(429, True, 1))
+    engine.requests_total += 1
+    try:
+        record.queue_wait_ms = (engine.clock() - slot_start) * 1000.0
+        input_tokens, prompt = _input_tokens(
+            engine, kind, body, tok.parse_token_header(headers_in.get("x-input-tokens"))
+        )
+        output_tokens = tok.output_tokens(
+            tok.parse_token_header(headers_in.get("x-output-tokens")), limit, engine.timing.num_tokens
+        )
+        record.input_tokens, record.output_tokens = input_tokens, output_tokens
+        if stream:
+            engine.stats.emit(request_id, model, 0, 0)
+        lookup = engine.kv.access(headers_in.get("x-cache-affinity-key"), prompt, input_tokens)
+        prefill_start = engine.clock()
+        await engine.prefill(lookup.uncached)
+        record.prefill_ms = (engine.clock() - prefill_start) * 1000.0
+        eviction = engine.kv.commit(lookup, input_tokens)
+        record.hit, record.hit_tokens = lookup.hit, lookup.reused
+        record.evicted_entries, record.evicted_tokens = eviction.entries, eviction.tokens
+        if plan.delay_s > 0:
+            await engine.sleep(plan.delay_s)
+        headers = kv_headers(engine, lookup, eviction, input_tokens, output_tokens)
+        if stream:
+            return await _stream(
+                engine, request, kind, body, ident, request_id, model, headers, record, plan.drop_after_chunks
+            )
+        return await _respond(
+            engine, request, kind, ident, request_id, model, headers, record, plan.drop_after_chunks
+        )
+    except asyncio.CancelledError:
+        record.status, record.outcome = 499, "client_disconnected"
+        raise
+    finally:
+        engine.slots.release()
+        if record.finish is None:
+            record.finish = engine.to_wall(engine.clock())
+        _log(engine, record)
+
+
+def _log(engine: Engine, record: RequestRecord) -> None:
+    if engine.log is not None:
+        engine.log.add(record)
+
+
+async def _stream(
+    engine: Engine,
+    request: web.Request,
+    kind: Kind,
+    body: dict[str, Any],
+    ident: str,
+    request_id: str,
+    model: str,
+    headers: dict[str, str],
+    record: RequestRecord,
+    drop_after: int | None,
+) -> web.StreamResponse:
+    created = int(engine.wall_clock())
+    options = body.get("stream_options") or {}
+    include_usage = options.get("include_usage") is True
+    fingerprint = engine.backend_id
+    encoder: fmt.StreamFormat
+    if kind == "chat":
+        encoder = fmt.ChatStream(ident, model, fingerprint, created, include_usage)
+    elif kind == "completions":
+        encoder = fmt.CompletionsStream(ident, model, fingerprint, created, include_usage)
+    else:
+        encoder = fmt.ResponsesStream(ident, model, created)
+    headers["content-type"] = "text/event-stream"
+    headers["cache-control"] = "no-cache"
+    response = web.StreamResponse(headers=headers)
+    inp, n = record.input_tokens, record.output_tokens
+    writer = await response.prepare(request)
+    transport = request.transport
+    preamble = encoder.preamble()
+    if preamble:
+        await response.write(preamble)
+    else:
+        send_headers = getattr(writer, "send_headers", None)  # aiohttp buffers headers until the body
+        if send_headers is not None:
+            send_headers()
+    await _first_token_wait(engine, request_id)
+    stats = engine.stats
+    stats.emit(request_id, model, inp, 0)
+    record.first_token = engine.to_wall(engine.clock())
+    token = encoder.token
+
+    def emit(i: int) -> bool:
+        if (drop_after is not None and i >= drop_after) or transport is None or transport.is_closing():
+            return False
+        data = token(i)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunked-encoding write per token
+        if stats.active:
+            stats.emit(request_id, model, inp, i + 1)
+        return True
+
+    emitted = await _run_decode(engine, request_id, n, emit, record)
+    if emitted < n:
+        if transport is None or transport.is_closing():
+            record.status, record.outcome = 499, "client_disconnected"
+        else:
+            record.outcome = "dropped"
+            _abort(request)
+        return response
+    await response.write(encoder.finish(inp, n))
+    stats.emit(request_id, model, inp, n, True)
+    record.finish = engine.to_wall(engine.clock())
+    await response.write_eof()
+    return response
+
+
+async def _first_token_wait(engine: Engine, request_id: str) -> None:
+    delay = first_token_delay_s(engine.timing, request_id)
+    if delay > 0:
+        await engine.sleep(delay)
+    if engine.control.paused:
+        await engine.control.wait_resumed()
+
+
+async def _run_decode(
+    engine: Engine, request_id: str, n: int, emit: Callable[[int], bool], record: RequestRecord
+) -> int:
+    """Decode ``n`` tokens on the shared scheduler; returns how many were emitted."""
+    decode = Decode(n, request_id, engine.timing.decode_jitter_ms, emit)
+    engine.scheduler.start(decode)
+    try:
+        return await decode.done
+    finally:
+        engine.scheduler.cancel(decode)
+        record.emitted_tokens = decode.emitted
+        engine.generated_tokens_total += decode.emitted
+
+
+def _accept(_: int) -> bool:
+    return True
+
+
+def _abort(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+async def _respond(
+    engine: Engine,
+    request: web.Request,
+    kind: Kind,
+    ident: str,
+    request_id: str,
+    model: str,
+    headers: dict[str, str],
+    record: RequestRecord,
+    drop_after: int | None,
+) -> web.StreamResponse:
+    inp, n = record.input_tokens, record.output_tokens
+    await _first_token_wait(engine, request_id)
+    record.first_token = engine.to_wall(engine.clock())
+    await _run_decode(engine, request_id, n, _accept, record)
+    if drop_after is not None:
+        record.outcome = "dropped"
+        _abort(request)
+        return web.Response(status=200)
+    engine.stats.emit(request_id, model, inp, n, True)
+    created = int(engine.wall_clock())
+    fp = engine.backend_id
+    if kind == "chat":
+        payload = fmt.chat_body(ident, model, fp, created, inp, n)
+    elif kind == "completions":
+        payload = fmt.completions_body(ident, model, fp, created, inp, n)
+    else:
+        payload = fmt.response_body(ident, model, created, inp, n)
+    record.finish = engine.to_wall(engine.clock())
+    return web.Response(body=orjson.dumps(payload), content_type="application/json", headers=headers)

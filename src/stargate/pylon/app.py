@@ -1,0 +1,230 @@
+"""Composition of one Pylon process (spec pylon.md §3).
+
+Order: metrics listener → stats tasks → HTTP listener (requests for not-yet-admitted models get
+503) → blocking model lifecycle start → registration → background tasks. ``run`` returns when
+stopped (0) or when a critical task ends (1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import IO, Any
+
+import aiohttp
+from aiohttp import web
+
+from stargate.proto import stargate_pb2
+from stargate.pylon.calibration import Calibrator
+from stargate.pylon.clock import Clock, SystemClock
+from stargate.pylon.config import PylonSettings, StatsSource, StatsStreamMode
+from stargate.pylon.health import HealthProber
+from stargate.pylon.ids import RequestIds
+from stargate.pylon.load import LiveLoad
+from stargate.pylon.metrics import PylonMetrics
+from stargate.pylon.models import ModelRegistry
+from stargate.pylon.registration import RegistrationClient, StargateDiscovery, stats_to_proto, token_source
+from stargate.pylon.relay import Relay, RelayTimeouts
+from stargate.pylon.startup import ModelLifecycle
+from stargate.pylon.stats.engine_stream import EngineStatsStream
+from stargate.pylon.stats.hub import StatsHub
+from stargate.pylon.stats.kv import run_kv_poller
+from stargate.pylon.stats.prometheus import run_prometheus_poller
+
+log = logging.getLogger("stargate.pylon")
+SWEEP_INTERVAL_S = 1.0
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
+class PylonApp:
+    def __init__(
+        self,
+        settings: PylonSettings,
+        *,
+        clock: Clock | None = None,
+        out: IO[str] | None = None,
+        relay_timeouts: RelayTimeouts | None = None,
+    ) -> None:
+        self.s = settings
+        self.clock = clock or SystemClock()
+        self._out = out
+        self._relay_timeouts = relay_timeouts or RelayTimeouts()
+        self.metrics = PylonMetrics()
+        self.registry = ModelRegistry()
+        self.load = LiveLoad()
+        self.ids = RequestIds()
+        self.hub = StatsHub(
+            registry=self.registry,
+            load=self.load,
+            clock=self.clock,
+            ids=self.ids,
+            metrics=self.metrics,
+            initial_input_tps=settings.initial_input_tps,
+            pin_input_tps=settings.pin_input_tps,
+            max_engine_concurrency=settings.max_engine_concurrency,
+            fallback_enabled=settings.fallback_stats_at_start,
+        )
+        self.http_url = ""
+        self.metrics_port = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._runners: list[web.AppRunner] = []
+        self._critical: dict[asyncio.Task[Any], str] = {}
+        self._optional: list[asyncio.Task[Any]] = []
+        self._lifecycle: ModelLifecycle | None = None
+        self.registration: RegistrationClient | None = None
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str, *, critical: bool = True) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        if critical:
+            self._critical[task] = name
+        else:
+            self._optional.append(task)
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        self._runners.append(runner)
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def _metrics_handler(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    def registration_message(self) -> stargate_pb2.InferenceServerRegistration:
+        msg = stargate_pb2.InferenceServerRegistration(
+            inference_server_id=self.s.inference_server_id,
+            inference_server_url=self.http_url,
+            reverse_tunnel=False,
+            cluster_id=self.s.cluster_id,
+        )
+        for gen, status in self.registry.published():
+            stats = self.hub.snapshot(gen)
+            self.metrics.publish_model(gen.model_id, stats)
+            msg.models[gen.model_id].CopyFrom(
+                stargate_pb2.InferenceServerModelRegistration(stats=stats_to_proto(stats), status=int(status))  # type: ignore[arg-type]
+            )
+        return msg
+
+    async def start(self) -> None:
+        s = self.s
+        metrics_app = web.Application()
+        metrics_app.router.add_get("/metrics", self._metrics_handler)
+        self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
+        connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=15.0)
+        self._session = session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
+        )
+        if s.stats_source is StatsSource.PROMETHEUS:
+            self._spawn(
+                run_prometheus_poller(
+                    session, s.engine_metrics_url, self.hub, interval_s=s.engine_metrics_interval_ms / 1000.0
+                ),
+                "engine-metrics",
+            )
+        elif s.stats_stream_mode is not StatsStreamMode.OFF:
+            stream = EngineStatsStream(
+                session=session,
+                url=s.stats_stream_url,
+                mode=s.stats_stream_mode,
+                hub=self.hub,
+                metrics=self.metrics,
+            )
+            self._spawn(
+                stream.run(), "engine-stats-stream", critical=s.stats_stream_mode is StatsStreamMode.REQUIRED
+            )
+        if s.kv_cache_stats_url:
+            self._spawn(run_kv_poller(session, s.kv_cache_stats_url, self.hub), "kv-poller")
+        self._spawn(self._sweep(), "stats-collector")
+        prober = HealthProber(session, s.upstream_base_url, s.health_paths)
+        relay = Relay(
+            settings=s,
+            session=session,
+            registry=self.registry,
+            hub=self.hub,
+            load=self.load,
+            metrics=self.metrics,
+            clock=self.clock,
+            prober=prober,
+            timeouts=self._relay_timeouts,
+        )
+        port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port)
+        self.http_url = "http://" + (s.http_advertise_addr or f"{s.http_listen_host}:{port}")
+        calibrator = None
+        if s.do_calibration:
+            log.warning("calibration is only valid when this is the only Pylon of cluster %s", s.cluster_id)
+            calibrator = Calibrator(
+                session=session,
+                base_url=s.upstream_base_url,
+                hub=self.hub,
+                ids=self.ids,
+                clock=self.clock,
+                requests=s.calibration_requests,
+                prompt_units=s.calibration_prompt_units,
+                max_concurrency=s.calibration_max_concurrency,
+                step_timeout_s=s.calibration_step_timeout_ms / 1000.0,
+            )
+        self._lifecycle = ModelLifecycle(
+            settings=s,
+            session=session,
+            registry=self.registry,
+            hub=self.hub,
+            prober=prober,
+            calibrator=calibrator,
+            metrics=self.metrics,
+        )
+        await self._lifecycle.start()
+        self.registration = RegistrationClient(
+            snapshot=self.registration_message,
+            interval_ms=s.min_update_interval_ms,
+            token=token_source(s.auth_token, s.auth_token_file),
+            on_connected=lambda router, up: self.metrics.registration_connected.labels(router).set(int(up)),
+        )
+        discovery = StargateDiscovery([s.stargate_address], self.registration.update_routers)
+        self._spawn(discovery.run(), "stargate-discovery")
+        if s.discovery_mode:
+            self._spawn(self._lifecycle.run_discovery(), "model-discovery")
+        if self._out is not None:
+            self._out.write(
+                f"pylon ready http={self.http_url.removeprefix('http://')} metrics={self.metrics_port}\n"
+            )
+            self._out.flush()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.hub.sweep()
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Wait for ``stop`` (exit 0) or for any critical task to end (exit 1)."""
+        stopper = asyncio.get_running_loop().create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *self._critical], return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if stopper in done:
+            return 0
+        for task in done:
+            name = self._critical.get(task, "task")
+            exc = task.exception() if not task.cancelled() else None
+            log.error("critical task %s ended%s", name, f": {exc!r}" if exc else "")
+        return 1
+
+    async def close(self) -> None:
+        tasks = [*self._critical, *self._optional]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=SHUTDOWN_TIMEOUT_S)
+        if self.registration is not None:
+            await self.registration.close()
+        if self._lifecycle is not None:
+            await self._lifecycle.close()
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        if self._session is not None:
+            await self._session.close()

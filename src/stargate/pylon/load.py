@@ -1,0 +1,165 @@
+"""Live load of proxied requests per model generation (spec pylon.md §6.5).
+
+Phases only move forward: pending → input_processing → output_generation. Prompt work is kept
+per *effective* priority: a pending request counts at its own priority, an input-processing
+request at priority 0 (it already delays every class), later phases and zero-token requests
+count nothing. Every update is O(1); estimates cost O(distinct priorities).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from stargate.balancer.types import valid_tps
+from stargate.pylon.models import Generation
+
+U64_MAX = 2**64 - 1
+
+
+class Phase(IntEnum):
+    PENDING = 0
+    INPUT_PROCESSING = 1
+    OUTPUT_GENERATION = 2
+
+
+@dataclass(slots=True)
+class _Tracked:
+    generation: Generation
+    phase: Phase
+    priority: int
+    input_tokens: int
+
+    @property
+    def work_priority(self) -> int | None:
+        if self.input_tokens == 0 or self.phase is Phase.OUTPUT_GENERATION:
+            return None
+        return self.priority if self.phase is Phase.PENDING else 0
+
+
+@dataclass(slots=True)
+class _GenerationLoad:
+    phase_counts: list[int] = field(default_factory=lambda: [0, 0, 0])
+    total_input: int = 0
+    work_by_priority: dict[int, int] = field(default_factory=dict)
+
+    def add(self, t: _Tracked, sign: int) -> None:
+        self.phase_counts[t.phase] += sign
+        self.total_input += sign * t.input_tokens
+        p = t.work_priority
+        if p is not None:
+            left = self.work_by_priority.get(p, 0) + sign * t.input_tokens
+            if left > 0:
+                self.work_by_priority[p] = left
+            else:
+                self.work_by_priority.pop(p, None)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    queue_size: int = 0
+    input_processing_queries: int = 0
+    output_generation_queries: int = 0
+    num_running_queries: int = 0
+    total_query_input_size: int = 0
+    queued_input_size: int = 0
+
+
+def estimate_ms(tokens: int, tps: float) -> int:
+    """``ceil(tokens / tps · 1000)`` saturating at u64 max; ``tps`` must be valid."""
+    value = math.ceil(tokens / tps * 1000.0) if tokens else 0
+    return min(value, U64_MAX) if math.isfinite(value) else U64_MAX
+
+
+class LiveLoad:
+    """Request id → tracked request, plus incremental per-generation aggregates."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _Tracked] = {}
+        self._generations: dict[Generation, _GenerationLoad] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def track(self, request_id: str, generation: Generation, priority: int, input_tokens: int) -> None:
+        """Start tracking as pending; a re-tracked id moves its load entirely to ``generation``."""
+        self.release(request_id)
+        t = _Tracked(generation, Phase.PENDING, priority, input_tokens)
+        self._requests[request_id] = t
+        self._generations.setdefault(generation, _GenerationLoad()).add(t, 1)
+
+    def advance(self, request_id: str, phase: Phase) -> None:
+        t = self._requests.get(request_id)
+        if t is None or phase <= t.phase:
+            return
+        agg = self._generations[t.generation]
+        agg.add(t, -1)
+        t.phase = phase
+        agg.add(t, 1)
+
+    def release(self, request_id: str) -> None:
+        t = self._requests.pop(request_id, None)
+        if t is not None:
+            self._generations[t.generation].add(t, -1)
+
+    def generation_of(self, request_id: str) -> Generation | None:
+        t = self._requests.get(request_id)
+        return t.generation if t is not None else None
+
+    def purge_generation(self, generation: Generation) -> None:
+        for rid in [rid for rid, t in self._requests.items() if t.generation == generation]:
+            del self._requests[rid]
+        self._generations.pop(generation, None)
+
+    def snapshot(self, generation: Generation) -> LoadSnapshot:
+        agg = self._generations.get(generation)
+        if agg is None:
+            return LoadSnapshot()
+        pending, prefill, decode = agg.phase_counts
+        return LoadSnapshot(
+            queue_size=pending + prefill,
+            input_processing_queries=prefill,
+            output_generation_queries=decode,
+            num_running_queries=pending + prefill + decode,
+            total_query_input_size=agg.total_input,
+            queued_input_size=sum(agg.work_by_priority.values()),
+        )
+
+    def has_generation(self, generation: Generation) -> bool:
+        return generation in self._generations
+
+    def estimates(
+        self, generation: Generation, tps: float, *, exclude_request_id: str | None = None
+    ) -> dict[int, int] | None:
+        """Cumulative queue-time estimate per present priority key; None when the TPS is unknown.
+
+        ``exclude_request_id`` removes that request's own prompt work (admission, §8.1 step 3).
+        """
+        if not valid_tps(tps):
+            return None
+        agg = self._generations.get(generation)
+        if agg is None:
+            return {}
+        work = dict(agg.work_by_priority)
+        own = self._requests.get(exclude_request_id) if exclude_request_id else None
+        if own is not None and own.generation == generation and own.work_priority is not None:
+            left = work.get(own.work_priority, 0) - own.input_tokens
+            if left > 0:
+                work[own.work_priority] = left
+            else:
+                work.pop(own.work_priority, None)
+        out: dict[int, int] = {}
+        cumulative = 0
+        for p in sorted(work):
+            cumulative += work[p]
+            out[p] = estimate_ms(cumulative, tps)
+        return out
+
+    def active_requests(self, generation: Generation, *, exclude_request_id: str | None = None) -> int:
+        agg = self._generations.get(generation)
+        active = sum(agg.phase_counts) if agg is not None else 0
+        own = self._requests.get(exclude_request_id) if exclude_request_id else None
+        if own is not None and own.generation == generation:
+            active -= 1
+        return active

@@ -1,0 +1,170 @@
+"""Pylon's Prometheus metrics on its own registry (spec pylon.md §12).
+
+Every metric object lives on one ``PylonMetrics`` instance created at startup and passed in, so
+tests get a fresh registry and never share global state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from stargate.balancer.types import ModelStats
+
+TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DURATION_BUCKETS = (*TIME_BUCKETS, 60.0)
+TOKEN_BUCKETS = (1, 10, 100, 1000, 10_000, 100_000, 500_000)
+QUEUE_MS_BUCKETS = (0, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000)
+
+
+class PylonMetrics:
+    def __init__(self, version: str = "0.1.0") -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        Gauge(
+            "target_info", "Build information", ["service_version", "service_name", "commit"], registry=r
+        ).labels(version, "pylon", "unknown").set(1)
+        self.registration_connected = Gauge(
+            "pylon_registration_stream_connected", "Registration stream open", ["router"], registry=r
+        )
+        self.advertised_status = Gauge(
+            "pylon_model_advertised_status",
+            "Advertised model status",
+            ["router", "model", "status"],
+            registry=r,
+        )
+        self.requests_inflight = Gauge(
+            "pylon_requests_inflight", "Proxied requests in flight", ["model"], registry=r
+        )
+        self.requests_total = Counter(
+            "pylon_requests", "Finished proxied requests", ["model", "routing_key", "status"], registry=r
+        )
+        self.ttrh = Histogram(
+            "pylon_request_time_to_response_headers_seconds",
+            "Time to upstream response headers",
+            ["model", "routing_key"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.ttfo = Histogram(
+            "pylon_request_time_to_first_output_seconds",
+            "Time to first output message",
+            ["model", "routing_key"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "pylon_request_duration_seconds",
+            "Request duration",
+            ["model", "routing_key", "status"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Counter(
+            "pylon_request_input_tokens",
+            "Input tokens of finished requests",
+            ["model", "routing_key"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "pylon_request_output_tokens",
+            "Output tokens of finished requests",
+            ["model", "routing_key"],
+            registry=r,
+        )
+        self.stream_events = Counter(
+            "pylon_engine_stats_stream_events", "Valid engine stats stream events", ["type"], registry=r
+        )
+        self.stream_invalid = Counter(
+            "pylon_engine_stats_stream_invalid_events", "Invalid engine stats events", ["reason"], registry=r
+        )
+        self.stream_reconnects = Counter(
+            "pylon_engine_stats_stream_reconnects", "Engine stats stream reconnects", ["reason"], registry=r
+        )
+        self.stream_connected = Gauge(
+            "pylon_engine_stats_stream_connected", "Engine stats stream body being read", ["mode"], registry=r
+        )
+        self.stale_cleanups = Counter(
+            "pylon_engine_stats_stale_cleanups", "Stale stats cleanups", ["kind"], registry=r
+        )
+        self.source_transitions = Counter(
+            "pylon_engine_stats_source_transitions",
+            "Stats source transitions",
+            ["from", "to", "reason"],
+            registry=r,
+        )
+        self.discovery_polls = Counter(
+            "pylon_model_discovery_polls", "Model discovery polls", ["provider", "outcome"], registry=r
+        )
+        self.discovery_models = Gauge(
+            "pylon_model_discovery_models", "Models in the last good discovery poll", ["provider"], registry=r
+        )
+        self.calibration_ms = Gauge(
+            "pylon_model_calibration_duration_ms", "Calibration duration", ["model", "outcome"], registry=r
+        )
+        self.retryable = Counter(
+            "pylon_retryable_responses",
+            "Responses marked retryable",
+            ["inference_server_id", "reason", "status"],
+            registry=r,
+        )
+        self.nonretryable = Counter(
+            "pylon_nonretryable_failures",
+            "Non-2xx responses not marked retryable",
+            ["inference_server_id", "reason"],
+            registry=r,
+        )
+        self.admission = Counter(
+            "pylon_queue_admission_decisions",
+            "Local queue admission decisions",
+            ["inference_server_id", "model_id", "result"],
+            registry=r,
+        )
+        self.admission_expected = Histogram(
+            "pylon_queue_admission_expected_ms",
+            "Stargate expected queue ms",
+            buckets=QUEUE_MS_BUCKETS,
+            registry=r,
+        )
+        self.admission_actual = Histogram(
+            "pylon_queue_admission_actual_ms", "Local queue estimate ms", buckets=QUEUE_MS_BUCKETS, registry=r
+        )
+        self._model_gauges = {
+            name: Gauge(f"pylon_model_{name}", f"Published {name}", ["model"], registry=r)
+            for name in (
+                "output_tps",
+                "last_mean_input_tps",
+                "max_output_tps",
+                "queue_size",
+                "queued_input_tokens",
+                "kv_cache_capacity_tokens",
+                "kv_cache_used_tokens",
+                "kv_cache_free_tokens",
+            )
+        }
+        self._models: set[str] = set()
+
+    def publish_model(self, model: str, stats: ModelStats) -> None:
+        g = self._model_gauges
+        self._models.add(model)
+        g["output_tps"].labels(model).set(stats.output_tps)
+        g["last_mean_input_tps"].labels(model).set(stats.last_mean_input_tps)
+        g["max_output_tps"].labels(model).set(stats.max_output_tps)
+        g["queue_size"].labels(model).set(stats.queue_size)
+        g["queued_input_tokens"].labels(model).set(stats.queued_input_size)
+        g["kv_cache_capacity_tokens"].labels(model).set(stats.kv_cache_capacity_tokens)
+        g["kv_cache_used_tokens"].labels(model).set(stats.kv_cache_used_tokens)
+        g["kv_cache_free_tokens"].labels(model).set(stats.kv_cache_free_tokens)
+
+    def remove_model(self, model: str) -> None:
+        """Drop every model-labelled gauge series of a retired generation."""
+        if model not in self._models:
+            return
+        self._models.discard(model)
+        for gauge in self._model_gauges.values():
+            gauge.remove(model)
+        with contextlib.suppress(KeyError):
+            self.requests_inflight.remove(model)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,232 @@
+"""Request observer: lifecycle timing and cheap SSE scanning while bytes are relayed (§10).
+
+The relay forwards upstream chunks untouched; ``SseScanner`` only looks at them. Before the
+first output message it splits events to classify them (``[DONE]``, empty data and
+``response.created`` are not output). Afterwards it only counts cheap byte markers per chunk
+and parses an event as JSON only when it carries a usage counter (``…_tokens"``), which is
+normally the final chunk. Token estimates count non-empty ``"content"``/``"delta"`` string
+fields (one per streamed piece) until an explicit counter replaces them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import orjson
+
+from stargate.pylon.clock import Clock
+from stargate.pylon.models import Generation
+from stargate.pylon.stats.observation import Endpoint, Observation, State
+
+MAX_PENDING_EVENT = 1024 * 1024
+PROGRESS_INTERVAL_S = 1.0
+_DELIMS = (b"\r\n\r\n", b"\n\n")
+_TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
+_EMPTY_MARKERS = (b'"content":""', b'"content": ""', b'"delta":""', b'"delta": ""')
+
+
+class EventTooLarge(Exception):
+    """An unterminated SSE event exceeded the 1 MiB buffer limit."""
+
+
+def _explicit_counter(data: bytes) -> int | None:
+    """First of ``usage.completion_tokens``, ``output_tokens_so_far``, ``response.usage.output_tokens``."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    candidates: list[object] = []
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        candidates.append(usage.get("completion_tokens"))
+    candidates.append(obj.get("output_tokens_so_far"))
+    response = obj.get("response")
+    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        candidates.append(response["usage"].get("output_tokens"))
+    for value in candidates:
+        if type(value) is int and value >= 0:
+            return value
+    return None
+
+
+def _event_data(raw: bytes) -> tuple[bytes | None, bytes]:
+    """(event name, data lines joined with ``\\n``) of one raw SSE event."""
+    name: bytes | None = None
+    data: list[bytes] = []
+    for line in raw.splitlines():
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip())
+        elif line.startswith(b"event:") and name is None:
+            name = line[6:].strip()
+    return name, b"\n".join(data)
+
+
+def is_output(raw: bytes) -> bool:
+    name, data = _event_data(raw)
+    if not data or data == b"[DONE]" or name == b"response.created":
+        return False
+    if b"response.created" in data:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return True
+        return not (isinstance(obj, dict) and obj.get("type") == "response.created")
+    return True
+
+
+class SseScanner:
+    def __init__(self) -> None:
+        self._tail = b""
+        self.output_seen = False
+        self.estimated_tokens = 0
+        self.explicit_tokens: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.explicit_tokens if self.explicit_tokens is not None else self.estimated_tokens
+
+    def feed(self, chunk: bytes) -> bool:
+        """Scan one chunk; True when the first output message completed in it."""
+        buf = self._tail + chunk if self._tail else chunk
+        cut = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4, 0)
+        complete, self._tail = (buf[:cut], buf[cut:]) if cut > 1 else (b"", buf)
+        if len(self._tail) > MAX_PENDING_EVENT:
+            raise EventTooLarge
+        if not complete:
+            return False
+        first = False
+        if not self.output_seen or b'_tokens"' in complete or b"_so_far" in complete:
+            for raw in _split_events(complete):
+                if not self.output_seen and is_output(raw):
+                    self.output_seen = first = True
+                if self.output_seen:
+                    self._count(raw)
+        else:
+            self._count(complete)
+        return first
+
+    def _count(self, raw: bytes) -> None:
+        if b'_tokens"' in raw or b"_so_far" in raw:
+            _, data = _event_data(raw)
+            value = _explicit_counter(data)
+            if value is not None:
+                self.explicit_tokens = max(value, self.explicit_tokens or 0)
+                return
+        if self.explicit_tokens is None:
+            pieces = sum(raw.count(m) for m in _TEXT_MARKERS) - sum(raw.count(m) for m in _EMPTY_MARKERS)
+            self.estimated_tokens += max(pieces, 0)
+
+
+def _split_events(blob: bytes) -> list[bytes]:
+    events: list[bytes] = []
+    start = 0
+    while start < len(blob):
+        ends = [(i, len(d)) for d in _DELIMS if (i := blob.find(d, start)) >= 0]
+        if not ends:
+            events.append(blob[start:])
+            break
+        i, n = min(ends)
+        events.append(blob[start : i + n])
+        start = i + n
+    return events
+
+
+class RequestObserver:
+    """Tracks one request's lifecycle and reports observations at transitions (and ≤ 1/s progress)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        generation: Generation,
+        endpoint: Endpoint,
+        input_tokens: int,
+        clock: Clock,
+        sink: Callable[[Observation], None],
+        calibration: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.generation = generation
+        self.endpoint = endpoint
+        self.input_tokens = input_tokens
+        self._clock = clock
+        self._sink = sink
+        self._calibration = calibration
+        self._t0 = clock.monotonic()
+        self.state = State.UPSTREAM_CONNECTING
+        self.status: int | None = None
+        self.ttrh: float | None = None
+        self.ttfo: float | None = None
+        self.ttft: float | None = None
+        self.output_tokens = 0
+        self.from_chunk_usage = False
+        self._last_progress = 0.0
+        self._emit()
+
+    def _elapsed(self) -> float:
+        return self._clock.monotonic() - self._t0
+
+    def _emit(self) -> None:
+        self._sink(
+            Observation(
+                request_id=self.request_id,
+                generation=self.generation,
+                endpoint=self.endpoint,
+                state=self.state,
+                input_tokens=self.input_tokens,
+                output_tokens=self.output_tokens,
+                output_tokens_from_chunk_usage=self.from_chunk_usage,
+                time_to_response_headers=self.ttrh,
+                time_to_first_output=self.ttfo,
+                time_to_first_token=self.ttft,
+                elapsed=self._elapsed(),
+                calibration=self._calibration,
+                upstream_status=self.status,
+            )
+        )
+
+    def headers(self, status: int) -> None:
+        if self.state is not State.UPSTREAM_CONNECTING:
+            return
+        self.status = status
+        self.ttrh = self._elapsed()
+        self.state = State.INPUT_PROCESSING
+        self._emit()
+
+    def output(self, tokens: int, *, explicit: bool = False) -> None:
+        """Output progress: cumulative ``tokens`` (explicit = from a usage counter)."""
+        if self.state.terminal:
+            return
+        now = self._elapsed()
+        self.output_tokens = tokens
+        self.from_chunk_usage = self.from_chunk_usage or explicit
+        if self.ttft is None and tokens > 0:
+            self.ttft = now
+        if self.state is not State.OUTPUT_GENERATION:
+            self.ttfo = now
+            self.state = State.OUTPUT_GENERATION
+            self._last_progress = now
+            self._emit()
+        elif now - self._last_progress >= PROGRESS_INTERVAL_S:
+            self._last_progress = now
+            self._emit()
+
+    def finish(self, failed: bool = False) -> State:
+        if self.state.terminal:
+            return self.state
+        ok = self.status is not None and 200 <= self.status < 300
+        if failed or self.state is State.UPSTREAM_CONNECTING:
+            self.state = State.FAILED
+        elif self.state is State.OUTPUT_GENERATION:
+            self.state = State.COMPLETE if ok else State.FAILED
+        else:
+            self.state = State.COMPLETE if ok and self.endpoint is Endpoint.EMBEDDINGS else State.FAILED
+        self._emit()
+        return self.state
+
+    def cancel(self) -> None:
+        if not self.state.terminal:
+            self.state = State.CANCELLED
+            self._emit()

@@ -1,0 +1,324 @@
+"""The HTTP listener Stargate sends requests to, and the relay to the engine (spec pylon.md §7).
+
+Order per request: health shortcut → required headers → generation gate → observer (live as
+pending) → body (≤ 64 MiB) → body rules → local queue admission → forward → relay chunk by
+chunk with ``iter_any`` while the observer scans the bytes → finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stargate.errors import RequestError
+from stargate.pylon import admission
+from stargate.pylon.clock import Clock
+from stargate.pylon.config import PylonSettings, UpstreamBackend
+from stargate.pylon.headers import (
+    RetryPolicy,
+    parse_request_meta,
+    problem,
+    response_headers,
+    upstream_headers,
+)
+from stargate.pylon.health import HealthProber
+from stargate.pylon.load import LiveLoad, Phase
+from stargate.pylon.metrics import PylonMetrics
+from stargate.pylon.models import Generation, ModelRegistry
+from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner
+from stargate.pylon.stats.hub import StatsHub
+from stargate.pylon.stats.observation import Endpoint, Observation, State
+
+MAX_BODY = 64 * 1024 * 1024
+ENDPOINTS = {
+    "/v1/chat/completions": Endpoint.CHAT,
+    "/v1/responses": Endpoint.RESPONSES,
+    "/v1/embeddings": Endpoint.EMBEDDINGS,
+}
+_NOT_ADMITTED = "model generation is not admitted for request routing"
+
+
+@dataclass(frozen=True, slots=True)
+class RelayTimeouts:
+    connect_s: float = 10.0
+    read_s: float = 30.0
+
+
+class Relay:
+    def __init__(
+        self,
+        *,
+        settings: PylonSettings,
+        session: aiohttp.ClientSession,
+        registry: ModelRegistry,
+        hub: StatsHub,
+        load: LiveLoad,
+        metrics: PylonMetrics,
+        clock: Clock,
+        prober: HealthProber,
+        timeouts: RelayTimeouts = RelayTimeouts(),
+    ) -> None:
+        self.s = settings
+        self.session = session
+        self.registry = registry
+        self.hub = hub
+        self.load = load
+        self.metrics = metrics
+        self.clock = clock
+        self.prober = prober
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
+        )
+        self.retry_policy = RetryPolicy(
+            settings.retryable_statuses,
+            settings.require_upstream_retry_header,
+            settings.upstream_retry_header,
+            settings.propagate_retry_after,
+        )
+        self.admission = admission.AdmissionConfig(
+            settings.queue_mismatch_enabled,
+            settings.queue_mismatch_min_delta_ms,
+            settings.queue_mismatch_tolerance_factor,
+            settings.queue_mismatch_retry_after_ms,
+        )
+        self._ceiling = (
+            settings.priority_ceiling if settings.upstream_backend is UpstreamBackend.DYNAMO else None
+        )
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+    def record(self, obs: Observation) -> None:
+        """Observer sink: phases into the queue table, numbers into the stats hub."""
+        if obs.state is State.INPUT_PROCESSING:
+            self.load.advance(obs.request_id, Phase.INPUT_PROCESSING)
+        elif obs.state is State.OUTPUT_GENERATION:
+            self.load.advance(obs.request_id, Phase.OUTPUT_GENERATION)
+        elif obs.state.terminal:
+            self.load.release(obs.request_id)
+            self.metrics.requests_total.labels(obs.generation.model_id, "", obs.state.value).inc()
+        self.hub.on_observation(obs)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/health":
+            return await self._forward_health(request)
+        try:
+            meta = parse_request_meta(request.headers)
+        except RequestError as exc:
+            return problem(exc.status, exc.message)
+        gen = self.registry.admitted(meta.model)
+        if gen is None:
+            return problem(
+                503,
+                _NOT_ADMITTED,
+                headers={
+                    "x-stargate-retryable": "true",
+                    "x-stargate-retry-reason": "model_generation_unavailable",
+                },
+            )
+        endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
+        observer: RequestObserver | None = None
+        if endpoint is not None:
+            self.load.track(meta.request_id, gen, meta.priority or 0, meta.input_tokens)
+            self.hub.on_request_tracked(meta.request_id, gen)
+            observer = RequestObserver(
+                request_id=meta.request_id,
+                generation=gen,
+                endpoint=endpoint,
+                input_tokens=meta.input_tokens,
+                clock=self.clock,
+                sink=self.record,
+            )
+        try:
+            return await self._handle_tracked(
+                request, meta.request_id, gen, meta.priority, endpoint, observer
+            )
+        finally:
+            if observer is not None:
+                observer.finish(failed=True)
+
+    async def _handle_tracked(
+        self,
+        request: web.Request,
+        request_id: str,
+        gen: Generation,
+        priority: int | None,
+        endpoint: Endpoint | None,
+        observer: RequestObserver | None,
+    ) -> web.StreamResponse:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return problem(413, f"request body exceeds {MAX_BODY} bytes")
+        error = _body_error(body, endpoint)
+        if error is not None:
+            return problem(400, error)
+        decision = admission.decide(
+            self.admission,
+            request.headers.get(admission.EXPECTED_QUEUE_HEADER),
+            load=self.load,
+            gen=gen,
+            request_id=request_id,
+            priority=priority or 0,
+            input_tps=self.hub.input_tps(gen),
+            limit=self.hub.effective_limit(gen),
+        )
+        self._record_admission(gen.model_id, decision)
+        if decision.rejected:
+            return self._reject(decision)
+        headers = upstream_headers(
+            request.headers.items(),
+            retry_header=self.s.upstream_retry_header,
+            priority=priority,
+            dynamo_ceiling=self._ceiling,
+        )
+        return await self._relay(request, self.s.upstream_base_url + request.path_qs, headers, body, observer)
+
+    def _record_admission(self, model: str, decision: admission.Decision) -> None:
+        self.metrics.admission.labels(self.s.inference_server_id, model, decision.result.value).inc()
+        if decision.expected_ms is not None:
+            self.metrics.admission_expected.observe(decision.expected_ms)
+        if decision.actual_ms is not None:
+            self.metrics.admission_actual.observe(decision.actual_ms)
+
+    def _reject(self, decision: admission.Decision) -> web.Response:
+        headers = {"x-stargate-retryable": "true", "x-stargate-retry-reason": "queue_estimate_mismatch"}
+        if self.admission.retry_after_ms is not None:
+            headers["x-stargate-retry-after-ms"] = str(self.admission.retry_after_ms)
+        self.metrics.retryable.labels(self.s.inference_server_id, "queue_estimate_mismatch", "429").inc()
+        return problem(
+            429,
+            "local queue estimate exceeded Stargate routing estimate",
+            headers=headers,
+            reason="queue_estimate_mismatch",
+            expected_queue_ms=decision.expected_ms,
+            actual_queue_ms=decision.actual_ms,
+            threshold_ms=decision.threshold_ms,
+        )
+
+    async def _forward_health(self, request: web.Request) -> web.StreamResponse:
+        query = request.query_string
+        url = self.s.upstream_base_url + self.prober.probe_path + (f"?{query}" if query else "")
+        headers = upstream_headers(
+            request.headers.items(),
+            retry_header=self.s.upstream_retry_header,
+            priority=None,
+            dynamo_ceiling=None,
+        )
+        body = await request.read()
+        return await self._relay(request, url, headers, body, None)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        url: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        observer: RequestObserver | None,
+    ) -> web.StreamResponse:
+        try:
+            upstream = await self.session.request(
+                request.method,
+                url,
+                headers=headers,
+                data=body or None,
+                timeout=self.timeout,
+                allow_redirects=False,
+            )
+        except (TimeoutError, aiohttp.ClientConnectionError):
+            retryable = "true" if self.s.local_connect_failures_retryable else "false"
+            return problem(
+                503,
+                "local upstream connection failed",
+                headers={
+                    "x-stargate-retryable": retryable,
+                    "x-stargate-retry-reason": "local_connect_failure",
+                },
+            )
+        async with upstream:
+            out_headers, failure = response_headers(
+                upstream.headers.items(), upstream.status, self.retry_policy
+            )
+            self._record_status(upstream.status, failure)
+            if observer is not None:
+                observer.headers(upstream.status)
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=out_headers)
+            await response.prepare(request)
+            sse = (
+                observer is not None
+                and observer.endpoint is not Endpoint.EMBEDDINGS
+                and (upstream.headers.get("content-type", "").startswith("text/event-stream"))
+            )
+            if sse and observer is not None:
+                ok = await self._pump_sse(upstream, response, observer)
+            else:
+                ok = await self._pump(upstream, response)
+            if not ok:
+                if observer is not None:
+                    observer.finish(failed=True)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            if observer is not None:
+                if not sse and 200 <= upstream.status < 300 and observer.endpoint is not Endpoint.EMBEDDINGS:
+                    observer.output(1)
+                elif not sse and observer.endpoint is Endpoint.EMBEDDINGS and 200 <= upstream.status < 300:
+                    observer.output(0)
+                observer.finish()
+            await response.write_eof()
+            return response
+
+    def _record_status(self, status: int, failure: str | None) -> None:
+        if 200 <= status < 300:
+            return
+        if failure is None:
+            self.metrics.retryable.labels(
+                self.s.inference_server_id, "upstream_admission_rejected", str(status)
+            ).inc()
+        else:
+            self.metrics.nonretryable.labels(self.s.inference_server_id, failure).inc()
+
+    @staticmethod
+    async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> bool:
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            return False
+        return True
+
+    async def _pump_sse(
+        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, observer: RequestObserver
+    ) -> bool:
+        scanner = SseScanner()
+        try:
+            async for chunk in upstream.content.iter_any():
+                explicit_before = scanner.explicit_tokens
+                scanner.feed(chunk)
+                await response.write(chunk)
+                if scanner.output_seen:
+                    explicit = scanner.explicit_tokens
+                    observer.output(scanner.tokens, explicit=explicit is not None)
+                    if explicit is not None and explicit != explicit_before:
+                        self.hub.on_usage(observer.request_id, observer.generation, explicit)
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
+            return False
+        return scanner.output_seen
+
+
+def _body_error(body: bytes, endpoint: Endpoint | None) -> str | None:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "request body must be valid JSON"
+    streaming = isinstance(obj, dict) and obj.get("stream") is True
+    if endpoint in (Endpoint.CHAT, Endpoint.RESPONSES) and not streaming:
+        path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/responses"
+        return f"{path} requests must set stream=true"
+    return None

@@ -1,0 +1,144 @@
+"""Per-request cumulative counter accounting (spec pylon.md §6.3).
+
+Each request id has one entry: *observed* (owner generation known from Pylon's own tracking),
+*live* (counter state) or *finalized* (tombstone). Counter deltas become ``(units, duration)``
+samples; a dimension accumulates until it has ≥ 1 unit over ≥ the 10 ms floor, except the very
+first sample from zero, whose duration is raised to the floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from stargate.pylon.models import Generation
+from stargate.pylon.stats.aggregate import DURATION_FLOOR_S
+
+REQUEST_TTL_S = 300.0
+MAX_ENTRIES = 200_000
+EPSILON_S = 1e-9  # float clocks: 11 ms - 1 ms must still count as 10 ms
+
+
+class Outcome(StrEnum):
+    APPLIED = "applied"
+    POST_FINALIZE = "post_finalize"
+    REGRESSING = "regressing_counters"
+
+
+@dataclass(slots=True)
+class _Counter:
+    observed: int = 0
+    sampled: int = 0
+    sampled_at: float = 0.0
+
+    def update(self, new: int, at: float, floor_s: float) -> tuple[int, float] | None:
+        units = new - self.sampled
+        first_from_zero = self.sampled == 0 and self.observed == 0
+        self.observed = new
+        if units < 1:
+            return None
+        duration = at - self.sampled_at
+        if first_from_zero:
+            duration = max(duration, floor_s)
+        elif duration < floor_s - EPSILON_S:
+            return None
+        self.sampled, self.sampled_at = new, at
+        return units, duration
+
+
+@dataclass(slots=True)
+class _Entry:
+    generation: Generation
+    seen_at: float
+    live: bool = False
+    finalized: bool = False
+    input: _Counter = field(default_factory=_Counter)
+    output: _Counter = field(default_factory=_Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class CounterResult:
+    outcome: Outcome
+    input_sample: tuple[int, float] | None = None
+    output_sample: tuple[int, float] | None = None
+
+
+class CounterTracker:
+    def __init__(self, floor_s: float = DURATION_FLOOR_S) -> None:
+        self._floor = floor_s
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def live_count(self) -> int:
+        return sum(1 for e in self._entries.values() if e.live and not e.finalized)
+
+    def observe(self, request_id: str, generation: Generation, now: float) -> None:
+        """Remember the owner generation of a request Pylon is proxying."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.generation != generation:
+            if len(self._entries) >= MAX_ENTRIES:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[request_id] = _Entry(generation, now)
+
+    def owner(self, request_id: str) -> Generation | None:
+        entry = self._entries.get(request_id)
+        return entry.generation if entry is not None else None
+
+    def apply(
+        self,
+        request_id: str,
+        generation: Generation,
+        *,
+        tokens_processed: int | None,
+        tokens_generated: int | None,
+        finished: bool,
+        now: float,
+        baseline_first: bool = False,
+    ) -> CounterResult:
+        """Apply one cumulative counter event; ``baseline_first`` = first value is the baseline."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.generation == generation and entry.finalized:
+            return CounterResult(Outcome.POST_FINALIZE)
+        if entry is None or entry.generation != generation or not entry.live:
+            entry = _Entry(generation, now, live=True)
+            entry.input.sampled_at = entry.output.sampled_at = now
+            if baseline_first:
+                for counter, value in ((entry.input, tokens_processed), (entry.output, tokens_generated)):
+                    if value is not None:
+                        counter.observed = counter.sampled = value
+            self._entries.pop(request_id, None)
+            self._entries[request_id] = entry
+        for counter, value in ((entry.input, tokens_processed), (entry.output, tokens_generated)):
+            if value is not None and value < counter.observed:
+                return CounterResult(Outcome.REGRESSING)
+        entry.seen_at = now
+        in_sample = (
+            entry.input.update(tokens_processed, now, self._floor) if tokens_processed is not None else None
+        )
+        out_sample = (
+            entry.output.update(tokens_generated, now, self._floor) if tokens_generated is not None else None
+        )
+        if finished:
+            entry.finalized = True
+        return CounterResult(Outcome.APPLIED, in_sample, out_sample)
+
+    def sweep(self, now: float) -> int:
+        """Finalize live entries unseen for 300 s and delete old tombstones; returns finalized count."""
+        finalized = 0
+        for rid in list(self._entries):
+            entry = self._entries[rid]
+            if now - entry.seen_at < REQUEST_TTL_S:
+                continue
+            if entry.live and not entry.finalized:
+                entry.finalized = True
+                entry.seen_at = now
+                finalized += 1
+            else:
+                del self._entries[rid]
+        return finalized
+
+    def purge_generation(self, generation: Generation) -> None:
+        for rid in [rid for rid, e in self._entries.items() if e.generation == generation]:
+            del self._entries[rid]

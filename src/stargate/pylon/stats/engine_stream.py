@@ -1,0 +1,109 @@
+"""Engine stats stream consumer task (spec pylon.md §6.1-§6.2).
+
+``auto``: fall back to OpenAI chunk usage when the endpoint answers 404/405/501 before any valid
+event was ever seen (the task then ends normally); afterwards those statuses are retry reasons.
+``required``: reconnect forever. Reconnect delay: 100 ms doubling to 5 s, never reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from stargate.pylon.config import StatsStreamMode
+from stargate.pylon.metrics import PylonMetrics
+from stargate.pylon.stats.hub import StatsHub
+from stargate.pylon.stats.ndjson import Invalid, LineSplitter, PingEvent, StatsEvent, parse_line
+
+log = logging.getLogger("stargate.pylon.stats")
+UNSUPPORTED = frozenset({404, 405, 501})
+BACKOFF_START_S = 0.1
+BACKOFF_MAX_S = 5.0
+CONNECT_TIMEOUT_S = 5.0
+
+
+class EngineStatsStream:
+    def __init__(
+        self,
+        *,
+        session: aiohttp.ClientSession,
+        url: str,
+        mode: StatsStreamMode,
+        hub: StatsHub,
+        metrics: PylonMetrics,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        backoff_start_s: float = BACKOFF_START_S,
+    ) -> None:
+        self._session = session
+        self._url = url
+        self._mode = mode
+        self._hub = hub
+        self._metrics = metrics
+        self._sleep = sleep
+        self._backoff = backoff_start_s
+        self.valid_event_seen = False
+
+    def feed_line(self, line: bytes | Invalid) -> None:
+        event = line if isinstance(line, Invalid) else parse_line(line)
+        if event is None:
+            return
+        if isinstance(event, Invalid):
+            self._metrics.stream_invalid.labels(event.reason).inc()
+            return
+        self.valid_event_seen = True
+        if isinstance(event, PingEvent):
+            self._metrics.stream_events.labels("ping").inc()
+            self._hub.on_ping(event)
+        elif isinstance(event, StatsEvent):
+            self._metrics.stream_events.labels("stats").inc()
+            reason = self._hub.on_engine_stats(event)
+            if reason is not None:
+                self._metrics.stream_invalid.labels(reason).inc()
+
+    async def _connect_once(self) -> str:
+        """Read one connection to its end; returns the reconnect reason (or ``unsupported``)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        try:
+            async with self._session.get(
+                self._url, headers={"Accept": "application/x-ndjson"}, timeout=timeout
+            ) as resp:
+                if resp.status in UNSUPPORTED and not self.valid_event_seen:
+                    return "unsupported"
+                if not 200 <= resp.status < 300:
+                    return "http_status"
+                splitter = LineSplitter()
+                gauge = self._metrics.stream_connected.labels(str(self._mode))
+                gauge.set(1)
+                try:
+                    while True:
+                        chunk = await resp.content.readany()
+                        if not chunk:
+                            return "eof"
+                        for line in splitter.feed(chunk):
+                            self.feed_line(line)
+                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, ConnectionError):
+                    return "read_error"
+                finally:
+                    gauge.set(0)
+        except (aiohttp.ClientError, TimeoutError):
+            return "connect_error"
+
+    async def run(self) -> None:
+        """Runs until fallback is enabled (``auto``) or forever; never raises on engine errors."""
+        while True:
+            reason = await self._connect_once()
+            if reason == "unsupported":
+                if self._mode is StatsStreamMode.AUTO:
+                    self._hub.fallback_enabled = True
+                    self._metrics.source_transitions.labels(
+                        "engine_stats_stream", "openai_fallback", "unsupported"
+                    ).inc()
+                    log.info("engine stats stream unsupported at %s; using OpenAI chunk usage", self._url)
+                    return
+                reason = "http_status"
+            self._metrics.stream_reconnects.labels(reason).inc()
+            await self._sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)

@@ -1,0 +1,309 @@
+"""The stats collector: every stats input meets here and ``snapshot`` builds the published
+``ModelStats`` of one generation (spec pylon.md §6.3-§6.8).
+
+Inputs are applied synchronously on the event loop (no channel), so the queue table and the
+throughput state are always consistent when a heartbeat reads them. Data for a generation that
+is no longer current is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
+from stargate.pylon.clock import Clock
+from stargate.pylon.ids import CALIBRATION, RequestIds
+from stargate.pylon.load import LiveLoad
+from stargate.pylon.metrics import PylonMetrics
+from stargate.pylon.models import Generation, ModelRegistry
+from stargate.pylon.stats import aggregate as agg
+from stargate.pylon.stats.counters import CounterTracker, Outcome
+from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
+from stargate.pylon.stats.observation import Endpoint, Observation, State
+
+
+class LimitSource(StrEnum):
+    FALLBACK = "fallback"
+    ENGINE = "engine"
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyUpdate:
+    """The one update type for concurrency limits (engine reports and the CLI fallback).
+
+    ENGINE value > 0 overrides, ENGINE 0 withdraws the override; FALLBACK sets the fallback.
+    """
+
+    generation: Generation
+    source: LimitSource
+    value: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """Engine-reported load (Prometheus source); published as a floor under Pylon's own counts."""
+
+    running: int
+    waiting: int
+
+
+@dataclass(slots=True)
+class _GenState:
+    throughput: agg.ThroughputAggregate
+    kv: tuple[int, int, int] | None = None
+    engine_limit: int = 0
+    fallback_limit: int = 0
+    engine_load: EngineLoad | None = None
+    observed_at_ms: int = 0
+    usage_counted: set[str] = field(default_factory=set)
+
+    @property
+    def effective_limit(self) -> int:
+        return self.engine_limit if self.engine_limit > 0 else self.fallback_limit
+
+
+class StatsHub:
+    def __init__(
+        self,
+        *,
+        registry: ModelRegistry,
+        load: LiveLoad,
+        clock: Clock,
+        ids: RequestIds,
+        metrics: PylonMetrics,
+        initial_input_tps: float | None = None,
+        pin_input_tps: bool = False,
+        max_engine_concurrency: int | None = None,
+        fallback_enabled: bool = False,
+        floor_s: float = agg.DURATION_FLOOR_S,
+    ) -> None:
+        self.registry = registry
+        self.load = load
+        self.clock = clock
+        self.ids = ids
+        self.metrics = metrics
+        self.fallback_enabled = fallback_enabled
+        self._initial_tps = initial_input_tps
+        self._pin = pin_input_tps
+        self._fallback_limit = max_engine_concurrency or 0
+        self._gens: dict[Generation, _GenState] = {}
+        self._counters = CounterTracker(floor_s)
+
+    # -- generation lifecycle -------------------------------------------------------------
+    def init_generation(self, gen: Generation, *, calibrating: bool = False) -> None:
+        tps = None if calibrating else self._initial_tps
+        self._gens[gen] = _GenState(agg.ThroughputAggregate.create(tps, self._pin and not calibrating))
+        self._gens[gen].observed_at_ms = self.clock.wall_ms()
+        self.apply_concurrency(ConcurrencyUpdate(gen, LimitSource.FALLBACK, self._fallback_limit))
+
+    def retire_generation(self, gen: Generation) -> None:
+        self._gens.pop(gen, None)
+        self.load.purge_generation(gen)
+        self._counters.purge_generation(gen)
+        self.metrics.remove_model(gen.model_id)
+
+    def _state(self, gen: Generation) -> _GenState | None:
+        return self._gens.get(gen) if self.registry.is_current(gen) else None
+
+    def _touch(self, state: _GenState) -> None:
+        state.observed_at_ms = self.clock.wall_ms()
+
+    # -- concurrency limit ([PR] §6.8) ----------------------------------------------------
+    def apply_concurrency(self, update: ConcurrencyUpdate) -> bool:
+        state = self._state(update.generation)
+        if state is None:
+            return False
+        if update.source is LimitSource.FALLBACK:
+            state.fallback_limit = update.value
+        else:
+            state.engine_limit = update.value
+        self._touch(state)
+        return True
+
+    # -- engine stats stream ----------------------------------------------------------------
+    def on_ping(self, ping: PingEvent) -> None:
+        if ping.model is None or ping.max_engine_concurrency is None:
+            return
+        gen = self.registry.current(ping.model)
+        if gen is not None:
+            self.apply_concurrency(ConcurrencyUpdate(gen, LimitSource.ENGINE, ping.max_engine_concurrency))
+
+    def _owner(self, request_id: str, model: str) -> Generation | None:
+        generated = self.ids.parse(request_id)
+        if generated is not None:
+            if generated.kind == CALIBRATION:
+                return None
+            return Generation(model, generated.generation_seq)
+        return self.load.generation_of(request_id) or self._counters.owner(request_id)
+
+    def on_engine_stats(self, event: StatsEvent) -> str | None:
+        """Apply one stream event; returns an aggregator invalid reason, if any."""
+        gen = self._owner(event.request_id, event.model)
+        state = self._state(gen) if gen is not None else None
+        if gen is None or state is None:
+            return None
+        now = self.clock.monotonic()
+        result = self._counters.apply(
+            event.request_id,
+            gen,
+            tokens_processed=event.tokens_processed,
+            tokens_generated=event.tokens_generated,
+            finished=event.finished,
+            now=now,
+        )
+        if result.outcome is not Outcome.APPLIED:
+            return str(result.outcome)
+        tp = state.throughput
+        if agg.CAP_ENGINE_STREAM not in tp.labels:
+            tp.add_labels(agg.CAP_ENGINE_STREAM, agg.SRC_ENGINE_STREAM)
+        if result.input_sample is not None:
+            tp.add_input_sample(*result.input_sample)
+        if result.output_sample is not None:
+            units, duration = result.output_sample
+            tp.add_output_sample(units / duration, from_counters=True)
+        tp.last_counter_event_at = now
+        self._touch(state)
+        return None
+
+    # -- request observations (fallback math, §6.4) -----------------------------------------
+    def on_request_tracked(self, request_id: str, gen: Generation) -> None:
+        self._counters.observe(request_id, gen, self.clock.monotonic())
+
+    def on_usage(self, request_id: str, gen: Generation, completion_tokens: int) -> None:
+        """A streamed explicit cumulative output counter (chunk usage), used in fallback mode."""
+        state = self._state(gen)
+        if state is None or not self.fallback_enabled:
+            return
+        now = self.clock.monotonic()
+        result = self._counters.apply(
+            request_id,
+            gen,
+            tokens_processed=None,
+            tokens_generated=completion_tokens,
+            finished=False,
+            now=now,
+            baseline_first=True,
+        )
+        if result.outcome is Outcome.APPLIED and result.output_sample is not None:
+            units, duration = result.output_sample
+            state.throughput.add_output_sample(units / duration, from_counters=True)
+            state.usage_counted.add(request_id)
+        state.throughput.last_counter_event_at = now
+        self._touch(state)
+
+    def on_observation(self, obs: Observation) -> None:
+        state = self._state(obs.generation)
+        if state is None:
+            return
+        tp = state.throughput
+        if obs.output_tokens_from_chunk_usage and agg.CAP_CHUNK_USAGE not in tp.labels:
+            tp.add_labels(agg.CAP_CHUNK_USAGE, agg.SRC_CHUNK_USAGE)
+        fallback = self.fallback_enabled or obs.calibration
+        if not obs.state.terminal:
+            if (
+                self.fallback_enabled
+                and obs.state is State.OUTPUT_GENERATION
+                and obs.endpoint != Endpoint.EMBEDDINGS
+            ):
+                rate = agg.decode_rate(
+                    obs.output_tokens, obs.time_to_first_token, obs.time_to_first_output, obs.elapsed
+                )
+                tp.set_live_rate(obs.request_id, rate)
+            return
+        tp.set_live_rate(obs.request_id, None)
+        counted = obs.request_id in state.usage_counted
+        state.usage_counted.discard(obs.request_id)
+        if obs.state is State.COMPLETE and fallback:
+            if obs.endpoint is Endpoint.EMBEDDINGS:
+                base = obs.time_to_response_headers or obs.elapsed
+                tp.add_input_sample(obs.input_tokens, max(base, agg.DURATION_FLOOR_S))
+            else:
+                sample = agg.fallback_input_tps(obs.input_tokens, obs.time_to_first_output)
+                if sample is not None:
+                    tp.add_input_sample(*sample)
+                if self.fallback_enabled and not counted:
+                    rate = agg.decode_rate(
+                        obs.output_tokens, obs.time_to_first_token, obs.time_to_first_output, obs.elapsed
+                    )
+                    if rate is not None:
+                        tp.add_output_sample(rate, from_counters=False)
+        self._touch(state)
+
+    # -- KV and engine load ------------------------------------------------------------------
+    def on_kv(self, model: str, capacity: int, used: int, free: int, *, source: str = agg.SRC_KV) -> bool:
+        gen = self.registry.current(model.strip()) if model.strip() else None
+        state = self._state(gen) if gen is not None else None
+        if state is None:
+            return False
+        state.kv = (capacity, used, free)
+        cap = agg.CAP_KV_HTTP if source == agg.SRC_KV else agg.CAP_PROMETHEUS
+        state.throughput.add_labels(cap, source)
+        self._touch(state)
+        return True
+
+    def on_engine_load(self, model: str, load: EngineLoad) -> bool:
+        gen = self.registry.current(model)
+        state = self._state(gen) if gen is not None else None
+        if state is None:
+            return False
+        state.engine_load = load
+        state.throughput.add_labels(agg.CAP_PROMETHEUS, agg.SRC_PROMETHEUS)
+        self._touch(state)
+        return True
+
+    # -- staleness ----------------------------------------------------------------------------
+    def sweep(self) -> None:
+        now = self.clock.monotonic()
+        for _gen, state in self._gens.items():
+            if state.throughput.sweep(now):
+                self.metrics.stale_cleanups.labels(kind="stats").inc()
+                self._touch(state)
+        finalized = self._counters.sweep(now)
+        if finalized:
+            self.metrics.stale_cleanups.labels(kind="request").inc(finalized)
+
+    # -- publication ----------------------------------------------------------------------------
+    def input_tps(self, gen: Generation) -> float:
+        state = self._gens.get(gen)
+        return state.throughput.published_input_tps if state is not None else 0.0
+
+    def effective_limit(self, gen: Generation) -> int:
+        state = self._gens.get(gen)
+        return state.effective_limit if state is not None else 0
+
+    def snapshot(self, gen: Generation) -> ModelStats:
+        state = self._gens.get(gen)
+        if state is None:
+            return ModelStats()
+        tp = state.throughput
+        live = self.load.snapshot(gen)
+        estimates = self.load.estimates(gen, tp.published_input_tps)
+        kv = state.kv or (0, 0, 0)
+        queue_size, running = live.queue_size, live.num_running_queries
+        if state.engine_load is not None:
+            queue_size = max(queue_size, state.engine_load.waiting)
+            running = max(running, state.engine_load.running + state.engine_load.waiting)
+        caps, srcs = tp.ordered_labels()
+        return ModelStats(
+            last_mean_input_tps=tp.published_input_tps,
+            output_tps=tp.output_tps,
+            queue_size=queue_size,
+            queued_input_size=live.queued_input_size,
+            max_output_tps=tp.max_output_tps,
+            kv_cache_capacity_tokens=kv[0],
+            kv_cache_used_tokens=kv[1],
+            kv_cache_free_tokens=kv[2],
+            num_running_queries=running,
+            max_engine_concurrency=state.effective_limit,
+            total_query_input_size=live.total_query_input_size,
+            queue_time_estimate_ms_by_priority=MappingProxyType(estimates)
+            if estimates
+            else EMPTY_PRIORITY_MAP,
+            input_processing_queries=live.input_processing_queries,
+            output_generation_queries=live.output_generation_queries,
+            stats_observed_at_unix_ms=state.observed_at_ms,
+            stats_capabilities=caps,
+            stats_sources=srcs,
+        )

@@ -1,0 +1,224 @@
+"""Composition of the router service: routing state, control plane, HTTP proxy and metrics server.
+
+``StargateServer.start`` binds every listener (port 0 → ephemeral) and returns the bound addresses;
+``shutdown`` drains (``/readyz`` answers 503, in-flight proxied requests may finish within the drain
+timeout) and then stops the listeners and closes the one client session of the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from stargate.balancer import check_admission, effective_queue_ms
+from stargate.balancer.config import LbConfig
+from stargate.errors import ConfigError
+from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
+from stargate.router.endpoints import Endpoints
+from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
+from stargate.router.proxy import ProxyHandler, ProxySettings
+from stargate.router.retries import AttemptRunner, RetrySettings
+from stargate.router.routing import Router
+from stargate.router.state import RoutingState
+from stargate.router.transport import HttpTransport, make_session
+
+log = logging.getLogger(__name__)
+
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+
+
+@dataclass(frozen=True)
+class StargateSettings:
+    stargate_id: str
+    advertise_addr: str
+    listen_addr: str = "0.0.0.0:50071"
+    model_discovery_listen_addr: str = "0.0.0.0:50073"
+    http_listen_addr: str = "0.0.0.0:8000"
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9090
+    metrics_prefix: str = DEFAULT_PREFIX
+    shutdown_drain_timeout_ms: int = 30_000
+    lb_config: LbConfig = field(default_factory=LbConfig.permissive)
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    connect_timeout_ms: int = 2_000
+    request_timeout_ms: int = 30_000
+    backend_connection_limit: int = 1024
+    stargate_discovery_dns_name: str | None = None
+    disable_dns_discovery: bool = False
+    grpc_pylon_dial_addr: str | None = None
+    remote_stargate_urls: tuple[str, ...] = ()
+    watch_heartbeat_ms: int = 5_000
+    registration_idle_timeout_ms: int = 60_000
+    registration_max_idle_timeout_ms: int = 300_000
+    health_interval_s: float = 1.0
+    tunnel_protocol: str = "raw-quic"
+    direct_quic_connections: int = 1
+
+
+@dataclass(frozen=True)
+class BoundAddresses:
+    grpc: str
+    model_discovery: str
+    http: str
+    metrics: str
+
+    def ready_line(self) -> str:
+        return (
+            f"stargate ready grpc={self.grpc} discovery={self.model_discovery} "
+            f"http={self.http} metrics={self.metrics}"
+        )
+
+
+def split_host_port(addr: str, flag: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port``; a malformed address is a ``ConfigError`` naming the flag."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"expected HOST:PORT, got {addr!r}", path=flag)
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class StargateServer:
+    def __init__(self, settings: StargateSettings, *, metrics: RouterMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
+        self.state = RoutingState(on_active_count=self.metrics.set_active)
+        self.endpoints = Endpoints(self.state.list_models, self.state.active_model_ids, self._debug_config)
+        self.addresses: BoundAddresses | None = None
+        self.control_plane: ControlPlane | None = None
+        self.proxy: ProxyHandler | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runners: list[web.AppRunner] = []
+
+    async def start(self) -> BoundAddresses:
+        s = self.settings
+        http_host, http_port = split_host_port(s.http_listen_addr, "--http-listen-addr")
+        split_host_port(s.listen_addr, "--listen-addr")
+        split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
+        advertise_host, _ = split_host_port(s.advertise_addr, "--advertise-addr")
+        self._session = make_session(s.connect_timeout_ms / 1000.0, s.backend_connection_limit)
+        transport = HttpTransport(
+            self._session,
+            connect_timeout_s=s.connect_timeout_ms / 1000.0,
+            request_timeout_s=s.request_timeout_ms / 1000.0,
+        )
+        router = Router(
+            self.state, self.metrics, admission=check_admission, expected_queue=effective_queue_ms
+        )
+        runner = AttemptRunner(self.state, router, transport, self.metrics, s.retry)
+        self.proxy = proxy = ProxyHandler(runner, self.metrics, s.lb_config.resolve_algorithm, s.proxy)
+        try:
+            http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
+            metrics_bound = await self._serve(
+                self._metrics_app(), s.metrics_host, s.metrics_port, "--metrics-port"
+            )
+            self.control_plane = ControlPlane(
+                self.state, self._control_plane_settings(advertise_host, http_bound[1]), self._session
+            )
+            grpc_port, discovery_port = await self.control_plane.start(
+                s.listen_addr, s.model_discovery_listen_addr
+            )
+        except BaseException:
+            await self._close()
+            raise
+        self.addresses = BoundAddresses(
+            grpc=_join(split_host_port(s.listen_addr, "")[0], grpc_port),
+            model_discovery=_join(split_host_port(s.model_discovery_listen_addr, "")[0], discovery_port),
+            http=_join(http_host, http_bound[1]),
+            metrics=_join(s.metrics_host, metrics_bound[1]),
+        )
+        return self.addresses
+
+    def begin_drain(self) -> None:
+        self.endpoints.draining = True
+
+    async def shutdown(self, drain_timeout_s: float | None = None) -> bool:
+        """Drain, then stop everything; False when in-flight requests outlived the drain timeout."""
+        self.begin_drain()
+        timeout = (
+            self.settings.shutdown_drain_timeout_ms / 1000.0 if drain_timeout_s is None else drain_timeout_s
+        )
+        drained = await self.proxy.wait_idle(timeout) if self.proxy is not None else True
+        if not drained:
+            log.warning("shutdown drain timeout of %.3f s exceeded with requests in flight", timeout)
+        await self._close()
+        return drained
+
+    async def _close(self) -> None:
+        if self.control_plane is not None:
+            await self.control_plane.stop(grace_s=0.5)
+            self.control_plane = None
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _serve(self, app: web.Application, host: str, port: int, flag: str) -> tuple[str, int]:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {_join(host, port)}: {exc.strerror or exc}", path=flag
+            ) from exc
+        return host, int(runner.addresses[0][1])
+
+    def _http_app(self, proxy: ProxyHandler) -> web.Application:
+        app = web.Application()
+        for path in PROXIED_PATHS:
+            app.router.add_post(path, proxy.handle)
+        self.endpoints.add_routes(app)
+        return app
+
+    def _metrics_app(self) -> web.Application:
+        async def render(request: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", render)
+        return app
+
+    def _control_plane_settings(self, advertise_host: str, http_port: int) -> ControlPlaneSettings:
+        s = self.settings
+        return ControlPlaneSettings(
+            stargate_id=s.stargate_id,
+            advertise_addr=s.advertise_addr,
+            http_advertise_addr=_join(advertise_host, http_port),
+            grpc_pylon_dial_addr=s.grpc_pylon_dial_addr,
+            remote_stargate_urls=s.remote_stargate_urls,
+            discovery_dns_name=None if s.disable_dns_discovery else s.stargate_discovery_dns_name,
+            watch_heartbeat_ms=s.watch_heartbeat_ms,
+            idle_timeout_floor_ms=s.registration_idle_timeout_ms,
+            idle_timeout_cap_ms=s.registration_max_idle_timeout_ms,
+            health_interval_s=s.health_interval_s,
+            health_timeout_s=s.connect_timeout_ms / 1000.0 + 1.0,
+        )
+
+    def _debug_config(self) -> Mapping[str, object]:
+        s, bound = self.settings, self.addresses
+        return {
+            "stargate_id": s.stargate_id,
+            "grpc_listen_addr": bound.grpc if bound else s.listen_addr,
+            "model_discovery_listen_addr": bound.model_discovery if bound else s.model_discovery_listen_addr,
+            "http_listen_addr": bound.http if bound else s.http_listen_addr,
+            "metrics_listen_addr": bound.metrics if bound else _join(s.metrics_host, s.metrics_port),
+            "advertise_addr": self.control_plane.advertise_addr if self.control_plane else s.advertise_addr,
+            "stargate_discovery_dns_name": s.stargate_discovery_dns_name,
+            "tunnel_protocol": s.tunnel_protocol,
+            "backend_connectivity": "direct",
+            "direct_quic_connections": s.direct_quic_connections,
+        }

@@ -1,0 +1,303 @@
+"""``stargate`` service command line (spec §7): flags, environment variables, lifecycle.
+
+Flags marked for a single-machine deployment are honoured; QUIC/Kubernetes flags are accepted
+only where they are trivial (informational values, remote watch seeds). Configuration errors exit
+with status 2 and name the flag or file; SIGTERM/SIGINT drain the router (``/readyz`` 503) and
+shut it down within ``--shutdown-drain-timeout-ms`` (exit 1 when exceeded; a second signal exits
+at once). Once every listener is bound a single parseable line is printed on stdout:
+``stargate ready grpc=H:P discovery=H:P http=H:P metrics=H:P``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from stargate.balancer.config import LbConfig, load_lb_config
+from stargate.errors import ConfigError
+from stargate.router.app import StargateServer, StargateSettings
+from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, valid_header_name
+from stargate.router.metrics import DEFAULT_PREFIX
+from stargate.router.proxy import ProxySettings
+from stargate.router.retries import RetrySettings
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+TUNNEL_PROTOCOLS = {
+    "raw-quic": "raw-quic",
+    "http3": "http3",
+    "h3": "http3",
+    "webtransport": "webtransport",
+    "web-transport": "webtransport",
+    "wt": "webtransport",
+}
+log = logging.getLogger("stargate")
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
+
+
+def _non_negative(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {raw!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {raw!r}")
+    return value
+
+
+def _positive(raw: str) -> int:
+    value = _non_negative(raw)
+    if value == 0:
+        raise argparse.ArgumentTypeError("value must be greater than 0")
+    return value
+
+
+def _port(raw: str) -> int:
+    value = _non_negative(raw)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"port out of range: {value}")
+    return value
+
+
+def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stargate", description="LLM request router.")
+
+    def add(flag: str, *, env_var: str | None = None, **kw: Any) -> None:
+        if env_var is not None and env_var in env:
+            kw["default"] = [env[env_var]] if kw.get("action") == "append" else env[env_var]
+            kw.pop("required", None)
+        if env_var is not None:
+            kw["help"] = f"{kw.get('help', '')} (env {env_var})".strip()
+        p.add_argument(flag, **kw)
+
+    add("--stargate-id", required=True, help="identity in WatchStargates and /debug/state")
+    add("--listen-addr", default="0.0.0.0:50071", help="gRPC control plane address")
+    add("--model-discovery-listen-addr", default="0.0.0.0:50073", help="gRPC ListModels address")
+    add("--http-listen-addr", default="0.0.0.0:8000", help="HTTP proxy address")
+    add("--advertise-addr", required=True, help="self gRPC address published in discovery")
+    add("--metrics-port", type=_port, default=9090, help="Prometheus port (0.0.0.0:PORT/metrics)")
+    add("--metrics-host", default="0.0.0.0", help="Prometheus bind host")
+    add("--shutdown-drain-timeout-ms", type=_non_negative, default=30_000)
+    add("--lb-config-path", default=None, help="lb-config.json; unset = permissive default")
+    add(
+        "--proxy-max-connect-retries",
+        env_var="STARGATE_PROXY_MAX_CONNECT_RETRIES",
+        type=_non_negative,
+        default=2,
+    )
+    add(
+        "--proxy-max-request-retries",
+        env_var="STARGATE_PROXY_MAX_REQUEST_RETRIES",
+        type=_non_negative,
+        default=2,
+    )
+    add(
+        "--proxy-max-replay-body-bytes",
+        env_var="STARGATE_PROXY_MAX_REPLAY_BODY_BYTES",
+        type=_non_negative,
+        default=67_108_864,
+    )
+    add(
+        "--proxy-require-pylon-retry-signal",
+        env_var="STARGATE_PROXY_REQUIRE_PYLON_RETRY_SIGNAL",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+    )
+    add(
+        "--proxy-retry-budget-header",
+        env_var="STARGATE_PROXY_RETRY_BUDGET_HEADER",
+        default=DEFAULT_RETRY_BUDGET_HEADER,
+        help="retry budget header; empty disables budgets",
+    )
+    add(
+        "--registration-update-idle-timeout-ms",
+        env_var="STARGATE_REGISTRATION_UPDATE_IDLE_TIMEOUT_MS",
+        type=_non_negative,
+        default=60_000,
+    )
+    add(
+        "--registration-update-max-idle-timeout-ms",
+        env_var="STARGATE_REGISTRATION_UPDATE_MAX_IDLE_TIMEOUT_MS",
+        type=_non_negative,
+        default=300_000,
+    )
+    add(
+        "--stargate-discovery-dns-name",
+        default=None,
+        help="peer discovery name (not needed with --disable-dns-discovery)",
+    )
+    add("--disable-dns-discovery", action="store_true", help="self-only WatchStargates")
+    add(
+        "--remote-stargate-url",
+        env_var="STARGATE_REMOTE_WATCH_URLS",
+        action="append",
+        default=None,
+        help="remote watch seed (repeatable, comma-delimited)",
+    )
+    add("--grpc-pylon-dial-addr", default=None, help="written into every StargateInfo")
+    add("--dns-poll-ms", type=_positive, default=1000)
+    add("--watch-heartbeat-ms", type=_positive, default=5000)
+    add(
+        "--backend-connectivity",
+        choices=("direct",),
+        default="direct",
+        help="only direct connectivity is supported",
+    )
+    add("--tunnel-protocol", default="raw-quic", help="informational; backends are reached over HTTP")
+    add(
+        "--direct-quic-connections",
+        env_var="STARGATE_DIRECT_QUIC_CONNECTIONS",
+        type=_positive,
+        default=1,
+        help="informational",
+    )
+    add("--quic-connect-timeout-ms", type=_positive, default=2000, help="backend connect timeout")
+    add(
+        "--quic-request-timeout-ms",
+        type=_positive,
+        default=30_000,
+        help="time allowed until response headers",
+    )
+    add("--metrics-prefix", default=DEFAULT_PREFIX)
+    add(
+        "--otel-endpoint",
+        env_var="OTEL_EXPORTER_OTLP_ENDPOINT",
+        default=None,
+        help="accepted; tracing is off",
+    )
+    add("--otel-service-name", default="stargate", help="accepted; tracing is off")
+    add("--secrets-path", env_var="SECRETS_PATH", default=None, help="accepted; unused without worker auth")
+    add("--secrets-json-path", env_var="SECRETS_JSON_PATH", default="authToken")
+    add("--worker-auth-endpoint", default=None, help="not supported: registrations use open authentication")
+    return p
+
+
+def settings_from_args(options: argparse.Namespace) -> StargateSettings:
+    """Turn parsed flags into settings; every semantic problem is a ``ConfigError`` naming the flag."""
+    if not options.disable_dns_discovery and not (options.stargate_discovery_dns_name or "").strip():
+        raise ConfigError(
+            "required unless --disable-dns-discovery is set", path="--stargate-discovery-dns-name"
+        )
+    if options.worker_auth_endpoint:
+        raise ConfigError("worker authentication endpoints are not supported", path="--worker-auth-endpoint")
+    protocol = TUNNEL_PROTOCOLS.get(options.tunnel_protocol.strip().lower())
+    if protocol is None:
+        raise ConfigError(f"unknown tunnel protocol {options.tunnel_protocol!r}", path="--tunnel-protocol")
+    budget_header = options.proxy_retry_budget_header.strip().lower()
+    if budget_header and not valid_header_name(budget_header):
+        raise ConfigError(
+            f"invalid proxy retry budget header: {options.proxy_retry_budget_header}",
+            path="--proxy-retry-budget-header",
+        )
+    lb_config = load_lb_config(options.lb_config_path) if options.lb_config_path else LbConfig.permissive()
+    urls = tuple(
+        part.strip() for raw in options.remote_stargate_url or () for part in raw.split(",") if part.strip()
+    )
+    return StargateSettings(
+        stargate_id=options.stargate_id,
+        advertise_addr=options.advertise_addr,
+        listen_addr=options.listen_addr,
+        model_discovery_listen_addr=options.model_discovery_listen_addr,
+        http_listen_addr=options.http_listen_addr,
+        metrics_host=options.metrics_host,
+        metrics_port=options.metrics_port,
+        metrics_prefix=options.metrics_prefix,
+        shutdown_drain_timeout_ms=options.shutdown_drain_timeout_ms,
+        lb_config=lb_config,
+        retry=RetrySettings(
+            max_connect_retries=options.proxy_max_connect_retries,
+            max_request_retries=options.proxy_max_request_retries,
+            require_pylon_retry_signal=options.proxy_require_pylon_retry_signal,
+        ),
+        proxy=ProxySettings(
+            max_replay_body_bytes=options.proxy_max_replay_body_bytes,
+            retry_budget_header=budget_header or None,
+        ),
+        connect_timeout_ms=options.quic_connect_timeout_ms,
+        request_timeout_ms=options.quic_request_timeout_ms,
+        stargate_discovery_dns_name=options.stargate_discovery_dns_name,
+        disable_dns_discovery=options.disable_dns_discovery,
+        grpc_pylon_dial_addr=options.grpc_pylon_dial_addr,
+        remote_stargate_urls=urls,
+        watch_heartbeat_ms=options.watch_heartbeat_ms,
+        registration_idle_timeout_ms=options.registration_update_idle_timeout_ms,
+        registration_max_idle_timeout_ms=options.registration_update_max_idle_timeout_ms,
+        tunnel_protocol=protocol,
+        direct_quic_connections=options.direct_quic_connections,
+    )
+
+
+def main(argv: list[str]) -> int:
+    try:
+        options = build_parser(dict(os.environ)).parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage error (or --help)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        settings = settings_from_args(options)
+    except ConfigError as exc:
+        print(f"stargate: {exc.describe()}", file=sys.stderr)
+        return EXIT_USAGE
+    if options.otel_endpoint:
+        log.warning("--otel-endpoint is accepted but tracing export is not available; continuing without it")
+    return _run(serve(settings))
+
+
+async def serve(settings: StargateSettings, stop: asyncio.Event | None = None) -> int:
+    """Run until ``stop`` is set or a termination signal arrives; returns the exit status."""
+    server = StargateServer(settings)
+    try:
+        addresses = await server.start()
+    except ConfigError as exc:
+        print(f"stargate: {exc.describe()}", file=sys.stderr)
+        return EXIT_USAGE
+    print(addresses.ready_line(), flush=True)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def on_signal() -> None:
+        if stop.is_set():
+            print("stargate: second signal, exiting immediately", file=sys.stderr, flush=True)
+            os._exit(EXIT_FAILURE)
+        log.info("draining: /readyz now answers 503")
+        server.begin_drain()
+        stop.set()
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await stop.wait()
+        drained = await server.shutdown()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    return EXIT_OK if drained else EXIT_FAILURE
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)

@@ -1,0 +1,331 @@
+"""The gRPC control plane: Pylon registration streams, `WatchStargates` and `ListModels` (spec §5).
+
+Registration streams end on client close, read error, idle timeout, validation error or shutdown;
+on every end the backend's probing stops and ``RoutingState.remove`` drops its routes, releases its
+id and retires its cluster generation, in that order. Every applied update is acknowledged, also
+when the health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the
+original skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+import aiohttp
+import grpc
+from grpc import aio
+
+from stargate.errors import ConfigError, RequestError
+from stargate.proto import stargate_pb2, stargate_pb2_grpc
+from stargate.router import watch
+from stargate.router.health import HealthProber, wait_stopped
+from stargate.router.registration import (
+    HEARTBEAT_METADATA_KEY,
+    Identity,
+    OpenAuthenticator,
+    RegistrationRejected,
+    WorkerAuthenticator,
+    admit_first,
+    bearer_token,
+    check_identity,
+    idle_timeout_ms,
+    metadata_value,
+    model_updates,
+)
+from stargate.router.state import RegistrationHandle, RoutingState
+
+log = logging.getLogger(__name__)
+
+_AddServicer = Callable[[object, aio.Server], None]
+_add_control_plane: _AddServicer = stargate_pb2_grpc.add_StargateControlPlaneServicer_to_server
+_add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServicer_to_server
+
+_EMPTY_ACK = stargate_pb2.InferenceServerAck()
+SHUTDOWN_MESSAGE = "stargate is shutting down"
+
+
+@dataclass(frozen=True)
+class ControlPlaneSettings:
+    stargate_id: str
+    advertise_addr: str
+    """Self gRPC address published by `WatchStargates`; port 0 becomes the bound port."""
+    http_advertise_addr: str
+    grpc_pylon_dial_addr: str | None = None
+    remote_stargate_urls: tuple[str, ...] = ()
+    discovery_dns_name: str | None = None
+    watch_heartbeat_ms: int = 5000
+    idle_timeout_floor_ms: int = 60000
+    idle_timeout_cap_ms: int = 300000
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    auth_timeout_s: float = 10.0
+    max_registrations: int = 10_000
+    max_models_per_registration: int = 4096
+    max_message_bytes: int = 4 * 1024 * 1024
+
+    def validate(self) -> None:
+        """Reject settings that would break the control plane at run time, naming the flag."""
+        for flag, value in (
+            ("--watch-heartbeat-ms", self.watch_heartbeat_ms),
+            ("--registration-update-idle-timeout-ms", self.idle_timeout_floor_ms),
+            ("--registration-update-max-idle-timeout-ms", self.idle_timeout_cap_ms),
+        ):
+            if value < 0:
+                raise ConfigError("value must not be negative", path=flag)
+        if self.watch_heartbeat_ms == 0:
+            raise ConfigError("value must be greater than 0", path="--watch-heartbeat-ms")
+        for raw in self.remote_stargate_urls:
+            if raw.strip():
+                try:
+                    watch.url_key(raw)
+                except ValueError as exc:
+                    raise ConfigError(f"invalid URL {raw.strip()!r}", path="--remote-stargate-url") from exc
+
+
+async def _abort(
+    context: aio.ServicerContext[object, object], code: grpc.StatusCode, message: str
+) -> NoReturn:
+    """End the RPC with a status; ``abort`` always raises."""
+    await context.abort(code, message)
+    raise AssertionError("ServicerContext.abort returned")
+
+
+def _port_of(addr: str) -> str:
+    return addr.rsplit(":", 1)[-1] if ":" in addr else ""
+
+
+class ControlPlane:
+    """Owns the gRPC server(s); the registration streams mutate the shared ``RoutingState``."""
+
+    def __init__(
+        self,
+        state: RoutingState,
+        settings: ControlPlaneSettings,
+        session: aiohttp.ClientSession,
+        *,
+        authenticator: WorkerAuthenticator | None = None,
+    ) -> None:
+        settings.validate()
+        self._state = state
+        self._settings = settings
+        self._session = session
+        self._authenticator: WorkerAuthenticator = authenticator or OpenAuthenticator()
+        self._servers: list[aio.Server] = []
+        self._probe_tasks: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+        self._watch_snapshot = stargate_pb2.WatchStargatesResponse()
+        self.advertise_addr = settings.advertise_addr
+
+    async def start(self, listen_addr: str, model_discovery_listen_addr: str) -> tuple[int, int]:
+        """Bind and start; returns the bound (control plane, model discovery) ports."""
+        shared = listen_addr == model_discovery_listen_addr
+        control = self._new_server()
+        _add_control_plane(_ControlPlaneServicer(self), control)
+        discovery = control if shared else self._new_server()
+        _add_discovery(_DiscoveryServicer(self._state), discovery)
+        control_port = self._bind(control, listen_addr, "--listen-addr")
+        if shared:
+            discovery_port = control_port
+        else:
+            flag = "--model-discovery-listen-addr"
+            discovery_port = self._bind(discovery, model_discovery_listen_addr, flag)
+        self._servers = [control] if shared else [control, discovery]
+        if _port_of(self._settings.advertise_addr) == _port_of(listen_addr):
+            self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
+        self._watch_snapshot = self._build_watch_snapshot(control_port)
+        for server in self._servers:
+            await server.start()
+        return control_port, discovery_port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving; open streams end as a shutdown and clean their registrations up."""
+        self._stopping.set()
+        await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
+        self._servers = []
+        await wait_stopped(list(self._probe_tasks))
+
+    def _new_server(self) -> aio.Server:
+        limit = self._settings.max_message_bytes
+        return aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=self._settings.max_registrations + 1024,
+        )
+
+    @staticmethod
+    def _bind(server: aio.Server, addr: str, flag: str) -> int:
+        try:
+            port = server.add_insecure_port(addr)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {addr}: {exc}", path=flag) from exc
+        if not isinstance(port, int) or port == 0:
+            raise ConfigError(f"cannot listen on {addr}", path=flag)
+        return port
+
+    def _build_watch_snapshot(self, control_port: int) -> stargate_pb2.WatchStargatesResponse:
+        settings = self._settings
+        entries = watch.normalize_stargates(
+            [watch.StargateEntry(settings.stargate_id, self.advertise_addr, settings.http_advertise_addr)],
+            settings.grpc_pylon_dial_addr,
+        )
+        exclude = watch.self_endpoint_keys(self.advertise_addr, settings.discovery_dns_name, control_port)
+        exclude |= watch.self_endpoint_keys(settings.advertise_addr, None, control_port)
+        urls = watch.normalize_watch_urls(settings.remote_stargate_urls, exclude)
+        return watch.build_response(entries, urls)
+
+    # ---- registration stream -------------------------------------------------------------------
+
+    async def register(self, context: aio.ServicerContext[object, object]) -> None:
+        metadata = tuple(context.invocation_metadata() or ())
+        try:
+            routing_key = await asyncio.wait_for(
+                self._authenticator.authenticate(bearer_token(metadata)), self._settings.auth_timeout_s
+            )
+        except Exception:
+            log.warning("registration rejected: authentication failed", exc_info=True)
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "authentication failed")
+        timeout_ms = idle_timeout_ms(
+            metadata_value(metadata, HEARTBEAT_METADATA_KEY),
+            self._settings.idle_timeout_floor_ms,
+            self._settings.idle_timeout_cap_ms,
+        )
+        idle_s = None if timeout_ms is None else timeout_ms / 1000.0
+        first = await self._read(context, idle_s)
+        if first is None:
+            return
+        try:
+            identity = admit_first(first, reverse_listener=False)
+        except RegistrationRejected as exc:
+            await _abort(context, exc.code, exc.message)
+        if self._state.registration_count() >= self._settings.max_registrations:
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many registrations (limit {self._settings.max_registrations})",
+            )
+        handle = self._state.admit(
+            identity.inference_server_id, identity.inference_server_url, first.cluster_id, routing_key
+        )
+        if handle is None:
+            await _abort(
+                context,
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"inference_server_id '{identity.inference_server_id}' is already registered",
+            )
+        await self._serve_registration(context, identity, handle, first, idle_s)
+
+    async def _serve_registration(
+        self,
+        context: aio.ServicerContext[object, object],
+        identity: Identity,
+        handle: RegistrationHandle,
+        first: stargate_pb2.InferenceServerRegistration,
+        idle_s: float | None,
+    ) -> None:
+        settings = self._settings
+        prober = HealthProber(
+            self._session,
+            identity.inference_server_url,
+            identity.inference_server_id,
+            interval_s=settings.health_interval_s,
+            timeout_s=settings.health_timeout_s,
+        )
+        message: stargate_pb2.InferenceServerRegistration | None = first
+        try:
+            while message is not None:
+                updates = model_updates(message, max_models=settings.max_models_per_registration)
+                rtt_ns = await prober.rtt_for_update()
+                if self._stopping.is_set():
+                    await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                self._state.apply_update(handle, updates, rtt_ns)
+                prober.start()
+                await context.write(_EMPTY_ACK)
+                message = await self._read(context, idle_s)
+                if message is not None:
+                    check_identity(identity, message)
+        except RegistrationRejected as exc:
+            await _abort(context, exc.code, exc.message)
+        finally:
+            self._end(prober, handle)
+
+    def _end(self, prober: HealthProber, handle: RegistrationHandle) -> None:
+        task = prober.stop()
+        if task is not None:
+            self._probe_tasks.add(task)
+            task.add_done_callback(self._probe_tasks.discard)
+        self._state.remove(handle)
+
+    async def _read(
+        self, context: aio.ServicerContext[object, object], idle_s: float | None
+    ) -> stargate_pb2.InferenceServerRegistration | None:
+        """The next message; ``None`` at end of stream. Idle timeout and shutdown abort the stream;
+        shutdown wins over a message that is already there."""
+        read = asyncio.ensure_future(context.read())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((read, stopping), timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not read.done():
+                read.cancel()
+        if self._stopping.is_set():
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+        if not read.done():
+            await _abort(
+                context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s"
+            )
+        message = read.result()
+        if message is aio.EOF:
+            return None
+        assert isinstance(message, stargate_pb2.InferenceServerRegistration)
+        return message
+
+    def watch_snapshot(self) -> stargate_pb2.WatchStargatesResponse:
+        return self._watch_snapshot
+
+    @property
+    def watch_heartbeat_s(self) -> float:
+        return self._settings.watch_heartbeat_ms / 1000.0
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        return self._stopping
+
+
+class _ControlPlaneServicer(stargate_pb2_grpc.StargateControlPlaneServicer):
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+
+    async def WatchStargates(
+        self, request: stargate_pb2.WatchStargatesRequest, context: aio.ServicerContext[object, object]
+    ) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
+        plane = self._plane
+        async for snapshot in watch.publish(plane.watch_snapshot(), plane.watch_heartbeat_s, plane.stopping):
+            yield snapshot
+
+    async def RegisterInferenceServer(
+        self, request_iterator: object, context: aio.ServicerContext[object, object]
+    ) -> None:
+        await self._plane.register(context)
+
+
+class _DiscoveryServicer(stargate_pb2_grpc.StargateModelDiscoveryServicer):
+    def __init__(self, state: RoutingState) -> None:
+        self._state = state
+
+    async def ListModels(
+        self, request: stargate_pb2.ListModelsRequest, context: aio.ServicerContext[object, object]
+    ) -> stargate_pb2.ListModelsResponse:
+        routing_key = request.routing_key if request.HasField("routing_key") else None
+        try:
+            model_ids = self._state.list_models(routing_key, list(request.model_ids))
+        except RequestError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        return stargate_pb2.ListModelsResponse(model_ids=model_ids)

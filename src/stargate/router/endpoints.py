@@ -1,0 +1,55 @@
+"""Non-proxy HTTP endpoints: health, readiness, model discovery and the operator snapshot (§4.1, §4.10)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from stargate.errors import RequestError
+from stargate.router.proxy import error_response
+
+
+@dataclass
+class Endpoints:
+    """``config`` is the explicit, non-secret field set of ``/debug/state``; nothing else is exposed."""
+
+    list_models: Callable[[str | None, list[str]], list[str]]
+    active_model_ids: Callable[[], list[str]]
+    config: Callable[[], Mapping[str, object]]
+    draining: bool = False
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        filters = [value.strip() for value in request.query.getall("model_ids", [])]
+        if any(not value for value in filters):
+            return error_response(400, "model_ids must not contain empty values")
+        try:
+            model_ids = self.list_models(None, filters)
+        except RequestError as exc:
+            return error_response(exc.status, exc.message, exc.code)
+        return _json({"model_ids": model_ids})
+
+    async def debug_state(self, request: web.Request) -> web.Response:
+        return _json(
+            {"config": dict(self.config()), "active_model_ids": sorted(set(self.active_model_ids()))}
+        )
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/debug/state", self.debug_state)
+
+
+def _json(payload: object) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")

@@ -1,0 +1,208 @@
+"""Prometheus metrics of the router (spec §6): exact names, label order and buckets.
+
+Each ``RouterMetrics`` owns its own ``CollectorRegistry`` so several routers (tests, benches) can
+live in one process. Label values use ``""`` for a missing routing key; request ids, prompts, URLs
+and tokens are never labels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from stargate.balancer.types import Target
+
+REPLAY_BUFFER_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+PROXY_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+ROUTING_DURATION_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1)
+DEFAULT_PREFIX = "stargate_"
+
+
+class _Children:
+    """Label-child lookup without ``labels()``'s lock and validation on every request.
+
+    Holds exactly the children prometheus_client already keeps (series are never removed), so it
+    adds no cardinality of its own.
+    """
+
+    __slots__ = ("_cache", "_metric")
+
+    def __init__(self, metric: Counter | Histogram | Gauge) -> None:
+        self._metric = metric
+        self._cache: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
+
+
+def _counter_name(prefix: str, name: str) -> str:
+    # prometheus_client appends "_total" itself; pass the base name so the exposed name is exact.
+    return f"{prefix}{name}".removesuffix("_total")
+
+
+class RouterMetrics:
+    """All router series. Methods take a ``Target`` so label spelling lives in one place."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg = self.registry
+        tgt = ("routing_key", "model")
+        self.requests_total = Counter(
+            _counter_name(prefix, "requests_total"),
+            "Finished proxied requests.",
+            (*tgt, "inference_server_id", "status"),
+            registry=reg,
+        )
+        self.proxy_attempts_total = Counter(
+            _counter_name(prefix, "proxy_attempts_total"),
+            "Upstream attempts.",
+            (*tgt, "inference_server_id", "result"),
+            registry=reg,
+        )
+        self.proxy_retries_total = Counter(
+            _counter_name(prefix, "proxy_retries_total"),
+            "Proxy retries by reason.",
+            (*tgt, "reason"),
+            registry=reg,
+        )
+        self.routing_selections_total = Counter(
+            _counter_name(prefix, "routing_selections_total"),
+            "Cluster selections.",
+            (*tgt, "algorithm", "selection"),
+            registry=reg,
+        )
+        self.routing_kv_free_token_fallback_selections_total = Counter(
+            _counter_name(prefix, "routing_kv_free_token_fallback_selections_total"),
+            "Selections reached after a higher-ranked candidate failed the KV check.",
+            (*tgt, "algorithm"),
+            registry=reg,
+        )
+        self.proxy_retry_exhausted_total = Counter(
+            _counter_name(prefix, "proxy_retry_exhausted_total"),
+            "Requests that ran out of retries.",
+            (*tgt, "reason"),
+            registry=reg,
+        )
+        self.admission_rejections_total = Counter(
+            _counter_name(prefix, "admission_rejections_total"),
+            "Input-work admission rejections.",
+            (*tgt, "reason"),
+            registry=reg,
+        )
+        self.quic_connection_evictions_total = Counter(
+            _counter_name(prefix, "quic_connection_evictions_total"),
+            "Hot-path connection evictions.",
+            ("inference_server_id", "reason"),
+            registry=reg,
+        )
+        self.quic_hot_path_reconnect_total = Counter(
+            _counter_name(prefix, "quic_hot_path_reconnect_total"),
+            "Hot-path reconnects.",
+            ("inference_server_id", "result"),
+            registry=reg,
+        )
+        self.tls_reloads_total = Counter(
+            _counter_name(prefix, "tls_reloads_total"),
+            "TLS identity reload attempts.",
+            ("material_type", "result"),
+            registry=reg,
+        )
+        for result in ("success", "rejected"):
+            self.tls_reloads_total.labels("server_identity", result)
+        self.proxy_replay_buffer_bytes = Histogram(
+            f"{prefix}proxy_replay_buffer_bytes",
+            "Buffered request body bytes per attempt.",
+            ("model",),
+            buckets=REPLAY_BUFFER_BUCKETS,
+            registry=reg,
+        )
+        self.proxy_duration_seconds = Histogram(
+            f"{prefix}proxy_duration_seconds",
+            "Seconds from request arrival to upstream response headers.",
+            (*tgt, "inference_server_id"),
+            buckets=PROXY_DURATION_BUCKETS,
+            registry=reg,
+        )
+        self.routing_duration_seconds = Histogram(
+            f"{prefix}routing_duration_seconds",
+            "Seconds from routing start to the first backend selection.",
+            tgt,
+            buckets=ROUTING_DURATION_BUCKETS,
+            registry=reg,
+        )
+        self.active_inference_servers = Gauge(
+            f"{prefix}active_inference_servers",
+            "Active backends per routing target.",
+            tgt,
+            registry=reg,
+        )
+        self.tls_certificate_expiry_seconds = Gauge(
+            f"{prefix}tls_certificate_expiry_seconds",
+            "Unix expiry of a provided TLS identity.",
+            ("material_type",),
+            registry=reg,
+        )
+
+        self._requests = _Children(self.requests_total)
+        self._attempts = _Children(self.proxy_attempts_total)
+        self._retries = _Children(self.proxy_retries_total)
+        self._exhausted = _Children(self.proxy_retry_exhausted_total)
+        self._selections = _Children(self.routing_selections_total)
+        self._kv_fallbacks = _Children(self.routing_kv_free_token_fallback_selections_total)
+        self._admission = _Children(self.admission_rejections_total)
+        self._replay = _Children(self.proxy_replay_buffer_bytes)
+        self._proxy_duration = _Children(self.proxy_duration_seconds)
+        self._routing_duration = _Children(self.routing_duration_seconds)
+        self._active = _Children(self.active_inference_servers)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- per-event helpers -------------------------------------------------------------------------
+
+    def set_active(self, target: Target, count: int) -> None:
+        self._active(_rk(target), target.model_id).set(count)
+
+    def request_finished(self, target: Target, backend_id: str, status: int) -> None:
+        self._requests(_rk(target), target.model_id, backend_id, str(status)).inc()
+
+    def attempt(self, target: Target, backend_id: str, result: str) -> None:
+        self._attempts(_rk(target), target.model_id, backend_id, result).inc()
+
+    def retry(self, target: Target, reason: str) -> None:
+        self._retries(_rk(target), target.model_id, reason).inc()
+
+    def retry_exhausted(self, target: Target, reason: str) -> None:
+        self._exhausted(_rk(target), target.model_id, reason).inc()
+
+    def selection(self, target: Target, algorithm: str, rank_depth: int, kv_fallback: bool) -> None:
+        kind = "primary" if rank_depth <= 1 else "fallback"
+        self._selections(_rk(target), target.model_id, algorithm, kind).inc()
+        if kv_fallback:
+            self._kv_fallbacks(_rk(target), target.model_id, algorithm).inc()
+
+    def admission_rejected(self, target: Target, reason: str) -> None:
+        self._admission(_rk(target), target.model_id, reason).inc()
+
+    def replay_buffer(self, target: Target, buffered: int) -> None:
+        self._replay(target.model_id).observe(buffered)
+
+    def proxy_duration(self, target: Target, backend_id: str, seconds: float) -> None:
+        self._proxy_duration(_rk(target), target.model_id, backend_id).observe(seconds)
+
+    def routing_duration(self, target: Target, seconds: float) -> None:
+        self._routing_duration(_rk(target), target.model_id).observe(seconds)
+
+    def eviction(self, backend_id: str, reason: str) -> None:
+        self.quic_connection_evictions_total.labels(backend_id, reason).inc()
+
+    def reconnect(self, backend_id: str, ok: bool) -> None:
+        self.quic_hot_path_reconnect_total.labels(backend_id, "success" if ok else "error").inc()
+
+
+def _rk(target: Target) -> str:
+    return target.routing_key or ""

@@ -1,0 +1,162 @@
+"""The HTTP proxy handler: parse headers, run attempts, stream the final answer (spec §4).
+
+Bodies are opaque in both directions: the request body is streamed through the replay buffer, the
+response is relayed chunk by chunk as it arrives (``iter_any``), with no parsing and no per-chunk
+logging. Every error Stargate produces itself carries a short JSON body naming the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from stargate.balancer.types import Target
+from stargate.errors import RequestError, UpstreamError
+from stargate.router.headers import (
+    REQUEST_DROPPED,
+    RESPONSE_DROPPED,
+    ResolveAlgorithm,
+    filter_headers,
+    parse_request,
+    valid_header_value,
+)
+from stargate.router.metrics import RouterMetrics
+from stargate.router.replay import ReplayBody
+from stargate.router.retries import AttemptRunner, LocalFailure, Passthrough
+
+log = logging.getLogger(__name__)
+
+ERROR_CODE_HEADER = "x-stargate-error-code"
+# Codes the spec puts on the wire as x-stargate-error-code; other local errors carry only a JSON body.
+HEADER_ERROR_CODES = frozenset({"no_eligible_candidates", "input_work_limit_exceeded"})
+FALLBACK_CODES = {
+    400: "invalid_request",
+    413: "payload_too_large",
+    500: "internal_error",
+    502: "upstream_transport_error",
+    503: "no_selectable_backend",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    max_replay_body_bytes: int = 67_108_864
+    retry_budget_header: str | None = "x-stargate-max-wait-ms"
+
+
+def error_response(status: int, message: str, code: str | None = None) -> web.Response:
+    code = code or FALLBACK_CODES.get(status, "error")
+    body = orjson.dumps({"error": message, "code": code})
+    response = web.Response(status=status, body=body, content_type="application/json")
+    if code in HEADER_ERROR_CODES:
+        response.headers[ERROR_CODE_HEADER] = code
+    return response
+
+
+class ProxyHandler:
+    def __init__(
+        self,
+        runner: AttemptRunner,
+        metrics: RouterMetrics,
+        resolve: ResolveAlgorithm,
+        settings: ProxySettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._runner = runner
+        self._metrics = metrics
+        self._resolve = resolve
+        self._settings = settings
+        self._clock = clock
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no proxied request is in flight; False when ``timeout_s`` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        received_at = self._clock()
+        try:
+            parsed = parse_request(
+                request.headers,
+                resolve=self._resolve,
+                retry_budget_header=self._settings.retry_budget_header,
+                max_replay_body_bytes=self._settings.max_replay_body_bytes,
+                received_at=received_at,
+            )
+        except RequestError as exc:
+            return error_response(exc.status, exc.message, exc.code)
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            source = request.content.iter_any() if request.body_exists else None
+            replay = ReplayBody(source, self._settings.max_replay_body_bytes)
+            headers = filter_headers(request.headers.items(), REQUEST_DROPPED)
+            try:
+                outcome = await self._runner.run(parsed, request.method, request.path_qs, headers, replay)
+            except Exception:
+                log.exception(
+                    "request %s for model %s failed inside the proxy",
+                    parsed.request_id,
+                    parsed.target.model_id,
+                )
+                self._metrics.request_finished(parsed.target, "", 500)
+                return error_response(500, "internal proxy error")
+            if isinstance(outcome, LocalFailure):
+                self._metrics.request_finished(parsed.target, outcome.backend_id, outcome.status)
+                return error_response(outcome.status, outcome.message, outcome.code)
+            return await self._relay(request, outcome, parsed.target)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _relay(self, request: web.Request, outcome: Passthrough, target: Target) -> web.StreamResponse:
+        upstream, backend = outcome.response, outcome.backend
+        if not (
+            valid_header_value(backend.inference_server_id)
+            and valid_header_value(backend.url)
+            and valid_header_value(backend.cluster_id)
+        ):
+            upstream.release()
+            self._metrics.request_finished(target, backend.inference_server_id, 500)
+            return error_response(500, "backend identity cannot be sent as a header value")
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(filter_headers(upstream.headers, RESPONSE_DROPPED))
+        response.headers["x-inference-server-id"] = backend.inference_server_id
+        response.headers["x-inference-server-url"] = backend.url
+        response.headers["x-stargate-cluster-id"] = backend.cluster_id
+        try:
+            await response.prepare(request)
+            async for chunk in upstream.chunks():
+                await response.write(chunk)
+            await response.write_eof()
+        except UpstreamError as exc:
+            # Headers are gone already: the only honest signal left is an aborted connection.
+            log.warning(
+                "upstream %s broke mid-response for model %s: %s",
+                backend.inference_server_id,
+                target.model_id,
+                exc,
+            )
+            if request.transport is not None:
+                request.transport.abort()
+        except ConnectionError:
+            pass  # the client went away; nothing left to tell it
+        finally:
+            upstream.release()
+            self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
+        return response

@@ -1,0 +1,317 @@
+"""Routing state: live registrations, routing targets and their shared snapshots (spec §1.2 to §1.11).
+
+All mutation happens synchronously on the event loop, so every operation is atomic with respect to
+requests. Readers take a ``TargetView`` (an immutable snapshot rebuilt only when the target
+changes) and keep it for the whole routing attempt.
+
+Generations (§1.4): each admission gets a registration generation, and cleanup or updates from a
+stale handle never touch a same-id replacement. Registrations of one ``(routing_key, cluster_id)``
+share a cluster generation; a cluster entry bound to a retired one is replaced, not merged. A
+target is retired when its last cluster disappears; a later publication creates a new generation
+with fresh load-balancer instances and counters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+
+from stargate.balancer import build_policy
+from stargate.balancer.settings import AlgorithmDefinition, Policy
+from stargate.balancer.types import Candidate, ModelStats, Target
+from stargate.errors import RequestError
+from stargate.router.clusters import Backend, BackendPicker, ClusterState, Member, Reservation
+
+__all__ = ["Backend", "RegistrationHandle", "Reservation", "RoutingState", "TargetView"]
+
+BLANK_MODEL_ID_MESSAGE = "model_ids must not contain empty values"
+
+
+class TargetView:
+    """Immutable snapshot of one routing target with pending reservations applied.
+
+    ``candidates`` is shared by every reader until the target changes. Policy instances and the
+    per-cluster backend counters belong to the target generation, so views of one generation share
+    them and a view taken before a retirement keeps the old ones.
+    """
+
+    __slots__ = ("_pickers", "_policies", "candidates", "generation", "target")
+
+    def __init__(
+        self,
+        target: Target,
+        generation: int,
+        candidates: tuple[Candidate, ...],
+        pickers: Mapping[str, BackendPicker],
+        policies: dict[AlgorithmDefinition, Policy],
+    ) -> None:
+        self.target = target
+        self.generation = generation
+        self.candidates = candidates
+        self._pickers = pickers
+        self._policies = policies
+
+    def policy(self, definition: AlgorithmDefinition) -> Policy:
+        """The load balancer of this target generation for ``definition`` (compared by identity)."""
+        policy = self._policies.get(definition)
+        if policy is None:
+            policy = self._policies[definition] = build_policy(definition)
+        return policy
+
+    def pick_backend(self, cluster_id: str, failed_backend_ids: Set[str] = frozenset()) -> Backend | None:
+        """Round robin over the cluster's backends sorted by id, skipping failed ones (§1.11)."""
+        picker = self._pickers.get(cluster_id)
+        return None if picker is None else picker.pick(failed_backend_ids)
+
+    def backends(self, cluster_id: str) -> tuple[Backend, ...]:
+        picker = self._pickers.get(cluster_id)
+        return () if picker is None else picker.backends
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationHandle:
+    """Proof of one admission; every registration-side call must present it."""
+
+    backend: Backend
+    routing_key: str | None
+    generation: int
+
+
+@dataclass(slots=True)
+class _Registration:
+    handle: RegistrationHandle
+    advertised: frozenset[str] = frozenset()
+    active: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _ClusterGeneration:
+    generation: int
+    members: int = 0
+
+
+class _TargetState:
+    __slots__ = ("clusters", "generation", "pickers", "policies", "view")
+
+    def __init__(self, target: Target, generation: int) -> None:
+        self.generation = generation
+        self.clusters: dict[str, ClusterState] = {}
+        self.policies: dict[AlgorithmDefinition, Policy] = {}
+        self.pickers: dict[str, BackendPicker] = {}
+        self.view = TargetView(target, generation, (), self.pickers, self.policies)
+
+    def rebuild(self, target: Target, *, membership_changed: bool) -> None:
+        if membership_changed:
+            self.pickers = {cid: c.picker for cid, c in self.clusters.items()}
+        candidates = tuple(c.candidate for c in self.clusters.values())
+        self.view = TargetView(target, self.generation, candidates, self.pickers, self.policies)
+
+    def active_count(self) -> int:
+        return sum(len(c.members) for c in self.clusters.values())
+
+
+class RoutingState:
+    """Every live registration and routing target of this process.
+
+    ``on_active_count(target, n)`` runs after every registration-side change of a target with its
+    active backend count (0 once it is gone); reservations do not change the count and do not call it.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_active_count: Callable[[Target, int], None] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._on_active_count = on_active_count
+        self._generations = itertools.count(1)
+        self._live: dict[str, _Registration] = {}
+        self._cluster_generations: dict[tuple[str | None, str], _ClusterGeneration] = {}
+        self._targets: dict[Target, _TargetState] = {}
+        self._advertised: dict[Target, int] = {}
+
+    # ---- readers (proxy side) ------------------------------------------------------------------
+
+    def view(self, target: Target) -> TargetView | None:
+        state = self._targets.get(target)
+        return None if state is None else state.view
+
+    def is_advertised(self, target: Target) -> bool:
+        """Whether any live registration lists the model in its latest update, whatever its status."""
+        return self._advertised.get(target, 0) > 0
+
+    def list_models(self, routing_key: str | None, model_ids: Sequence[str] = ()) -> list[str]:
+        """Sorted unique ids of models with an active backend for the routing key (§5.8).
+
+        A blank routing key means unscoped; a blank filter raises ``RequestError``.
+        """
+        key = routing_key.strip() if routing_key is not None else None
+        key = key or None
+        wanted = [m.strip() for m in model_ids]
+        if any(not m for m in wanted):
+            raise RequestError(400, BLANK_MODEL_ID_MESSAGE)
+        if wanted:
+            return sorted({m for m in wanted if Target(key, m) in self._targets})
+        return sorted({t.model_id for t in self._targets if t.routing_key == key})
+
+    def active_model_ids(self) -> list[str]:
+        return sorted({t.model_id for t in self._targets})
+
+    def registration_count(self) -> int:
+        return len(self._live)
+
+    def is_registered(self, inference_server_id: str) -> bool:
+        return inference_server_id in self._live
+
+    # ---- reservations (§1.9) -------------------------------------------------------------------
+
+    def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Reservation:
+        """Add one attempt's optimistic load to the backend's cluster; inert if the backend left."""
+        registration = self._live.get(backend_id)
+        cluster_id = registration.handle.backend.cluster_id if registration else ""
+        reservation = Reservation(target, cluster_id, backend_id, max(0, input_tokens), priority)
+        state = self._targets.get(target)
+        cluster = state.clusters.get(cluster_id) if state is not None else None
+        if state is not None and cluster is not None and backend_id in cluster.members:
+            cluster.add_reservation(reservation)
+            state.rebuild(target, membership_changed=False)
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        state = self._targets.get(reservation.target)
+        cluster = state.clusters.get(reservation.cluster_id) if state is not None else None
+        if state is not None and cluster is not None and cluster.release(reservation):
+            state.rebuild(reservation.target, membership_changed=False)
+
+    # ---- registrations (control plane side) ----------------------------------------------------
+
+    def admit(
+        self, inference_server_id: str, url: str, cluster_id: str, routing_key: str | None
+    ) -> RegistrationHandle | None:
+        """Admit a registration; ``None`` when the id already belongs to a live registration."""
+        if inference_server_id in self._live:
+            return None
+        effective_cluster = cluster_id or inference_server_id
+        key = (routing_key, effective_cluster)
+        cluster_generation = self._cluster_generations.get(key)
+        if cluster_generation is None:
+            cluster_generation = self._cluster_generations[key] = _ClusterGeneration(next(self._generations))
+        cluster_generation.members += 1
+        backend = Backend(inference_server_id, url, effective_cluster)
+        handle = RegistrationHandle(backend, routing_key, next(self._generations))
+        self._live[inference_server_id] = _Registration(handle)
+        return handle
+
+    def apply_update(
+        self, handle: RegistrationHandle, models: Mapping[str, ModelStats | None], rtt_ns: int | None
+    ) -> bool:
+        """Apply one full snapshot (§1.6). ``models`` maps every listed model to its stats when the
+        effective status is ACTIVE, else ``None``; without an RTT no model is routable.
+
+        Returns ``False`` (and changes nothing) for a handle that is no longer live.
+        """
+        registration = self._current(handle)
+        if registration is None:
+            return False
+        routing_key = handle.routing_key
+        listed = frozenset(models)
+        self._readvertise(routing_key, registration.advertised, listed)
+        registration.advertised = listed
+        touched: list[Target] = []
+        for model_id in [m for m in registration.active if m not in models]:
+            target = Target(routing_key, model_id)
+            self._remove_member(target, handle)
+            registration.active.discard(model_id)
+            touched.append(target)
+        now = self._clock()
+        for model_id, stats in models.items():
+            target = Target(routing_key, model_id)
+            if stats is not None and rtt_ns is not None:
+                self._upsert(target, handle, Member(handle.backend, stats, rtt_ns, now, handle.generation))
+                registration.active.add(model_id)
+            elif model_id in registration.active:
+                self._remove_member(target, handle)
+                registration.active.discard(model_id)
+            touched.append(target)
+        self._report(touched)
+        return True
+
+    def remove(self, handle: RegistrationHandle) -> None:
+        """End a registration: remove its routes, release its id, retire its cluster generation."""
+        registration = self._current(handle)
+        if registration is None:
+            return
+        routing_key = handle.routing_key
+        touched = [Target(routing_key, m) for m in registration.active]
+        for target in touched:
+            self._remove_member(target, handle)
+        self._readvertise(routing_key, registration.advertised, frozenset())
+        del self._live[handle.backend.inference_server_id]
+        key = (routing_key, handle.backend.cluster_id)
+        cluster_generation = self._cluster_generations[key]
+        cluster_generation.members -= 1
+        if cluster_generation.members == 0:
+            del self._cluster_generations[key]
+        self._report(touched)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _current(self, handle: RegistrationHandle) -> _Registration | None:
+        registration = self._live.get(handle.backend.inference_server_id)
+        if registration is None or registration.handle.generation != handle.generation:
+            return None
+        return registration
+
+    def _readvertise(self, routing_key: str | None, before: frozenset[str], after: frozenset[str]) -> None:
+        for model_id in before - after:
+            target = Target(routing_key, model_id)
+            remaining = self._advertised[target] - 1
+            if remaining:
+                self._advertised[target] = remaining
+            else:
+                del self._advertised[target]
+        for model_id in after - before:
+            target = Target(routing_key, model_id)
+            self._advertised[target] = self._advertised.get(target, 0) + 1
+
+    def _upsert(self, target: Target, handle: RegistrationHandle, member: Member) -> None:
+        state = self._targets.get(target)
+        if state is None:
+            state = self._targets[target] = _TargetState(target, next(self._generations))
+        cluster_id = handle.backend.cluster_id
+        generation = self._cluster_generations[(handle.routing_key, cluster_id)].generation
+        cluster = state.clusters.get(cluster_id)
+        if cluster is None or cluster.generation != generation:
+            cluster = state.clusters[cluster_id] = ClusterState(cluster_id, generation)
+        joined = member.backend.inference_server_id not in cluster.members
+        cluster.upsert(member)
+        state.rebuild(target, membership_changed=joined)
+
+    def _remove_member(self, target: Target, handle: RegistrationHandle) -> None:
+        state = self._targets.get(target)
+        if state is None:
+            return
+        cluster_id = handle.backend.cluster_id
+        cluster = state.clusters.get(cluster_id)
+        if cluster is None:
+            return
+        member = cluster.members.get(handle.backend.inference_server_id)
+        if member is None or member.generation != handle.generation:
+            return
+        cluster.remove(handle.backend.inference_server_id)
+        if not cluster.members:
+            del state.clusters[cluster_id]
+        if not state.clusters:
+            del self._targets[target]
+            return
+        state.rebuild(target, membership_changed=True)
+
+    def _report(self, targets: Iterable[Target]) -> None:
+        if self._on_active_count is None:
+            return
+        for target in dict.fromkeys(targets):
+            state = self._targets.get(target)
+            self._on_active_count(target, 0 if state is None else state.active_count())

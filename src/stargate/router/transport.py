@@ -1,0 +1,157 @@
+"""Stargate → backend transport: one narrow interface, plain HTTP/1.1 keep-alive behind it.
+
+The original speaks QUIC tunnels; here every backend is reached at its registered
+``inference_server_url`` through one process-wide ``aiohttp.ClientSession``. Another transport
+(QUIC, reverse tunnels) only has to implement ``Transport``. Library errors become
+``UpstreamError`` at this boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from stargate.errors import UpstreamError
+from stargate.router.routing import BackendRef
+
+# aiohttp adds these on its own unless told not to; a proxy must send only what the client sent.
+SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+DEFAULT_LIMIT_PER_HOST = 1024
+KEEPALIVE_TIMEOUT_S = 15.0
+
+
+class UpstreamResponse(Protocol):
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def headers(self) -> Iterable[tuple[str, str]]: ...
+    def header(self, name: str) -> str | None: ...
+    def chunks(self) -> AsyncIterator[bytes]: ...
+    def release(self) -> None: ...
+
+
+class Transport(Protocol):
+    async def send(
+        self,
+        backend: BackendRef,
+        method: str,
+        path_qs: str,
+        headers: CIMultiDict[str],
+        body: bytes | AsyncIterable[bytes],
+    ) -> UpstreamResponse:
+        """Send one attempt and return once response headers arrived; raises ``UpstreamError``."""
+        ...
+
+    async def reconnect(self, backend: BackendRef) -> bool:
+        """Re-establish connectivity to ``backend`` after a transport failure."""
+        ...
+
+
+def make_session(
+    connect_timeout_s: float, limit_per_host: int = DEFAULT_LIMIT_PER_HOST
+) -> aiohttp.ClientSession:
+    """The process-wide client session: no total timeout, bytes passed through untouched."""
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=limit_per_host, keepalive_timeout=KEEPALIVE_TIMEOUT_S
+    )
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        skip_auto_headers=SKIP_AUTO_HEADERS,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+class _AiohttpResponse:
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+
+    @property
+    def status(self) -> int:
+        return self._resp.status
+
+    @property
+    def reason(self) -> str | None:
+        return self._resp.reason
+
+    @property
+    def headers(self) -> Iterable[tuple[str, str]]:
+        return self._resp.headers.items()
+
+    def header(self, name: str) -> str | None:
+        return self._resp.headers.get(name)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(f"upstream body failed: {exc!r}") from exc
+
+    def release(self) -> None:
+        self._resp.release()
+
+
+class HttpTransport:
+    """HTTP/1.1 keep-alive to each backend's registered URL.
+
+    ``connect_timeout_s`` bounds connection establishment (``--quic-connect-timeout-ms``);
+    ``request_timeout_s`` bounds the time until response headers (``--quic-request-timeout-ms``).
+    The response body has no overall deadline: long generations are legitimate.
+    """
+
+    def __init__(
+        self, session: aiohttp.ClientSession, *, connect_timeout_s: float, request_timeout_s: float
+    ) -> None:
+        self._session = session
+        self._connect_timeout_s = connect_timeout_s
+        self._request_timeout_s = request_timeout_s
+
+    async def send(
+        self,
+        backend: BackendRef,
+        method: str,
+        path_qs: str,
+        headers: CIMultiDict[str],
+        body: bytes | AsyncIterable[bytes],
+    ) -> UpstreamResponse:
+        url = URL(backend.url.rstrip("/") + path_qs, encoded=True)
+        try:
+            async with asyncio.timeout(self._request_timeout_s):
+                resp = await self._session.request(
+                    method, url, headers=headers, data=body, allow_redirects=False
+                )
+        except TimeoutError as exc:
+            raise UpstreamError(f"no response headers from {backend.inference_server_id} in time") from exc
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise UpstreamError(f"transport to {backend.inference_server_id} failed: {exc!r}") from exc
+        return _AiohttpResponse(resp)
+
+    async def reconnect(self, backend: BackendRef) -> bool:
+        parts = urlsplit(backend.url)
+        host = parts.hostname
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if not host:
+            return False
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True

@@ -1,0 +1,113 @@
+"""`WatchStargates` content (spec §5.7): the Stargate list and the remote watch URLs, normalised.
+
+Discovery here is self-only (``--disable-dns-discovery``), so the snapshot is fixed once the
+listeners are bound; it is sent at once and re-sent every ``watch_heartbeat_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
+
+from stargate.proto import stargate_pb2
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True, slots=True)
+class StargateEntry:
+    stargate_id: str
+    advertise_addr: str
+    http_advertise_addr: str = ""
+    grpc_pylon_dial_addr: str = ""
+
+
+def normalize_stargates(
+    entries: Iterable[StargateEntry], grpc_pylon_dial_addr: str | None
+) -> list[StargateEntry]:
+    """Group by ``advertise_addr`` (a later non-empty id wins over earlier or empty ones), then
+    de-duplicate by id (or address when the id is empty) and sort by that key."""
+    by_addr: dict[str, StargateEntry] = {}
+    for entry in entries:
+        kept = by_addr.get(entry.advertise_addr)
+        if kept is None or entry.stargate_id:
+            by_addr[entry.advertise_addr] = entry
+    by_key: dict[str, StargateEntry] = {}
+    for entry in by_addr.values():
+        by_key.setdefault(entry.stargate_id or entry.advertise_addr, entry)
+    dial = (grpc_pylon_dial_addr or "").strip()
+    ordered = [by_key[k] for k in sorted(by_key)]
+    return [replace(e, grpc_pylon_dial_addr=dial) for e in ordered] if dial else ordered
+
+
+def url_key(raw: str) -> str:
+    """``host:port`` identity of a watch URL (``http://`` assumed); ``ValueError`` if unusable."""
+    text = raw.strip()
+    parts = urlsplit(text if "://" in text else f"http://{text}")
+    host = parts.hostname
+    port = parts.port if parts.port is not None else _DEFAULT_PORTS.get(parts.scheme.lower())
+    if not host or port is None:
+        raise ValueError(f"not a host:port watch URL: {raw!r}")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def self_endpoint_keys(advertise_addr: str, discovery_dns_name: str | None, port: int) -> set[str]:
+    """Keys that name this Stargate: its advertised address and its discovery DNS names."""
+    names = [advertise_addr]
+    if discovery_dns_name:
+        names.append(f"{discovery_dns_name}:{port}")
+        names.append(f"{discovery_dns_name.replace('-headless.', '.')}:{port}")
+    keys: set[str] = set()
+    for name in names:
+        try:
+            keys.add(url_key(name))
+        except ValueError:
+            continue
+    return keys
+
+
+def normalize_watch_urls(raw_urls: Iterable[str], exclude_keys: set[str]) -> list[str]:
+    """Trimmed, non-blank URLs, one per ``host:port`` key (first spelling kept), sorted by key,
+    without this Stargate's own endpoints. Unusable URLs raise ``ValueError``."""
+    by_key: dict[str, str] = {}
+    for raw in raw_urls:
+        text = raw.strip()
+        if not text:
+            continue
+        key = url_key(text)
+        if key not in exclude_keys:
+            by_key.setdefault(key, text)
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def build_response(
+    entries: Iterable[StargateEntry], urls: Iterable[str]
+) -> stargate_pb2.WatchStargatesResponse:
+    return stargate_pb2.WatchStargatesResponse(
+        stargates=[
+            stargate_pb2.StargateInfo(
+                stargate_id=e.stargate_id,
+                advertise_addr=e.advertise_addr,
+                http_advertise_addr=e.http_advertise_addr,
+                grpc_pylon_dial_addr=e.grpc_pylon_dial_addr,
+            )
+            for e in entries
+        ],
+        watch_stargate_urls=list(urls),
+    )
+
+
+async def publish(
+    snapshot: stargate_pb2.WatchStargatesResponse, heartbeat_s: float, stopping: asyncio.Event
+) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
+    """The watch stream: the snapshot at once (when non-empty), then again every heartbeat until
+    ``stopping`` is set."""
+    if snapshot.stargates or snapshot.watch_stargate_urls:
+        yield snapshot
+    while not stopping.is_set():
+        try:
+            await asyncio.wait_for(stopping.wait(), heartbeat_s)
+        except TimeoutError:
+            yield snapshot

@@ -1,0 +1,74 @@
+"""Microbenchmark: microseconds per decision at 4, 64 and 512 clusters (run directly, not a test).
+
+.venv/bin/python tests/bench_balancer.py
+"""
+
+from __future__ import annotations
+
+import random
+import timeit
+from types import MappingProxyType
+
+from stargate.balancer import (
+    Algorithm,
+    AlgorithmDefinition,
+    Candidate,
+    Comparator,
+    LbRequest,
+    ModelStats,
+    Target,
+    build_policy,
+)
+
+DEFINITIONS = {
+    "power-of-n (k=2, ttft)": AlgorithmDefinition(Algorithm.POWER_OF_N, comparator=Comparator.TTFT),
+    "round-robin": AlgorithmDefinition(Algorithm.ROUND_ROBIN),
+    "random": AlgorithmDefinition(Algorithm.RANDOM),
+    "wait-and-widen (ttft)": AlgorithmDefinition(Algorithm.WAIT_AND_WIDEN, comparator=Comparator.TTFT),
+    "wait-and-widen affinity (X=200)": AlgorithmDefinition(
+        Algorithm.WAIT_AND_WIDEN, comparator=Comparator.TTFT, selection_count=2, cache_affinity_wait_ms=200
+    ),
+    "pulsar": AlgorithmDefinition(Algorithm.PULSAR),
+    "pulsar-wait-and-widen (slo)": AlgorithmDefinition(
+        Algorithm.PULSAR_WAIT_AND_WIDEN, queue_slo_ms=(50, 500)
+    ),
+}
+
+
+def make_candidates(count: int, generator: random.Random) -> tuple[Candidate, ...]:
+    return tuple(
+        Candidate(
+            cluster_id=f"cluster-{i:04d}",
+            stats=ModelStats(
+                last_mean_input_tps=generator.uniform(500.0, 5000.0),
+                queued_input_size=generator.randrange(0, 20_000),
+                num_running_queries=generator.randrange(0, 40),
+                max_engine_concurrency=32,
+                queue_time_estimate_ms_by_priority=MappingProxyType({0: generator.randrange(0, 400)}),
+            ),
+            rtt_s=generator.uniform(0.001, 0.08),
+        )
+        for i in range(count)
+    )
+
+
+def main() -> None:
+    generator = random.Random(1)
+    request = LbRequest(Target(None, "model"), 1000, received_at=0.0, now=0.03, cache_affinity_key="prefix-7")
+    print(f"{'algorithm':34s}" + "".join(f"{n:>10d}" for n in (4, 64, 512)) + "   (µs per decision)")
+    for name, definition in DEFINITIONS.items():
+        row = []
+        for count in (4, 64, 512):
+            candidates = make_candidates(count, generator)
+            policy = build_policy(definition)
+            policy.decide(candidates, request, generator)  # build rings and caches outside the timing
+            loops = max(200, 40_000 // count)
+            seconds = min(
+                timeit.repeat(lambda: policy.decide(candidates, request, generator), number=loops, repeat=3)  # noqa: B023
+            )
+            row.append(seconds / loops * 1e6)
+        print(f"{name:34s}" + "".join(f"{value:10.2f}" for value in row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Registration streams against a real grpc.aio server and a real /health endpoint on loopback.
+
+Conformance 81, 83, 85, 97, 128-131, 134, 136 (and §5.3 authentication, caps and shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+from grpc import aio
+
+from stargate.balancer.types import Target
+from stargate.proto import stargate_pb2 as pb
+from stargate.proto import stargate_pb2_grpc
+from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
+from stargate.router.health import HealthProber, wait_stopped
+from stargate.router.state import RoutingState
+
+T = Target(None, "model-a")
+CALL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class HealthServer:
+    healthy: bool = True
+    seen: list[dict[str, str]] = field(default_factory=list)
+    url: str = ""
+    probed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.seen.append({k.lower(): v for k, v in request.headers.items()})
+        self.probed.set()
+        return web.Response(text="ok") if self.healthy else web.Response(status=503)
+
+
+@dataclass
+class Harness:
+    state: RoutingState
+    plane: ControlPlane
+    stub: stargate_pb2_grpc.StargateControlPlaneStub
+    health: HealthServer
+    session: aiohttp.ClientSession
+
+    def open(self, metadata: tuple[tuple[str, str], ...] = ()) -> aio.StreamStreamCall:
+        return self.stub.RegisterInferenceServer(metadata=metadata, timeout=CALL_TIMEOUT_S)
+
+
+class TokenAuthenticator:
+    async def authenticate(self, token: str | None) -> str | None:
+        if token == "bad":
+            raise PermissionError("rejected")
+        return None if token is None else f"rk-{token}"
+
+
+async def make_harness(**overrides: object) -> AsyncIterator[Harness]:
+    health = HealthServer()
+    app = web.Application()
+    app.router.add_get("/health", health.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    health.url = f"http://127.0.0.1:{port}"
+    values: dict[str, object] = {
+        "stargate_id": "sg-1",
+        "advertise_addr": "127.0.0.1:0",
+        "http_advertise_addr": "127.0.0.1:8000",
+        "health_interval_s": 60.0,
+        "health_timeout_s": 2.0,
+    }
+    values.update(overrides)
+    settings = ControlPlaneSettings(**values)  # type: ignore[arg-type]
+    state = RoutingState()
+    async with aiohttp.ClientSession() as session:
+        plane = ControlPlane(state, settings, session, authenticator=TokenAuthenticator())
+        grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
+        async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)
+            yield Harness(state, plane, stub, health, session)
+        await plane.stop(0.5)
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    async for value in make_harness():
+        yield value
+
+
+def message(
+    url: str,
+    *,
+    server_id: str = "srv-1",
+    status: int = pb.INFERENCE_SERVER_STATUS_ACTIVE,
+    with_stats: bool = True,
+    cluster_id: str = "",
+    models: tuple[str, ...] = ("model-a",),
+) -> pb.InferenceServerRegistration:
+    registration = pb.InferenceServerRegistration(
+        inference_server_id=server_id, inference_server_url=url, cluster_id=cluster_id
+    )
+    for model_id in models:
+        entry = registration.models[model_id]
+        entry.status = status  # type: ignore[assignment]
+        if with_stats:
+            entry.stats.last_mean_input_tps = 100.0
+            entry.stats.queue_size = 2
+    return registration
+
+
+Registration = pb.InferenceServerRegistration
+
+
+async def send(call: aio.StreamStreamCall, registration: Registration) -> pb.InferenceServerAck:
+    await call.write(registration)
+    ack = await call.read()
+    assert isinstance(ack, pb.InferenceServerAck)
+    return ack
+
+
+async def rejected(call: aio.StreamStreamCall, registration: Registration) -> aio.AioRpcError:
+    await call.write(registration)
+    with pytest.raises(aio.AioRpcError) as info:
+        await call.read()
+    return info.value
+
+
+async def test_81_136_status_changes_drive_routing_and_acks_are_empty(harness: Harness) -> None:
+    call = harness.open()
+    ack = await send(call, message(harness.health.url))
+    assert (ack.reverse_tunnel_target, ack.reverse_tunnel_pylon_dial_addr) == ("", "")
+    view = harness.state.view(T)
+    assert view is not None
+    (candidate,) = view.candidates
+    assert (candidate.cluster_id, candidate.stats.queue_size) == ("srv-1", 2)
+    assert candidate.rtt_s > 0
+    backend = view.pick_backend("srv-1")
+    assert backend is not None and backend.url == harness.health.url
+    await send(call, message(harness.health.url, status=pb.INFERENCE_SERVER_STATUS_INACTIVE))
+    assert harness.state.view(T) is None and harness.state.is_advertised(T)
+    await send(call, message(harness.health.url))
+    assert harness.state.view(T) is not None
+    await call.done_writing()
+    assert await call.read() is aio.EOF
+
+
+async def test_health_probe_sends_the_contract_headers(harness: Harness) -> None:
+    call = harness.open()
+    await send(call, message(harness.health.url))
+    probe = harness.health.seen[0]
+    assert probe["x-request-id"] == "stargate-health-srv-1"
+    assert probe["x-model"] == "stargate-health"
+    assert probe["x-input-tokens"] == "0"
+    call.cancel()
+
+
+async def test_83_failing_health_makes_backend_unroutable_until_recovery(harness: Harness) -> None:
+    harness.health.healthy = False
+    call = harness.open()
+    await send(call, message(harness.health.url))
+    assert harness.state.view(T) is None
+    assert harness.state.is_advertised(T)
+    harness.health.healthy = True
+    await send(call, message(harness.health.url))
+    assert harness.state.view(T) is not None
+    call.cancel()
+
+
+async def test_prober_status_follows_each_probe(harness: Harness) -> None:
+    prober = HealthProber(harness.session, harness.health.url + "/", "x", timeout_s=2.0)
+    assert await prober.probe() is not None
+    assert prober.rtt_ns is not None
+    harness.health.healthy = False
+    assert await prober.rtt_for_update() == prober.rtt_ns
+    assert await prober.probe() is None
+    unreachable = HealthProber(harness.session, "http://127.0.0.1:1", "y", timeout_s=2.0)
+    assert await unreachable.rtt_for_update() is None
+
+
+async def test_background_loop_updates_status_until_stopped(harness: Harness) -> None:
+    prober = HealthProber(harness.session, harness.health.url, "loop", interval_s=0.0, timeout_s=2.0)
+    harness.health.healthy = False
+    prober.rtt_ns = 1
+    prober.start()
+    async with asyncio.timeout(CALL_TIMEOUT_S):
+        while prober.rtt_ns is not None:
+            harness.health.probed.clear()
+            await harness.health.probed.wait()
+            await asyncio.sleep(0)
+        harness.health.healthy = True
+        while prober.rtt_ns is None:
+            harness.health.probed.clear()
+            await harness.health.probed.wait()
+            await asyncio.sleep(0)
+    task = prober.stop()
+    assert task is not None and prober.stop() is None
+    await wait_stopped([task])
+    assert task.cancelled()
+
+
+async def test_85_stream_close_removes_routes_and_id(harness: Harness) -> None:
+    call = harness.open()
+    await send(call, message(harness.health.url))
+    await call.done_writing()
+    assert await call.read() is aio.EOF
+    assert harness.state.view(T) is None
+    assert not harness.state.is_advertised(T)
+    assert not harness.state.is_registered("srv-1")
+
+
+async def test_97_duplicate_id_gets_already_exists_and_first_keeps_routing(harness: Harness) -> None:
+    first = harness.open()
+    await send(first, message(harness.health.url))
+    error = await rejected(harness.open(), message(harness.health.url))
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert error.details() == "inference_server_id 'srv-1' is already registered"
+    assert harness.state.view(T) is not None
+    await send(first, message(harness.health.url))
+    first.cancel()
+
+
+@pytest.mark.parametrize(
+    ("registration", "details"),
+    [
+        (pb.InferenceServerRegistration(inference_server_url="http://x:1"), "inference_server_id is empty"),
+        (pb.InferenceServerRegistration(inference_server_id="a"), "inference_server_url is empty"),
+        (
+            pb.InferenceServerRegistration(inference_server_id="a", inference_server_url="quic://10.0.0.1:8080"),
+            "invalid inference_server_url: inference_server_url scheme must be http or https",
+        ),
+        (
+            pb.InferenceServerRegistration(
+                inference_server_id="a", inference_server_url="http://backend.svc:8080", reverse_tunnel=True
+            ),
+            "reverse tunnel flag set but no reverse tunnel config",
+        ),
+    ],
+)
+async def test_128_129_130_admission_errors(
+    harness: Harness, registration: pb.InferenceServerRegistration, details: str
+) -> None:
+    error = await rejected(harness.open(), registration)
+    assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
+    assert harness.state.registration_count() == 0
+
+
+async def test_131_identity_change_ends_stream_and_removes_registration(harness: Harness) -> None:
+    call = harness.open()
+    await send(call, message(harness.health.url))
+    error = await rejected(call, message(harness.health.url, cluster_id="other-cluster"))
+    assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "cluster_id changed")
+    assert harness.state.view(T) is None
+    assert not harness.state.is_registered("srv-1")
+
+
+async def test_authentication_routing_key_and_rejection(harness: Harness) -> None:
+    call = harness.open(metadata=(("authorization", "Bearer team"),))
+    await send(call, message(harness.health.url))
+    assert harness.state.view(Target("rk-team", "model-a")) is not None
+    assert harness.state.view(T) is None
+    call.cancel()
+    error = await rejected(harness.open(metadata=(("authorization", "Bearer bad"),)), message("http://x:1"))
+    assert (error.code(), error.details()) == (grpc.StatusCode.UNAUTHENTICATED, "authentication failed")
+
+
+async def test_134_idle_timeout_closes_registration_and_frees_id() -> None:
+    async for harness in make_harness(idle_timeout_floor_ms=1, idle_timeout_cap_ms=1):
+        call = harness.open(metadata=(("x-stargate-registration-heartbeat-ms", "not-a-number"),))
+        await call.write(message(harness.health.url))
+        with pytest.raises(aio.AioRpcError) as info:
+            while True:
+                await call.read()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not harness.state.is_registered("srv-1")
+        assert harness.state.view(T) is None
+        again = harness.open()
+        await send(again, message(harness.health.url))
+        again.cancel()
+
+
+async def test_caps_on_models_and_registrations() -> None:
+    async for harness in make_harness(max_registrations=1, max_models_per_registration=2):
+        error = await rejected(harness.open(), message(harness.health.url, models=("a", "b", "c")))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details() == "too many models in one registration: 3 (limit 2)"
+        assert harness.state.registration_count() == 0
+        first = harness.open()
+        await send(first, message(harness.health.url))
+        error = await rejected(harness.open(), message(harness.health.url, server_id="srv-2"))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.details() == "too many registrations (limit 1)"
+        first.cancel()
+
+
+async def test_shutdown_ends_streams_and_cleans_up(harness: Harness) -> None:
+    call = harness.open()
+    await send(call, message(harness.health.url))
+    await harness.plane.stop(5.0)
+    with pytest.raises(aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.details() == "stargate is shutting down"
+    assert harness.state.registration_count() == 0
+    assert harness.state.view(T) is None

@@ -1,0 +1,188 @@
+"""Fault injection, metrics, request log, prefix-mode KV and continuous batching over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from stargate.mock_engine import Engine, EngineConfig, TimingConfig, start_server
+
+
+@contextlib.asynccontextmanager
+async def running(**overrides: Any) -> AsyncIterator[tuple[str, Engine, aiohttp.ClientSession]]:
+    timing = overrides.pop("timing", TimingConfig(token_delay_ms=0.0))
+    engine = Engine(replace(EngineConfig(timing=timing), **overrides))
+    runner, url = await start_server(engine, "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            yield url, engine, session
+    finally:
+        await runner.cleanup()
+
+
+def chat(stream: bool = False, content: str = "hello world") -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "stream": stream}
+
+
+async def put_faults(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    async with session.put(url + "/test-control/faults", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_fail_next_requests_with_retryable_marker() -> None:
+    async with running() as (url, _, session):
+        await put_faults(session, url, {"fail_next": 2, "fail_status": 429, "fail_retryable": True,
+                                        "fail_retry_after_s": 2})  # fmt: skip
+        statuses = []
+        for _ in range(3):
+            async with session.post(url + "/v1/chat/completions", json=chat()) as r:
+                statuses.append(r.status)
+                if r.status == 429:
+                    assert r.headers["x-stargate-upstream-retryable"] == "true"
+                    assert r.headers["retry-after"] == "2"
+        assert statuses == [429, 429, 200]
+
+
+async def test_invalid_fault_body_is_400() -> None:
+    async with (
+        running() as (url, _, session),
+        session.put(url + "/test-control/faults", json={"fail_status": 99}) as r,
+    ):
+        assert r.status == 400 and "fail_status" in await r.text()
+
+
+async def test_hang_before_first_byte() -> None:
+    async with running() as (url, _, session):
+        await put_faults(session, url, {"hang_next": 1, "hang_ms": 300})
+        request = asyncio.create_task(session.post(url + "/v1/chat/completions", json=chat(True)))
+        await asyncio.sleep(0.1)
+        assert not request.done()
+        response = await asyncio.wait_for(request, 2)
+        await response.read()
+        async with session.post(url + "/v1/chat/completions", json=chat(True)) as r:  # only the next one
+            assert r.status == 200
+
+
+async def test_extra_latency_applies_until_cleared() -> None:
+    async with running() as (url, _, session):
+        await put_faults(session, url, {"extra_latency_ms": 60})
+        start = time.monotonic()
+        async with session.post(url + "/v1/chat/completions", json=chat()) as r:
+            await r.read()
+        assert time.monotonic() - start >= 0.059
+        async with session.delete(url + "/test-control/faults") as r:
+            assert (await r.json())["faults"]["extra_latency_ms"] == 0
+
+
+async def test_drop_connection_after_k_chunks() -> None:
+    async with running(timing=TimingConfig(num_tokens=10, token_delay_ms=1)) as (url, engine, session):
+        await put_faults(session, url, {"drop_next": 1, "drop_after_chunks": 3})
+        received = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with session.post(url + "/v1/chat/completions", json=chat(True)) as r:
+                async for chunk in r.content.iter_any():
+                    received += chunk
+        assert received.count(b'"content"') == 3 and b"[DONE]" not in received
+        assert engine.slots.running == 0
+
+
+async def test_pause_stalls_streams_until_resume() -> None:
+    async with (
+        running(timing=TimingConfig(num_tokens=4, token_delay_ms=10)) as (url, _, session),
+        session.post(url + "/test-control/pause") as r,
+    ):
+        assert (await r.json())["paused"] is True
+        request = asyncio.create_task(session.post(url + "/v1/chat/completions", json=chat()))
+        await asyncio.sleep(0.1)
+        assert not request.done()
+        await (await session.post(url + "/test-control/resume")).read()
+        response = await asyncio.wait_for(request, 2)
+        assert response.status == 200
+        await response.read()
+
+
+async def test_metrics_use_vllm_and_sglang_names() -> None:
+    async with running(kv_cache_capacity_tokens=100, model="llama") as (url, _, session):
+        headers = {"x-cache-affinity-key": "k", "x-input-tokens": "25"}
+        async with session.post(url + "/v1/chat/completions", json=chat(), headers=headers) as r:
+            await r.read()
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert samples['vllm:num_requests_running{model_name="llama"}'] == "0.0"
+    assert samples['vllm:num_requests_waiting{model_name="llama"}'] == "0.0"
+    assert samples['vllm:kv_cache_usage_perc{model_name="llama"}'] == "0.25"
+    assert samples['vllm:gpu_cache_usage_perc{model_name="llama"}'] == "0.25"
+    assert samples['sglang:token_usage{model_name="llama"}'] == "0.25"
+    assert samples['sglang:max_total_num_tokens{model_name="llama"}'] == "100.0"
+    assert 'sglang:num_running_reqs{model_name="llama"}' in samples
+    assert 'sglang:num_queue_reqs{model_name="llama"}' in samples
+
+
+async def test_request_log_records_ground_truth(tmp_path: Path) -> None:
+    log = tmp_path / "requests.jsonl"
+    timing = TimingConfig(num_tokens=2, token_delay_ms=0, prefill_tokens_per_s=10_000)
+    config = {"kv_cache_capacity_tokens": 1000, "request_log": str(log), "backend_id": "b0"}
+    async with running(timing=timing, **config) as (url, engine, session):
+        for rid in ("r1", "r2"):
+            headers = {"x-request-id": rid, "x-cache-affinity-key": "k", "x-input-tokens": "100"}
+            async with session.post(url + "/v1/chat/completions", json=chat(True), headers=headers) as r:
+                await r.read()
+        assert engine.log is not None
+    rows = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    assert [row["request_id"] for row in rows] == ["r1", "r2"]
+    first, second = rows
+    assert first["backend_id"] == "b0" and first["status"] == 200 and first["outcome"] == "ok"
+    assert (first["hit"], first["hit_tokens"], second["hit"], second["hit_tokens"]) == (False, 0, True, 100)
+    assert first["input_tokens"] == 100 and first["emitted_tokens"] == 2
+    assert first["prefill_ms"] >= 9.0 and second["prefill_ms"] < 5.0
+    assert first["arrival"] <= first["first_token"] <= first["finish"]
+
+
+async def test_prefix_mode_concurrent_same_prefix_then_hit() -> None:
+    timing = TimingConfig(num_tokens=1, token_delay_ms=0, prefill_tokens_per_s=2000)
+    prompt = "x" * 800  # 200 tokens at 4 bytes per token
+    config = {"kv_cache_capacity_tokens": 10_000, "kv_cache_mode": "prefix", "kv_block_size": 16}
+    async with running(timing=timing, **config) as (url, _, session):
+
+        async def send() -> aiohttp.ClientResponse:
+            response = await session.post(url + "/v1/chat/completions", json=chat(content=prompt))
+            await response.read()
+            return response
+
+        first, second = await asyncio.gather(send(), send())
+        assert first.headers["x-kv-cache-hit"] == second.headers["x-kv-cache-hit"] == "false"
+        third = await send()
+        assert third.headers["x-kv-cache-hit"] == "true"
+        input_tokens = int(third.headers["x-mock-input-tokens"])
+        reused = int(third.headers["x-kv-cache-reused-input-tokens"])
+        assert reused % 16 == 0 and 0 < reused <= input_tokens
+        assert int(third.headers["x-kv-cache-uncached-input-tokens"]) == input_tokens - reused
+
+
+async def test_continuous_batching_shares_prefill_throughput() -> None:
+    timing = TimingConfig(num_tokens=1, token_delay_ms=0, prefill_tokens_per_s=1000, batching="continuous")
+    async with running(timing=timing) as (url, _, session):
+
+        async def send() -> None:
+            headers = {"x-input-tokens": "100"}
+            async with session.post(url + "/v1/chat/completions", json=chat(), headers=headers) as r:
+                await r.read()
+
+        start = time.monotonic()
+        await send()
+        alone = time.monotonic() - start
+        start = time.monotonic()
+        await asyncio.gather(send(), send(), send())
+        together = time.monotonic() - start
+    assert alone >= 0.095
+    assert together >= 0.28  # three prefills share 1000 tok/s: 300 tokens take 0.3 s

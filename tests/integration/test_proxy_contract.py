@@ -1,0 +1,802 @@
+"""The proxy end to end: a real Stargate on loopback, real gRPC registrations, tiny aiohttp backends.
+
+Conformance 98, 101-114, 116-127 (HTTP proxy contract) and the real routing wait of 121.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from grpc import aio
+from openai import AsyncOpenAI
+
+from stargate.balancer.config import parse_lb_config
+from stargate.balancer.types import Target
+from stargate.proto import stargate_pb2 as pb
+from stargate.proto import stargate_pb2_grpc
+from stargate.router.app import StargateServer, StargateSettings
+from stargate.router.proxy import ProxySettings
+from stargate.router.retries import RetrySettings
+
+MODEL = "m"
+CHAT = "/v1/chat/completions"
+SSE_CHUNKS = (b'data: {"n":1}\n\n', b'data: {"n":2}\n\n', b"data: [DONE]\n\n")
+HEADERS = {"x-request-id": "req-1", "x-model": MODEL, "x-input-tokens": "10"}
+TIMEOUT = aiohttp.ClientTimeout(total=15)
+CLIENT_SKIPS = ("Accept-Encoding", "User-Agent")
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+
+def rejection(reason: str, status: int = 429) -> Reply:
+    return Reply(status, {"x-stargate-retryable": "true", "x-stargate-retry-reason": reason}, b"busy")
+
+
+@dataclass
+class FakeBackend:
+    """A backend answering /health and the proxied paths; replies are scripted (last one repeats)."""
+
+    name: str
+    script: list[Reply] = field(default_factory=list)
+    gate: asyncio.Event | None = None  # when set: hold the stream after the first SSE chunk
+    chunks: tuple[bytes, ...] = SSE_CHUNKS
+    abort_after_first: bool = False  # drop the connection mid-stream
+    hold_headers: asyncio.Event | None = None  # when set: wait for it before answering at all
+    requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append((request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
+        if self.hold_headers is not None:
+            await asyncio.wait_for(self.hold_headers.wait(), 10)
+        reply = (self.script.pop(0) if len(self.script) > 1 else self.script[0]) if self.script else None
+        if reply is not None and reply.status != 200:
+            return web.Response(status=reply.status, headers=reply.headers, body=reply.body)
+        response = web.StreamResponse(
+            headers={
+                "content-type": "text/event-stream",
+                "x-upstream-header": "u",
+                "x-stargate-retry-reason": "leak",
+                **(reply.headers if reply else {}),
+            }
+        )
+        await response.prepare(request)
+        for i, chunk in enumerate(self.chunks):
+            await response.write(chunk)
+            if i == 0 and self.abort_after_first and request.transport is not None:
+                request.transport.abort()
+                return response
+            if i == 0 and self.gate is not None:
+                await asyncio.wait_for(self.gate.wait(), 10)
+        await response.write_eof()
+        return response
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        for path in (CHAT, "/v1/responses", "/v1/embeddings"):
+            app.router.add_post(path, self.handle)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+def registration(
+    backend: FakeBackend,
+    cluster_id: str = "",
+    status: int = pb.INFERENCE_SERVER_STATUS_ACTIVE,
+    **stats: float,
+) -> pb.InferenceServerRegistration:
+    message = pb.InferenceServerRegistration(
+        inference_server_id=backend.name, inference_server_url=backend.url, cluster_id=cluster_id
+    )
+    entry = message.models[MODEL]
+    entry.status = status  # type: ignore[assignment]
+    entry.stats.CopyFrom(pb.ModelStats(last_mean_input_tps=stats.pop("last_mean_input_tps", 1000.0), **stats))
+    return message
+
+
+@dataclass
+class Harness:
+    server: StargateServer
+    http: aiohttp.ClientSession
+    stub: stargate_pb2_grpc.StargateControlPlaneStub
+    discovery: stargate_pb2_grpc.StargateModelDiscoveryStub
+    base: str
+    calls: list[aio.StreamStreamCall] = field(default_factory=list)
+    backends: list[FakeBackend] = field(default_factory=list)
+
+    async def backend(
+        self, name: str, *script: Reply, cluster_id: str = "", register: bool = True, **stats: float
+    ) -> FakeBackend:
+        backend = FakeBackend(name, list(script))
+        await backend.start()
+        self.backends.append(backend)
+        if register:
+            await self.register(registration(backend, cluster_id, **stats))
+        return backend
+
+    async def register(self, message: pb.InferenceServerRegistration) -> aio.StreamStreamCall:
+        call = self.stub.RegisterInferenceServer(timeout=30)
+        await call.write(message)
+        ack = await asyncio.wait_for(call.read(), 10)
+        assert isinstance(ack, pb.InferenceServerAck)
+        self.calls.append(call)
+        return call
+
+    async def post(
+        self, headers: dict[str, str] | None = None, body: bytes | object = b"{}", path: str = CHAT
+    ) -> tuple[int, dict[str, str], bytes]:
+        async with self.http.post(
+            self.base + path, headers={**HEADERS, **(headers or {})}, data=body
+        ) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def settings(**overrides: object) -> StargateSettings:
+    base = StargateSettings(
+        stargate_id="sg-test",
+        advertise_addr="127.0.0.1:0",
+        listen_addr="127.0.0.1:0",
+        model_discovery_listen_addr="127.0.0.1:0",
+        http_listen_addr="127.0.0.1:0",
+        metrics_host="127.0.0.1",
+        metrics_port=0,
+        disable_dns_discovery=True,
+        health_interval_s=30.0,
+        connect_timeout_ms=1000,
+        request_timeout_ms=5000,
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def running(**overrides: object) -> AsyncIterator[Harness]:
+    server = StargateServer(settings(**overrides))
+    bound = await server.start()
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT, skip_auto_headers=CLIENT_SKIPS) as http,
+            aio.insecure_channel(bound.grpc) as channel,
+        ):
+            harness = Harness(
+                server,
+                http,
+                stargate_pb2_grpc.StargateControlPlaneStub(channel),
+                stargate_pb2_grpc.StargateModelDiscoveryStub(channel),
+                f"http://{bound.http}",
+            )
+            try:
+                yield harness
+            finally:
+                for call in harness.calls:
+                    call.cancel()
+                for backend in harness.backends:
+                    await backend.stop()
+    finally:
+        await server.shutdown(drain_timeout_s=1.0)
+
+
+@pytest.fixture
+async def sg() -> AsyncIterator[Harness]:
+    async with running() as harness:
+        yield harness
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait for server-side cleanup the test cannot drive directly (stream teardown)."""
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+def labels(**kw: str) -> dict[str, str]:
+    return {"routing_key": "", "model": MODEL, **kw}
+
+
+# ---- header contract ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses", "/v1/embeddings"])
+@pytest.mark.parametrize("missing", ["x-model", "x-request-id", "x-input-tokens"])
+async def test_p98_missing_required_header_is_400_and_backend_not_called(
+    sg: Harness, path: str, missing: str
+) -> None:
+    backend = await sg.backend("b1")
+    headers = {k: v for k, v in HEADERS.items() if k != missing}
+    async with sg.http.post(sg.base + path, headers=headers, data=b"{}") as resp:
+        assert resp.status == 400
+        body = orjson.loads(await resp.read())
+    assert body["code"] == "invalid_request" and missing in body["error"]
+    assert backend.requests == []
+    assert sg.metric("stargate_requests_total", **labels(inference_server_id="", status="400")) == 0
+
+
+async def test_p99_invalid_numeric_headers_are_400(sg: Harness) -> None:
+    for name, value in [
+        ("x-input-tokens", "bad"),
+        ("x-max-wait-ms", "-1"),
+        ("x-request-slo-ms", "1.5"),
+        ("x-priority", "4294967296"),
+        ("x-routing-method", "sticky"),
+    ]:
+        status, _, _ = await sg.post({name: value})
+        assert status == 400, name
+
+
+async def test_p101_unknown_model_is_404_no_eligible_candidates(sg: Harness) -> None:
+    status, headers, body = await sg.post({"x-model": "nobody"})
+    assert status == 404
+    assert headers["x-stargate-error-code"] == "no_eligible_candidates"
+    assert headers["content-type"].startswith("application/json")
+    assert orjson.loads(body) == {"error": "no eligible candidates", "code": "no_eligible_candidates"}
+    series = {"routing_key": "", "model": "nobody", "inference_server_id": "", "status": "404"}
+    assert sg.metric("stargate_requests_total", **series) == 1
+
+
+async def test_p123_keyed_request_does_not_see_unkeyed_backend(sg: Harness) -> None:
+    await sg.backend("b1")
+    status, headers, _ = await sg.post({"x-routing-key": "rk-x"})
+    assert (status, headers.get("x-stargate-error-code")) == (404, "no_eligible_candidates")
+    assert (await sg.post({"x-routing-key": "  "}))[0] == 200
+
+
+# ---- forwarding --------------------------------------------------------------------------------
+
+
+async def test_p102_p103_p104_p105_headers_both_ways_and_body_passthrough(sg: Harness) -> None:
+    backend = await sg.backend("b1", cluster_id="c1", queued_input_size=4200, last_mean_input_tps=100_000.0)
+    payload = b'{"stream": true, "messages": [{"role": "user", "content": "hi \xc3\xa9"}]}'
+    status, headers, body = await sg.post(
+        {
+            "x-routing-method": "power_of_two",
+            "x-stargate-error-code": "e",
+            "x-custom": "1",
+            "x-stargate-expected-queue-ms": "999",
+            "x-stargate-max-wait-ms": "5000",
+        },
+        payload,
+        path=CHAT + "?trace=1",
+    )
+    assert status == 200 and body == b"".join(SSE_CHUNKS)
+    assert headers["x-inference-server-id"] == "b1"
+    assert headers["x-inference-server-url"] == backend.url
+    assert headers["x-stargate-cluster-id"] == "c1"
+    assert headers["x-upstream-header"] == "u" and "x-stargate-retry-reason" not in headers
+    path_qs, seen, sent = backend.requests[0]
+    assert path_qs == CHAT + "?trace=1" and sent == payload
+    assert seen["x-custom"] == "1" and seen["x-model"] == MODEL and seen["x-request-id"] == "req-1"
+    assert "x-routing-method" not in seen and "x-stargate-error-code" not in seen
+    assert seen["x-stargate-expected-queue-ms"] == "42"  # 4200 tokens at 100k tps, not the client's 999
+    assert seen["x-stargate-max-wait-ms"] == "5000"
+    # the client sent neither: the proxy must not invent them (compression would reach the client)
+    assert "accept-encoding" not in seen and "user-agent" not in seen
+
+
+async def test_p27_free_slot_sends_zero_expected_queue(sg: Harness) -> None:
+    backend = await sg.backend(
+        "b1", max_engine_concurrency=8, num_running_queries=3, queued_input_size=50_000
+    )
+    assert (await sg.post())[0] == 200
+    assert backend.requests[0][1]["x-stargate-expected-queue-ms"] == "0"
+
+
+async def test_response_streams_chunk_by_chunk(sg: Harness) -> None:
+    backend = await sg.backend("b1")
+    backend.gate = asyncio.Event()
+    async with sg.http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp:
+        assert resp.status == 200
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert first == SSE_CHUNKS[0]  # arrived while the backend is still holding the stream open
+        backend.gate.set()
+        assert await resp.read() == b"".join(SSE_CHUNKS[1:])
+
+
+async def test_p89_two_backends_in_one_cluster_share_the_cluster_id(sg: Harness) -> None:
+    await sg.backend("b1", cluster_id="c")
+    await sg.backend("b2", cluster_id="c")
+    seen = set()
+    for _ in range(4):
+        status, headers, _ = await sg.post()
+        assert status == 200 and headers["x-stargate-cluster-id"] == "c"
+        seen.add(headers["x-inference-server-id"])
+    assert seen == {"b1", "b2"}
+
+
+async def test_p127_selection_and_routing_duration_metrics(sg: Harness) -> None:
+    await sg.backend("b1")
+    assert (await sg.post())[0] == 200
+    assert (
+        sg.metric("stargate_routing_selections_total", **labels(algorithm="power-of-n", selection="primary"))
+        == 1
+    )
+    assert sg.metric("stargate_routing_duration_seconds_count", **labels()) == 1
+    assert sg.metric("stargate_requests_total", **labels(inference_server_id="b1", status="200")) == 1
+    assert (
+        sg.metric("stargate_proxy_attempts_total", **labels(inference_server_id="b1", result="upstream_200"))
+        == 1
+    )
+    assert sg.metric("stargate_proxy_replay_buffer_bytes_count", model=MODEL) == 1
+    assert sg.metric("stargate_active_inference_servers", **labels()) == 1
+
+
+# ---- body limits -------------------------------------------------------------------------------
+
+
+async def test_p106_declared_body_over_limit_is_413_before_routing() -> None:
+    async with running(proxy=ProxySettings(max_replay_body_bytes=8)) as sg:
+        status, _, body = await sg.post({"x-model": "nobody"}, b"x" * 15)
+        assert status == 413 and orjson.loads(body)["code"] == "payload_too_large"
+
+
+async def chunked(*parts: bytes) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+async def test_p107_retry_with_overflowed_body_is_413_with_backend_id() -> None:
+    config = parse_lb_config({"default": "round-robin"})
+    async with running(proxy=ProxySettings(max_replay_body_bytes=8), lb_config=config) as sg:
+        backend = await sg.backend("r", rejection("upstream_admission_rejected"), cluster_id="c1")
+        ok = await sg.backend("ok", cluster_id="c2")
+        status, _, _ = await sg.post(body=chunked(b"12345", b"67890", b"abcde"))
+        assert status == 413
+        assert backend.requests[0][2] == b"1234567890abcde" and ok.requests == []
+        assert sg.metric("stargate_requests_total", **labels(inference_server_id="r", status="413")) == 1
+
+
+async def test_p107_single_rejecting_backend_with_overflow_is_413() -> None:
+    async with running(proxy=ProxySettings(max_replay_body_bytes=8)) as sg:
+        await sg.backend("r", rejection("upstream_admission_rejected"))
+        status, _, _ = await sg.post(body=chunked(b"12345", b"67890", b"abcde"))
+        assert status == 413
+        assert sg.metric("stargate_requests_total", **labels(inference_server_id="r", status="413")) == 1
+
+
+# ---- retries -----------------------------------------------------------------------------------
+
+
+async def round_robin(**overrides: object) -> contextlib.AbstractAsyncContextManager[Harness]:
+    return running(lb_config=parse_lb_config({"default": "round-robin"}), **overrides)
+
+
+async def test_p108_retryable_429_retries_other_cluster() -> None:
+    async with await round_robin() as sg:
+        r = await sg.backend("r", rejection("upstream_admission_rejected"), cluster_id="c1")
+        await sg.backend("ok", cluster_id="c2")
+        status, headers, _ = await sg.post()  # round robin starts at the first registered cluster
+        assert (status, headers["x-inference-server-id"]) == (200, "ok")
+        assert len(r.requests) == 1
+        assert sg.metric("stargate_proxy_retries_total", **labels(reason="upstream_admission_rejected")) == 1
+        assert (
+            sg.metric(
+                "stargate_proxy_attempts_total", **labels(inference_server_id="r", result="upstream_429")
+            )
+            == 1
+        )
+        assert (
+            sg.metric(
+                "stargate_proxy_attempts_total", **labels(inference_server_id="ok", result="upstream_200")
+            )
+            == 1
+        )
+
+
+async def test_p109_zero_budget_returns_429_without_retry_metadata(sg: Harness) -> None:
+    await sg.backend("r", rejection("upstream_admission_rejected"))
+    status, headers, body = await sg.post({"x-stargate-max-wait-ms": "0"})
+    assert (status, body) == (429, b"busy")
+    assert not any(name.startswith("x-stargate-retry") for name in headers)
+    assert sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="retry_budget_exhausted")) == 1
+    assert (
+        sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="upstream_admission_rejected")) == 0
+    )
+
+
+async def test_p110_unsignalled_503_and_explicit_false_pass_through(sg: Harness) -> None:
+    backend = await sg.backend(
+        "r",
+        Reply(503, body=b"down"),
+        Reply(429, {"x-stargate-retryable": "false"}, b"no"),
+        Reply(400, {"x-stargate-retryable": "true"}, b"bad"),
+    )
+    await sg.backend("ok", cluster_id="c2", queued_input_size=1_000_000)  # never preferred over "r"
+    assert [(await sg.post())[::2] for _ in range(3)] == [(503, b"down"), (429, b"no"), (400, b"bad")]
+    assert len(backend.requests) == 3
+    assert sg.metric("stargate_proxy_retries_total", **labels(reason="retryable_upstream_response")) == 0
+
+
+async def test_p110_bare_503_retried_without_required_signal() -> None:
+    async with await round_robin(retry=RetrySettings(require_pylon_retry_signal=False)) as sg:
+        r = await sg.backend("r", Reply(503), cluster_id="c1")
+        await sg.backend("ok", cluster_id="c2")
+        status, headers, _ = await sg.post()
+        assert (status, headers["x-inference-server-id"], len(r.requests)) == (200, "ok", 1)
+        assert sg.metric("stargate_proxy_retries_total", **labels(reason="retryable_upstream_response")) == 1
+
+
+async def test_p111_retry_limit_returns_second_429() -> None:
+    async with running(retry=RetrySettings(max_request_retries=1)) as sg:
+        await sg.backend("a", rejection("upstream_admission_rejected"), cluster_id="c1")
+        await sg.backend("b", rejection("upstream_admission_rejected"), cluster_id="c2")
+        status, _, _ = await sg.post()
+        assert status == 429
+        assert (
+            sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="upstream_admission_rejected"))
+            == 1
+        )
+
+
+async def test_p112_single_rejecting_backend_ends_503_no_eligible_backend(sg: Harness) -> None:
+    await sg.backend("r", rejection("upstream_admission_rejected"))
+    status, headers, body = await sg.post()
+    assert status == 503 and "x-stargate-error-code" not in headers
+    assert orjson.loads(body)["code"] == "no_selectable_backend"
+    assert sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="no_eligible_backend")) == 1
+    assert sg.metric("stargate_requests_total", **labels(inference_server_id="", status="503")) == 1
+
+
+async def test_p113_queue_mismatch_releases_reservation_and_uses_other_cluster() -> None:
+    async with await round_robin() as sg:
+        a = await sg.backend(
+            "a", rejection("queue_estimate_mismatch"), cluster_id="c1", num_running_queries=3
+        )
+        await sg.backend("b", cluster_id="c2")
+        status, headers, _ = await sg.post()
+        assert (status, headers["x-inference-server-id"]) == (200, "b")
+        assert len(a.requests) == 1
+        assert sg.metric("stargate_proxy_retries_total", **labels(reason="queue_estimate_mismatch")) == 1
+        view = sg.server.state.view(Target(None, MODEL))
+        assert view is not None
+        (c1,) = [c for c in view.candidates if c.cluster_id == "c1"]
+        assert c1.stats.num_running_queries == 3  # the released reservation left nothing behind
+
+
+async def test_p114_queue_mismatch_tries_sibling_first(sg: Harness) -> None:
+    a = await sg.backend("a", rejection("queue_estimate_mismatch"), cluster_id="c")
+    await sg.backend("b", cluster_id="c")
+    await sg.backend("z", cluster_id="other", queued_input_size=100_000)  # slower: never the first choice
+    status, headers, _ = await sg.post()
+    assert (status, headers["x-inference-server-id"]) == (200, "b")
+    assert len(a.requests) == 1
+    assert (
+        sg.metric("stargate_routing_selections_total", **labels(algorithm="power-of-n", selection="primary"))
+        == 1
+    )
+
+
+async def test_p116_dead_backend_without_connect_retries_is_502() -> None:
+    async with running(retry=RetrySettings(max_connect_retries=0)) as sg:
+        backend = await sg.backend("dead")
+        await backend.stop()
+        status, _, body = await sg.post()
+        assert status == 502 and orjson.loads(body)["code"] == "upstream_transport_error"
+        assert (
+            sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="connect_retries_exhausted"))
+            == 1
+        )
+        assert (
+            sg.metric("stargate_quic_hot_path_reconnect_total", inference_server_id="dead", result="error")
+            == 0
+        )
+        assert sg.metric("stargate_requests_total", **labels(inference_server_id="dead", status="502")) == 1
+
+
+async def test_p117_unreachable_backend_fails_over_to_healthy_sibling(sg: Harness) -> None:
+    dead = await sg.backend("a-dead", cluster_id="c")
+    await sg.backend("b-ok", cluster_id="c")
+    await sg.backend("z", cluster_id="slow", queued_input_size=100_000)
+    await dead.stop()
+    status, headers, _ = await sg.post()
+    assert (status, headers["x-inference-server-id"]) == (200, "b-ok")
+    assert sg.metric("stargate_proxy_retries_total", **labels(reason="connect_failover")) == 1
+
+
+# ---- admission, inactive targets, waits ----------------------------------------------------------
+
+
+async def test_p118_p119_input_work_admission() -> None:
+    config = parse_lb_config({"models": {MODEL: {"algorithm": "power-of-n", "max_input_work_seconds": 0.5}}})
+    async with running(lb_config=config) as sg:
+        await sg.backend("b1", last_mean_input_tps=100.0, queued_input_size=100)
+        status, headers, body = await sg.post({"x-input-tokens": "50"})
+        assert (status, headers["x-stargate-error-code"]) == (503, "input_work_limit_exceeded")
+        assert orjson.loads(body) == {
+            "error": "input work admission limit exceeded",
+            "code": "input_work_limit_exceeded",
+        }
+        assert (
+            sg.metric("stargate_admission_rejections_total", **labels(reason="input_work_limit_exceeded"))
+            == 1
+        )
+        assert (await sg.post({"x-model": "unregistered"}))[0] == 404
+
+
+async def test_p120_inactive_backend_is_503_then_404_after_it_leaves(sg: Harness) -> None:
+    backend = await sg.backend("b1", register=False)
+    call = await sg.register(registration(backend, status=pb.INFERENCE_SERVER_STATUS_INACTIVE))
+    status, headers, _ = await sg.post()
+    assert status == 503 and "x-stargate-error-code" not in headers
+    await call.done_writing()
+    with contextlib.suppress(aio.AioRpcError):
+        while await call.read() is not aio.EOF:
+            pass
+    await eventually(lambda: not sg.server.state.is_advertised(Target(None, MODEL)))
+    status, headers, _ = await sg.post()
+    assert (status, headers.get("x-stargate-error-code")) == (404, "no_eligible_candidates")
+
+
+async def test_p121_wait_and_widen_waits_for_the_free_later_bucket() -> None:
+    config = parse_lb_config({"default": "wait-and-widen"})
+    async with running(lb_config=config) as sg:
+        await sg.backend("fast-full", cluster_id="fast", max_engine_concurrency=1, num_running_queries=1)
+        await sg.backend("slow-free", cluster_id="slow", queue_time_estimate_ms_by_priority={0: 40})
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, headers, _ = await sg.post({"x-max-wait-ms": "250"})
+        elapsed = loop.time() - started
+        assert (status, headers["x-inference-server-id"]) == (200, "slow-free")
+        assert 0.005 <= elapsed < 2.0  # the second bucket unlocks after ~10 ms of waiting
+
+
+# ---- discovery and lifecycle ---------------------------------------------------------------------
+
+
+async def test_p125_models_endpoint_matches_grpc(sg: Harness) -> None:
+    for name, model in (("a", "alpha"), ("b", "beta")):
+        backend = FakeBackend(name)
+        await backend.start()
+        sg.backends.append(backend)
+        message = pb.InferenceServerRegistration(inference_server_id=name, inference_server_url=backend.url)
+        message.models[model].status = pb.INFERENCE_SERVER_STATUS_ACTIVE  # type: ignore[assignment]
+        message.models[model].stats.last_mean_input_tps = 100.0
+        await sg.register(message)
+    async with sg.http.get(sg.base + "/v1/models?model_ids=%20alpha%20&model_ids=beta") as resp:
+        assert resp.status == 200
+        http_ids = orjson.loads(await resp.read())["model_ids"]
+    grpc_ids = list(
+        (await sg.discovery.ListModels(pb.ListModelsRequest(model_ids=[" alpha ", "beta"]))).model_ids
+    )
+    assert http_ids == grpc_ids == ["alpha", "beta"]
+    async with sg.http.get(sg.base + "/v1/models?model_ids=%20") as resp:
+        assert resp.status == 400
+    async with sg.http.get(sg.base + "/v1/models") as resp:
+        assert orjson.loads(await resp.read()) == {"model_ids": ["alpha", "beta"]}
+
+
+async def test_p126_debug_state_has_explicit_fields_only(sg: Harness) -> None:
+    await sg.backend("b1")
+    async with sg.http.get(sg.base + "/debug/state") as resp:
+        state = orjson.loads(await resp.read())
+    config = state["config"]
+    assert set(config) == {
+        "stargate_id",
+        "grpc_listen_addr",
+        "model_discovery_listen_addr",
+        "http_listen_addr",
+        "metrics_listen_addr",
+        "advertise_addr",
+        "stargate_discovery_dns_name",
+        "tunnel_protocol",
+        "backend_connectivity",
+        "direct_quic_connections",
+    }
+    assert config["stargate_id"] == "sg-test" and config["backend_connectivity"] == "direct"
+    assert config["http_listen_addr"] == sg.base.removeprefix("http://")
+    assert "tls_cert_pem" not in config
+    assert state["active_model_ids"] == [MODEL]
+
+
+async def test_p124_health_and_readiness_then_drain(sg: Harness) -> None:
+    for path in ("/healthz", "/readyz"):
+        async with sg.http.get(sg.base + path) as resp:
+            assert (resp.status, await resp.read()) == (200, b"")
+    sg.server.begin_drain()
+    async with sg.http.get(sg.base + "/readyz") as resp:
+        assert resp.status == 503
+    async with sg.http.get(sg.base + "/healthz") as resp:
+        assert resp.status == 200
+
+
+async def test_metrics_served_on_separate_port_with_prefix() -> None:
+    async with running(metrics_prefix="sgx_") as sg:
+        await sg.backend("b1")
+        await sg.post()
+        assert sg.server.addresses is not None
+        async with sg.http.get(f"http://{sg.server.addresses.metrics}/metrics") as resp:
+            text = (await resp.read()).decode()
+        assert "sgx_requests_total{" in text and "sgx_proxy_duration_seconds_bucket" in text
+        assert 'sgx_tls_reloads_total{material_type="server_identity",result="success"} 0.0' in text
+        async with sg.http.get(sg.base + "/metrics") as resp:
+            assert resp.status == 404
+
+
+async def test_unknown_path_and_wrong_method(sg: Harness) -> None:
+    async with sg.http.get(sg.base + CHAT) as resp:
+        assert resp.status == 405
+    async with sg.http.post(sg.base + "/v1/other", headers=HEADERS) as resp:
+        assert resp.status == 404
+
+
+def openai_chunk(content: str | None, finish: str | None = None) -> bytes:
+    delta = {} if content is None else {"content": content}
+    chunk = {
+        "id": "cmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+async def test_openai_client_streams_through_the_proxy(sg: Harness) -> None:
+    backend = await sg.backend("b1")
+    backend.chunks = (
+        openai_chunk("Hel"),
+        openai_chunk("lo"),
+        openai_chunk(None, "stop"),
+        b"data: [DONE]\n\n",
+    )
+    client = AsyncOpenAI(
+        base_url=sg.base + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=10.0,
+        default_headers={"x-request-id": "oa-1", "x-model": MODEL, "x-input-tokens": "5"},
+    )
+    async with client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        parts = [chunk.choices[0].delta.content or "" async for chunk in stream]
+    assert "".join(parts) == "Hello"
+    _, seen, body = backend.requests[0]
+    assert seen["x-request-id"] == "oa-1" and seen["authorization"] == "Bearer unused"
+    assert orjson.loads(body)["stream"] is True
+
+
+async def test_p124_shutdown_drains_in_flight_requests(sg: Harness) -> None:
+    backend = await sg.backend("b1")
+    backend.gate = asyncio.Event()
+    async with sg.http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp:
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        shutdown = asyncio.create_task(sg.server.shutdown(drain_timeout_s=10.0))
+        await eventually(lambda: sg.server.endpoints.draining)
+        async with sg.http.get(sg.base + "/readyz") as ready:
+            assert ready.status == 503
+        assert not shutdown.done()
+        backend.gate.set()
+        assert await resp.read() == b"".join(SSE_CHUNKS[1:])
+    assert await asyncio.wait_for(shutdown, 10) is True
+
+
+async def test_shutdown_reports_drain_timeout(sg: Harness) -> None:
+    backend = await sg.backend("b1")
+    backend.gate = asyncio.Event()
+    async with sg.http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp:
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert await sg.server.shutdown(drain_timeout_s=0.05) is False
+        backend.gate.set()
+
+
+async def test_upstream_dying_mid_stream_aborts_the_client_connection(sg: Harness) -> None:
+    backend = await sg.backend("b1")
+    backend.abort_after_first = True
+    async with sg.http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp:
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientError):
+            await resp.read()
+    await eventually(
+        lambda: sg.metric("stargate_requests_total", **labels(inference_server_id="b1", status="200")) == 1
+    )
+
+
+async def test_response_header_timeout_is_a_transport_failure() -> None:
+    async with running(request_timeout_ms=100, retry=RetrySettings(max_connect_retries=0)) as sg:
+        backend = await sg.backend("slow")
+        backend.hold_headers = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, _, _ = await sg.post()
+        assert status == 502 and 0.09 <= loop.time() - started < 5.0
+        assert (
+            sg.metric(
+                "stargate_proxy_attempts_total", **labels(inference_server_id="slow", result="proxy_502")
+            )
+            == 1
+        )
+        backend.hold_headers.set()
+
+
+# ---- affinity wait X through the real wait-and-widen policy (seed PR) ----------------------------
+
+AFFINITY_CONFIG = {
+    "default": "wait-and-widen",
+    "models": {
+        MODEL: {
+            "algorithm": "wait-and-widen",
+            "cache_affinity_backend_selection_count": 1,
+            "cache_affinity_wait_ms": 200,
+        }
+    },
+}
+
+
+def key_owned_by(cluster_id: str, clusters: tuple[str, ...]) -> str:
+    """An affinity key whose one-member affinity group is ``cluster_id`` (default seed, no routing key)."""
+    from stargate.balancer.ring import AffinityRing, hash_prefix
+
+    ring = AffinityRing(hash_prefix("", Target(None, MODEL)), clusters, 150)
+    for i in range(1000):
+        key = f"prefix-{i}"
+        if [clusters[j] for j in ring.select(key, 1)] == [cluster_id]:
+            return key
+    raise AssertionError("no key found")
+
+
+async def affinity_setup(sg: Harness, affine_full: bool) -> str:
+    stats = {"max_engine_concurrency": 1, "num_running_queries": 1 if affine_full else 0}
+    await sg.backend("a", cluster_id="A", **stats)
+    await sg.backend("c", cluster_id="C", max_engine_concurrency=4)
+    return key_owned_by("A", ("A", "C"))
+
+
+async def test_p139_p142_affine_full_waits_out_x_then_global_fallback() -> None:
+    async with running(lb_config=parse_lb_config(AFFINITY_CONFIG)) as sg:
+        key = await affinity_setup(sg, affine_full=True)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, headers, _ = await sg.post({"x-cache-affinity-key": key})
+        elapsed = loop.time() - started
+        assert (status, headers["x-inference-server-id"]) == (200, "c")
+        assert 0.19 <= elapsed < 5.0  # global buckets stay closed for X = 200 ms
+        selection = labels(algorithm="wait-and-widen", selection="fallback")
+        assert sg.metric("stargate_routing_selections_total", **selection) == 1
+
+
+async def test_p140_affine_with_capacity_is_chosen_immediately_as_primary() -> None:
+    async with running(lb_config=parse_lb_config(AFFINITY_CONFIG)) as sg:
+        key = await affinity_setup(sg, affine_full=False)
+        status, headers, _ = await sg.post({"x-cache-affinity-key": key})
+        assert (status, headers["x-inference-server-id"]) == (200, "a")
+        selection = labels(algorithm="wait-and-widen", selection="primary")
+        assert sg.metric("stargate_routing_selections_total", **selection) == 1
+
+
+async def test_p143_short_max_wait_ends_503_before_global_opens() -> None:
+    async with running(lb_config=parse_lb_config(AFFINITY_CONFIG)) as sg:
+        key = await affinity_setup(sg, affine_full=True)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, headers, _ = await sg.post({"x-cache-affinity-key": key, "x-max-wait-ms": "50"})
+        elapsed = loop.time() - started
+        assert status == 503 and "x-stargate-error-code" not in headers
+        assert 0.045 <= elapsed < 2.0  # the routing deadline, not X, ended it

@@ -1,0 +1,112 @@
+"""Pylon and the mock engine as real processes; the Stargate side is an in-process gRPC fake."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from test_pylon_support import FakeStargate
+
+MOCK_LINE = "stargate-mock-engine listening on "
+
+
+async def spawn(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+
+
+async def read_line(proc: asyncio.subprocess.Process, prefix: str) -> str:
+    assert proc.stdout is not None
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        if not line:
+            raise AssertionError(f"process exited before printing {prefix!r}")
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+
+
+@pytest.fixture
+async def stargate() -> AsyncIterator[FakeStargate]:
+    s = await FakeStargate().start()
+    yield s
+    await s.close()
+
+
+async def test_pylon_against_mock_engine_process(stargate: FakeStargate) -> None:
+    engine = await spawn(
+        "stargate.mock_engine.cli",
+        "--http-listen-addr",
+        "127.0.0.1:0",
+        "--model-name",
+        "llama",
+        "--token-delay-ms",
+        "1",
+        "--num-tokens",
+        "4",
+        "--max-concurrent-requests",
+        "8",
+    )
+    pylon: asyncio.subprocess.Process | None = None
+    try:
+        engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
+        pylon = await spawn(
+            "stargate.pylon.cli",
+            "--upstream-http-base-url",
+            engine_url,
+            "--stargate-address",
+            stargate.address,
+            "--http-listen-addr",
+            "127.0.0.1:0",
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--min-update-interval-ms",
+            "50",
+            "--initial-input-tps",
+            "1000",
+            "--kv-cache-stats-path",
+            "/kv-cache/stats",
+        )
+        ready = await read_line(pylon, "pylon ready ")
+        http = dict(part.split("=", 1) for part in ready.split())["http"]
+        await stargate.wait_messages(1, timeout=20)
+        assert "llama" in stargate.messages[-1].models
+        assert stargate.messages[-1].inference_server_url == f"http://{http}"
+        headers = {
+            "x-request-id": "it-1",
+            "x-model": "llama",
+            "x-input-tokens": "5",
+            "x-stargate-expected-queue-ms": "0",
+        }
+        body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"http://{http}/v1/chat/completions", json=body, headers=headers) as resp:
+                assert resp.status == 200
+                payload = await resp.read()
+            async with client.get(f"http://{http}/health") as resp:
+                assert resp.status == 200
+        assert payload.count(b"data:") >= 2
+        n = len(stargate.messages)
+        await stargate.wait_messages(n + 2, timeout=20)
+        stats = stargate.messages[-1].models["llama"].stats
+        assert stats.last_mean_input_tps > 0 and stats.queue_size == 0
+        for _ in range(100):  # limit pings and KV polls repeat every 1 s
+            stats = stargate.messages[-1].models["llama"].stats
+            if stats.max_engine_concurrency == 8 and "kv_cache_stats" in stats.stats_sources:
+                break
+            await asyncio.sleep(0.05)
+        assert stats.max_engine_concurrency == 8
+        assert list(stats.stats_sources) == ["engine_stats_stream", "kv_cache_stats"]
+        pylon.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(pylon.wait(), 20) == 0
+    finally:
+        for proc in (pylon, engine):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()

@@ -1,0 +1,298 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+import pytest
+from test_pylon_support import FakeEngine
+
+from stargate.pylon.app import PylonApp
+from stargate.pylon.config import parse_settings
+from stargate.pylon.relay import RelayTimeouts
+
+CHAT = orjson.dumps({"model": "llama", "messages": [], "stream": True})
+HEADERS = {
+    "x-request-id": "r1",
+    "x-model": "llama",
+    "x-input-tokens": "10",
+    "content-type": "application/json",
+}
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    e = await FakeEngine().start()
+    yield e
+    await e.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def started(engine: FakeEngine, *extra: str, read_s: float = 30.0) -> PylonApp:
+    settings = parse_settings(
+        [
+            "--upstream-http-base-url",
+            engine.url,
+            "--stargate-address",
+            "127.0.0.1:9",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            "--model-name",
+            "llama",
+            "--disable-bringup",
+            *extra,
+        ]
+    )
+    app = PylonApp(settings, out=io.StringIO(), relay_timeouts=RelayTimeouts(read_s=read_s))
+    await app.start()
+    return app
+
+
+async def test_chat_relay_streams_and_observes(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
+    app = await started(engine, "--engine-stats-stream", "off")
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 200
+            body = await resp.read()
+        assert body.count(b"data:") == 5 and body.endswith(b"data: [DONE]\n\n")
+        _, _, sent, _ = engine.requests[-1]
+        assert sent["x-dynamo-request-priority"] == "0" and "x-stargate-expected-queue-ms" not in sent
+        assert len(app.load) == 0
+        text = app.metrics.render().decode()
+        assert 'pylon_requests_total{model="llama",routing_key="",status="complete"} 1.0' in text
+        assert app.hub.snapshot(app.registry.current("llama")).stats_sources == ("chunk_usage",)  # type: ignore[arg-type]
+    finally:
+        await app.close()
+
+
+async def test_b76_queue_mismatch_rejected_before_engine(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine, "--initial-input-tps", "100", "--pylon-queue-mismatch-retry-after-ms", "125")
+    try:
+        gen = app.registry.current("llama")
+        assert gen is not None
+        app.load.track("queued", gen, 0, 100)
+        headers = {**HEADERS, "x-stargate-expected-queue-ms": "0"}
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=headers) as resp:
+            assert resp.status == 429
+            assert resp.headers["x-stargate-retryable"] == "true"
+            assert resp.headers["x-stargate-retry-reason"] == "queue_estimate_mismatch"
+            assert resp.headers["x-stargate-retry-after-ms"] == "125"
+            body = orjson.loads(await resp.read())
+        assert body["reason"] == "queue_estimate_mismatch" and body["actual_queue_ms"] == 1000
+        assert body["threshold_ms"] == 25 and body["status"] == 429
+        assert engine.hits("/v1/chat/completions") == 0
+        assert app.load.generation_of("r1") is None
+    finally:
+        await app.close()
+
+
+async def test_b77_admission_disabled_forwards(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
+    app = await started(engine, "--initial-input-tps", "100", "--pylon-queue-mismatch-retry-enabled=false")
+    try:
+        gen = app.registry.current("llama")
+        assert gen is not None
+        app.load.track("queued", gen, 0, 100)
+        headers = {**HEADERS, "x-stargate-expected-queue-ms": "0"}
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert 'result="disabled"} 1.0' in app.metrics.render().decode()
+    finally:
+        await app.close()
+
+
+async def test_b87_b89_b90_validation(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
+    app = await started(engine)
+    try:
+        cases = [
+            (
+                "/v1/chat/completions",
+                {k: v for k, v in HEADERS.items() if k != "x-model"},
+                CHAT,
+                "missing required x-model header",
+            ),
+            (
+                "/v1/chat/completions",
+                HEADERS,
+                b'{"stream": false}',
+                "/v1/chat/completions requests must set stream=true",
+            ),
+            ("/v1/responses", HEADERS, b"{}", "/v1/responses requests must set stream=true"),
+            ("/v1/embeddings", HEADERS, b"{bad", "request body must be valid JSON"),
+        ]
+        for path, headers, body, detail in cases:
+            async with client.post(app.http_url + path, data=body, headers=headers) as resp:
+                assert resp.status == 400 and resp.content_type == "application/problem+json"
+                assert (await resp.json(content_type=None))["detail"] == detail
+        assert engine.requests == []
+        async with client.post(
+            app.http_url + "/v1/embeddings", data=b'{"input":"x"}', headers=HEADERS
+        ) as resp:
+            assert resp.status == 200
+        assert engine.hits("/v1/embeddings") == 1
+    finally:
+        await app.close()
+
+
+async def test_b91_pending_or_unknown_model_503(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
+    app = await started(engine)
+    try:
+        app.registry.allocate("pending")
+        for model in ("pending", "unknown"):
+            headers = {**HEADERS, "x-model": model}
+            async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=headers) as resp:
+                assert resp.status == 503
+                assert resp.headers["x-stargate-retry-reason"] == "model_generation_unavailable"
+        assert engine.requests == []
+    finally:
+        await app.close()
+
+
+async def test_b92_upstream_retryable_429(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
+    engine.chat_mode, engine.chat_status = "status", 429
+    engine.chat_headers = {"x-stargate-upstream-retryable": "true", "Retry-After": "2"}
+    app = await started(engine)
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 429
+            assert resp.headers["x-stargate-retry-reason"] == "upstream_admission_rejected"
+            assert resp.headers["x-stargate-retry-after-ms"] == "2000"
+            assert "x-stargate-upstream-retryable" not in resp.headers
+    finally:
+        await app.close()
+
+
+async def test_b94_engine_down_503(client: aiohttp.ClientSession) -> None:
+    dead = FakeEngine(url="http://127.0.0.1:9")
+    for flag, expected in (("false", "false"), ("true", "true")):
+        app = await started(
+            dead, f"--pylon-local-connect-failures-retryable={flag}", "--engine-stats-stream", "off"
+        )
+        try:
+            async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+                assert resp.status == 503
+                assert resp.headers["x-stargate-retryable"] == expected
+                assert (await resp.json(content_type=None))["detail"] == "local upstream connection failed"
+        finally:
+            await app.close()
+
+
+async def test_b95_read_timeout_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
+    engine.chat_mode = "hang"
+    app = await started(engine, read_s=0.2)
+    try:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+                await resp.read()
+        assert 'status="failed"} 1.0' in app.metrics.render().decode()
+    finally:
+        await app.close()
+
+
+async def test_b96_eof_before_output_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
+    engine.chat_mode = "no_output"
+    app = await started(engine)
+    try:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+                await resp.read()
+    finally:
+        await app.close()
+
+
+async def test_b26_health_rewritten_to_resolved_path(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    engine.health_status = {"/health": 404, "/v1/health/ready": 200}
+    app = await started(engine)
+    try:
+        assert await app._lifecycle._prober.probe(1.0)  # type: ignore[union-attr]
+        async with client.get(app.http_url + "/health?probe=1") as resp:
+            assert resp.status == 200
+        method, path, headers, _ = engine.requests[-1]
+        assert (method, path) == ("GET", "/v1/health/ready")
+        assert "x-dynamo-request-priority" not in headers
+    finally:
+        await app.close()
+
+
+async def test_b45_auto_falls_back_on_404(engine: FakeEngine) -> None:
+    app = await started(engine)
+    try:
+        for _ in range(100):
+            if app.hub.fallback_enabled:
+                break
+            await asyncio.sleep(0.01)
+        assert app.hub.fallback_enabled
+        assert "openai_fallback" in app.metrics.render().decode()
+    finally:
+        await app.close()
+
+
+async def test_b46_required_never_falls_back(engine: FakeEngine) -> None:
+    app = await started(engine, "--engine-stats-stream", "required")
+    try:
+        for _ in range(50):
+            if (
+                'pylon_engine_stats_stream_reconnects_total{reason="http_status"}'
+                in app.metrics.render().decode()
+            ):
+                break
+            await asyncio.sleep(0.01)
+        assert not app.hub.fallback_enabled
+        assert 'reconnects_total{reason="http_status"}' in app.metrics.render().decode()
+    finally:
+        await app.close()
+
+
+async def test_b79_engine_ping_limit_reaches_publication(engine: FakeEngine) -> None:
+    engine.stream_status = 200
+    engine.stream_lines = [b'{"v":1,"type":"ping","model":"llama","max_engine_concurrency":40}']
+    app = await started(engine, "--max-engine-concurrency", "25")
+    try:
+        gen = app.registry.current("llama")
+        assert gen is not None
+        for _ in range(200):
+            if app.hub.snapshot(gen).max_engine_concurrency == 40:
+                break
+            await asyncio.sleep(0.01)
+        assert app.registration_message().models["llama"].stats.max_engine_concurrency == 40
+        assert not app.hub.fallback_enabled
+    finally:
+        await app.close()
+
+
+async def test_live_load_tracks_phases_during_stream(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    engine.chat_mode = "hang"
+    app = await started(engine, read_s=0.5)
+    try:
+        task = asyncio.ensure_future(
+            client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS)
+        )
+        gen = app.registry.current("llama")
+        assert gen is not None
+        for _ in range(300):
+            if app.load.snapshot(gen).input_processing_queries:
+                break
+            await asyncio.sleep(0.01)
+        snap = app.hub.snapshot(gen)
+        assert (snap.input_processing_queries, snap.queue_size, snap.total_query_input_size) == (1, 1, 10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await app.close()

@@ -1,0 +1,234 @@
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+
+import pytest
+from test_pylon_support import FakeEngine, FakeStargate
+
+from stargate.errors import StargateError
+from stargate.pylon.app import PylonApp
+from stargate.pylon.config import parse_settings
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    e = await FakeEngine().start()
+    yield e
+    await e.close()
+
+
+@pytest.fixture
+async def stargate() -> AsyncIterator[FakeStargate]:
+    s = await FakeStargate().start()
+    yield s
+    await s.close()
+
+
+def make_app(engine: FakeEngine, stargate: FakeStargate | str, *extra: str) -> PylonApp:
+    address = stargate if isinstance(stargate, str) else stargate.address
+    settings = parse_settings(
+        [
+            "--upstream-http-base-url",
+            engine.url,
+            "--stargate-address",
+            address,
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            "--min-update-interval-ms",
+            "50",
+            "--upstream-health-wait-ms",
+            "0",
+            *extra,
+        ]
+    )
+    return PylonApp(settings, out=io.StringIO())
+
+
+async def test_b108_b109_b78_registration_stream(
+    engine: FakeEngine, stargate: FakeStargate, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    token = tmp_path / "token"
+    token.write_text(" secret\n")
+    app = make_app(
+        engine,
+        stargate,
+        "--model-name",
+        "llama",
+        "--max-engine-concurrency",
+        "25",
+        "--auth-token-file",
+        str(token),
+        "--inference-server-id",
+        "p1",
+        "--cluster-id",
+        "c1",
+    )
+    try:
+        await app.start()
+        await stargate.wait_messages(3)
+        assert stargate.register_calls == 1 and stargate.watch_calls == 1
+        md = stargate.metadata[0]
+        assert md["x-stargate-registration-heartbeat-ms"] == "50" and md["authorization"] == "Bearer secret"
+        first = stargate.messages[0]
+        assert (first.inference_server_id, first.cluster_id, first.reverse_tunnel) == ("p1", "c1", False)
+        assert first.inference_server_url == app.http_url and first.inference_server_url.startswith("http://")
+        assert first.models["llama"].stats.max_engine_concurrency == 25
+        assert first.models["llama"].status == 1
+        assert stargate.messages[2].models["llama"].stats == first.models["llama"].stats
+        out = app._out.getvalue()  # type: ignore[union-attr]
+        assert f"pylon ready http={app.http_url.removeprefix('http://')}" in out
+    finally:
+        await app.close()
+
+
+async def test_b20_initial_tps_two_models(engine: FakeEngine, stargate: FakeStargate) -> None:
+    app = make_app(engine, stargate, "--model-name", "a", "--model-name", "b", "--initial-input-tps", "123.5")
+    try:
+        await app.start()
+        await stargate.wait_messages(1)
+        msg = stargate.messages[0]
+        assert {m: msg.models[m].stats.last_mean_input_tps for m in msg.models} == {"a": 123.5, "b": 123.5}
+        assert not any(h.get("x-request-id", "").startswith("calibration-") for _, _, h, _ in engine.requests)
+    finally:
+        await app.close()
+
+
+async def test_b21_no_tps_source(engine: FakeEngine, stargate: FakeStargate) -> None:
+    app = make_app(engine, stargate, "--model-name", "llama")
+    try:
+        await app.start()
+        await stargate.wait_messages(1)
+        assert stargate.messages[0].models["llama"].stats.last_mean_input_tps == 0.0
+        assert engine.hits("/v1/chat/completions") == 0
+    finally:
+        await app.close()
+
+
+async def test_b19_discovery_empty_models(engine: FakeEngine, stargate: FakeStargate) -> None:
+    engine.models = []
+    app = make_app(engine, stargate)
+    try:
+        await app.start()
+        await stargate.wait_messages(1)
+        assert len(stargate.messages[0].models) == 0
+    finally:
+        await app.close()
+
+
+async def test_b29_discovery_dedups(engine: FakeEngine, stargate: FakeStargate) -> None:
+    engine.models = ["model-b", "model-a", "model-b"]
+    app = make_app(engine, stargate)
+    try:
+        await app.start()
+        assert app.registry.model_ids() == ["model-a", "model-b"]
+    finally:
+        await app.close()
+
+
+async def test_b28_unhealthy_upstream_fails_once(engine: FakeEngine, stargate: FakeStargate) -> None:
+    engine.health_status = {"/health": 503, "/v1/health/ready": 503}
+    app = make_app(engine, stargate, "--model-name", "llama")
+    try:
+        with pytest.raises(StargateError, match="upstream health check failed during pylon startup"):
+            await app.start()
+        assert engine.hits("/health") == 1 and stargate.watch_calls == 0
+    finally:
+        await app.close()
+
+
+async def test_b27_disable_bringup_no_probe(engine: FakeEngine, stargate: FakeStargate) -> None:
+    app = make_app(engine, stargate, "--model-name", "llama", "--disable-bringup")
+    try:
+        await app.start()
+        assert engine.hits("/health") == 0 and engine.hits("/v1/health/ready") == 0
+    finally:
+        await app.close()
+
+
+async def test_b25_resolved_health_path_first(engine: FakeEngine, stargate: FakeStargate) -> None:
+    engine.health_status = {"/health": 404, "/v1/health/ready": 200}
+    app = make_app(engine, stargate, "--model-name", "llama")
+    try:
+        await app.start()
+        assert (engine.hits("/health"), engine.hits("/v1/health/ready")) == (1, 2)
+    finally:
+        await app.close()
+
+
+async def test_b18_unreachable_upstream_discovery(stargate: FakeStargate) -> None:
+    dead = FakeEngine(url="http://127.0.0.1:9")
+    app = make_app(dead, stargate, "--disable-bringup")
+    try:
+        with pytest.raises(StargateError, match="initial model discovery failed"):
+            await app.start()
+        assert stargate.watch_calls == 0
+    finally:
+        await app.close()
+
+
+async def test_b17_calibration_failure_aborts_startup(engine: FakeEngine, stargate: FakeStargate) -> None:
+    engine.calibration_status = 500
+    app = make_app(engine, stargate, "--model-name", "llama", "--do-calibration")
+    try:
+        with pytest.raises(StargateError, match="pylon initial model initialization failed"):
+            await app.start()
+        assert stargate.watch_calls == 0 and stargate.register_calls == 0
+    finally:
+        await app.close()
+
+
+async def test_b16_b34_calibration_then_single_registration(
+    engine: FakeEngine, stargate: FakeStargate
+) -> None:
+    app = make_app(
+        engine,
+        stargate,
+        "--model-name",
+        "a",
+        "--model-name",
+        "b",
+        "--do-calibration",
+        "--bringup-calibration-timeout-ms",
+        "300",
+        "--calibration-requests",
+        "5",
+    )
+    try:
+        await app.start()
+        await stargate.wait_messages(1)
+        assert stargate.watch_calls == 1 and stargate.register_calls == 1
+        msg = stargate.messages[0]
+        assert all(msg.models[m].stats.last_mean_input_tps > 0 for m in ("a", "b"))
+        calib = [
+            (h, b) for _, _, h, b in engine.requests if h.get("x-request-id", "").startswith("calibration-")
+        ]
+        first_b = next(i for i, (h, _) in enumerate(calib) if h["x-model"] == "b")
+        assert all(h["x-model"] == "a" for h, _ in calib[:first_b])
+        h, b = calib[0]
+        assert (
+            h["x-input-tokens"] == "256" and b"1" * 256 in b and b'"max_tokens":1' in b and b'"seed":33' in b
+        )
+    finally:
+        await app.close()
+
+
+async def test_b32_retired_model_gets_new_generation(engine: FakeEngine, stargate: FakeStargate) -> None:
+    app = make_app(engine, stargate, "--disable-bringup")
+    try:
+        await app.start()
+        first = app.registry.current("llama")
+        assert app._lifecycle is not None
+        await app._lifecycle.reconcile([])
+        assert "llama" not in app.registration_message().models
+        await app._lifecycle.reconcile(["llama"])
+        import asyncio
+
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        second = app.registry.admitted("llama")
+        assert first is not None and second is not None and second.seq > first.seq
+    finally:
+        await app.close()

@@ -1,0 +1,161 @@
+"""In-process fakes for Pylon integration tests: an aiohttp engine and a grpc.aio Stargate."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stargate.proto import stargate_pb2, stargate_pb2_grpc
+
+
+@dataclass
+class FakeEngine:
+    models: list[str] = field(default_factory=lambda: ["llama"])
+    health_status: dict[str, int] = field(default_factory=lambda: {"/health": 200, "/v1/health/ready": 200})
+    chat_mode: str = "ok"  # ok | hang | no_output | status
+    chat_status: int = 200
+    chat_headers: dict[str, str] = field(default_factory=dict)
+    stream_status: int = 404
+    stream_lines: list[bytes] = field(default_factory=list)
+    calibration_status: int = 200
+    requests: list[tuple[str, str, CIMultiDict[str], bytes]] = field(default_factory=list)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+    _closing: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def hits(self, path: str) -> int:
+        return sum(1 for _, p, _, _ in self.requests if p == path)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path, CIMultiDict(request.headers), b""))
+        return web.Response(status=self.health_status.get(request.path, 404))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append((request.method, request.path_qs, CIMultiDict(request.headers), body))
+        obj = orjson.loads(body)
+        if not obj.get("stream"):
+            await asyncio.sleep(0.015)
+            if (
+                request.headers.get("x-request-id", "").startswith("calibration-")
+                and self.calibration_status != 200
+            ):
+                return web.json_response({"error": {"message": "boom"}}, status=self.calibration_status)
+            return web.json_response({"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 1}})
+        if self.chat_mode == "status":
+            return web.json_response({"error": "busy"}, status=self.chat_status, headers=self.chat_headers)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        if self.chat_mode == "hang":
+            await resp.write(b": keepalive\n\n")
+            await self._hold()
+        if self.chat_mode == "no_output":
+            await resp.write(b": keepalive\n\n")
+            return resp
+        for piece in ("a", "b", "c"):
+            await resp.write(b'data: {"choices":[{"delta":{"content":"%s"}}]}\n\n' % piece.encode())
+        await resp.write(b'data: {"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":3}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.requests.append((request.method, request.path, CIMultiDict(request.headers), body))
+        return web.json_response({"data": [{"embedding": [0.1]}]})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        if self.stream_status != 200:
+            return web.Response(status=self.stream_status)
+        resp = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for line in self.stream_lines:
+            await resp.write(line + b"\n")
+        await self._hold()
+        return resp
+
+    async def _hold(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), 30)
+
+    async def start(self) -> FakeEngine:
+        self._closing = asyncio.Event()
+        app = web.Application()
+        for path in ("/health", "/v1/health/ready", "/ping"):
+            app.router.add_get(path, self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_get("/pylon/v1/stats/stream", self._stream)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def close(self) -> None:
+        self._closing.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
+    def __init__(self) -> None:
+        self.watch_calls = 0
+        self.register_calls = 0
+        self.messages: list[stargate_pb2.InferenceServerRegistration] = []
+        self.metadata: list[dict[str, str]] = []
+        self.address = ""
+        self.got_message = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+
+    async def WatchStargates(
+        self, request: Any, context: Any
+    ) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
+        self.watch_calls += 1
+        yield stargate_pb2.WatchStargatesResponse(
+            stargates=[stargate_pb2.StargateInfo(stargate_id="sg-1", advertise_addr=self.address)]
+        )
+        await asyncio.sleep(3600)
+
+    async def RegisterInferenceServer(
+        self, request_iterator: Any, context: Any
+    ) -> AsyncIterator[stargate_pb2.InferenceServerAck]:
+        self.register_calls += 1
+        self.metadata.append({k: v for k, v in context.invocation_metadata()})
+        async for msg in request_iterator:
+            self.messages.append(msg)
+            self.got_message.set()
+            yield stargate_pb2.InferenceServerAck()
+
+    async def start(self) -> FakeStargate:
+        self._server = grpc.aio.server()
+        stargate_pb2_grpc.add_StargateControlPlaneServicer_to_server(self, self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        await self._server.start()
+        return self
+
+    async def wait_messages(self, n: int, timeout: float = 10.0) -> None:
+        async def waiter() -> None:
+            while len(self.messages) < n:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(waiter(), timeout)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)

@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from stargate.bench.scenario import LognormalTokens, parse_scenario
+from stargate.bench.workload import build_workload, poisson_gap_ms, round_half_away, sample_tokens, streams
+from stargate.errors import ConfigError
+from stargate.mock_engine.tokens import chat_prompt_bytes, text_token_estimate
+
+
+def const(value: int) -> dict[str, Any]:
+    return {"distribution": "constant", "value": value}
+
+
+def scenario(traffic: dict[str, Any], **top: Any) -> dict[str, Any]:
+    return {
+        "name": "Work Load",
+        "model": "m",
+        "request_count": 200,
+        "max_concurrency": 4,
+        "backends": {"count": 2, "profile": {
+            "service_time_ms": {"ttft_mean": 1, "decode_tokens_per_s": 100},
+            "registration": {"last_mean_input_tps": 1}}},
+        "traffic_pattern": traffic,
+        **top,
+    }  # fmt: skip
+
+
+HOTSET = {
+    "kind": "zipf_hotset", "cache_affinity_keys": 50, "routing_keys": 3, "hotset_fraction": 0.1,
+    "hotset_share": 0.8, "input_tokens": {"distribution": "uniform", "min": 10, "max": 500},
+    "output_tokens": {"distribution": "lognormal", "mean": 40, "sigma": 0.5, "p99_cap": 90},
+    "arrival": {"distribution": "poisson", "target_rps": 50},
+}  # fmt: skip
+
+
+def build(data: dict[str, Any], seed: int | None = None, base_dir: Path | None = None):  # type: ignore[no-untyped-def]
+    return build_workload(parse_scenario(data, base_dir=base_dir), seed)
+
+
+def test_same_seed_gives_the_identical_workload() -> None:
+    assert build(scenario(HOTSET), 5) == build(scenario(HOTSET), 5)
+
+
+def test_different_seeds_differ() -> None:
+    a, b = build(scenario(HOTSET), 1).requests, build(scenario(HOTSET), 2).requests
+    assert [r.at_ms for r in a] != [r.at_ms for r in b]
+    assert [r.cache_affinity_key for r in a] != [r.cache_affinity_key for r in b]
+    assert [r.body for r in a] != [r.body for r in b]
+
+
+def test_output_sizes_do_not_shift_arrivals_keys_or_inputs() -> None:
+    other = copy.deepcopy(HOTSET) | {"output_tokens": {"distribution": "uniform", "min": 1, "max": 1000}}
+    a, b = build(scenario(HOTSET), 3).requests, build(scenario(other), 3).requests
+    assert [r.at_ms for r in a] == [r.at_ms for r in b]
+    assert [(r.cache_affinity_key, r.routing_key, r.input_tokens) for r in a] == [
+        (r.cache_affinity_key, r.routing_key, r.input_tokens) for r in b
+    ]
+    assert [r.output_tokens for r in a] != [r.output_tokens for r in b]
+
+
+def test_arrival_rate_does_not_shift_shapes() -> None:
+    other = copy.deepcopy(HOTSET) | {"arrival": {"distribution": "constant", "interval_ms": 5}}
+    a, b = build(scenario(HOTSET), 3).requests, build(scenario(other), 3).requests
+    assert [r.at_ms for r in b] == [5.0 * i for i in range(200)]
+    assert [(r.cache_affinity_key, r.output_tokens) for r in a] == [
+        (r.cache_affinity_key, r.output_tokens) for r in b
+    ]
+
+
+def test_request_ids_headers_and_body() -> None:
+    data = scenario(HOTSET, seed=77, client={"request_slo_ms": 60000, "max_wait_ms": 1000, "priority": 2,
+                                             "headers": {"X-Tenant": "t1"}})  # fmt: skip
+    work = build(data)
+    first = work.requests[0]
+    assert first.request_id == "work-load-77-000000" and first.at_ms == 0
+    h = first.headers
+    assert h["x-request-id"] == first.request_id and h["x-model"] == "m"
+    assert (h["x-input-tokens"], h["x-output-tokens"]) == (str(first.input_tokens), str(first.output_tokens))
+    assert h["x-cache-affinity-key"] == first.cache_affinity_key and h["x-routing-key"] == first.routing_key
+    sent = (h["x-request-slo-ms"], h["x-max-wait-ms"], h["x-priority"], h["x-tenant"])
+    assert sent == ("60000", "1000", "2", "t1")
+    body = orjson.loads(first.body)
+    assert body["stream"] is True and body["max_tokens"] == first.output_tokens and body["model"] == "m"
+    assert work.mode == "open" and work.max_concurrency == 4 and work.sessions == ()
+
+
+def test_hotset_mixture_keys() -> None:
+    reqs = build(scenario(HOTSET | {"cache_affinity_keys": 100}) | {"request_count": 2000}).requests
+    hot = [r for r in reqs if r.behavior_class == "hot"]
+    assert all(int(r.cache_affinity_key[4:]) < 10 for r in hot)  # type: ignore[index]
+    assert 0.75 < len(hot) / len(reqs) < 0.85
+    assert all(r.routing_key in {"rk-0000", "rk-0001", "rk-0002"} for r in reqs)
+
+
+def test_true_zipf_follows_the_power_law() -> None:
+    traffic = {"kind": "zipf", "exponent": 1.0, "cache_affinity_keys": 20, "input_tokens": const(8),
+               "output_tokens": const(2), "arrival": {"distribution": "constant",
+                                                      "interval_ms": 0}}  # fmt: skip
+    work = build(scenario(traffic) | {"request_count": 6000})
+    counts = Counter(r.cache_affinity_key for r in work.requests)
+    assert counts["cak-0000"] > counts["cak-0001"] > counts["cak-0004"] > counts["cak-0019"] > 0
+    assert 1.6 < counts["cak-0000"] / counts["cak-0001"] < 2.4  # P(1)/P(2) = 2 for s = 1
+
+
+def test_bursty_alternates_rates_starting_with_a_burst() -> None:
+    traffic = {"kind": "bursty", "input_tokens": const(1), "output_tokens": const(1), "quiet_rps": 2,
+               "burst_rps": 200, "burst_period_requests": 50}  # fmt: skip
+    at = [r.at_ms for r in build(scenario(traffic)).requests]
+    gaps = [b - a for a, b in itertools.pairwise(at)]  # type: ignore[operator]
+    assert statistics.mean(gaps[:49]) < 20 < statistics.mean(gaps[50:99])
+    assert all(float(g).is_integer() for g in gaps)
+
+
+def test_distribution_rules() -> None:
+    rng = streams(1)["input"]
+    values = [sample_tokens(LognormalTokens(distribution="lognormal", mean=100, sigma=0.5, p99_cap=150), rng)
+              for _ in range(4000)]  # fmt: skip
+    assert max(values) == 150 and min(values) >= 1
+    assert 90 <= statistics.median(values) <= 110  # mean is the median of the law
+    assert (round_half_away(2.5), round_half_away(3.5), round_half_away(-0.5)) == (3, 4, -1)
+    gaps = [poisson_gap_ms(100, rng) for _ in range(4000)]
+    assert 9 < statistics.mean(gaps) < 11 and 0 in gaps
+
+
+def test_prefix_reuse_grows_per_session_and_closed_loop_serializes_turns() -> None:
+    traffic = {"kind": "prefix_reuse", "cache_affinity_keys": 3, "initial_input_tokens": const(100),
+               "incremental_input_tokens": const(10), "output_tokens": const(2),
+               "arrival": {"distribution": "constant", "interval_ms": 1}}  # fmt: skip
+    data = scenario(traffic) | {"request_count": 30}
+    open_work = build(data)
+    by_key: dict[str, list[int]] = {}
+    for r in sorted(open_work.requests, key=lambda r: r.index):
+        by_key.setdefault(r.cache_affinity_key, []).append(r.input_tokens)  # type: ignore[arg-type]
+    for sizes in by_key.values():
+        assert sizes == [100 + 10 * i for i in range(len(sizes))]
+    closed = build(data | {"execution": {"mode": "closed_loop", "workers": 2}})
+    assert closed.mode == "closed" and closed.max_concurrency == 2 and len(closed.sessions) == 3
+    for session in closed.sessions:
+        assert [r.turn for r in session] == list(range(len(session)))
+        assert all(r.at_ms is None for r in session)
+
+
+SESSIONS = {"kind": "sessions", "turns": {"distribution": "uniform", "min": 1, "max": 4},
+            "think_time_ms": const(250), "initial_input_tokens": const(400),
+            "incremental_input_tokens": const(20), "output_tokens": const(8)}  # fmt: skip
+
+
+def test_sessions_are_closed_loop_with_growing_context_and_think_time() -> None:
+    work = build(scenario(SESSIONS, client={"timeout_s": 90}, execution={"workers": 32}))
+    assert work.mode == "closed" and work.max_concurrency == 32 and work.client_timeout_s == 90
+    assert sum(len(s) for s in work.sessions) == 200
+    for session in work.sessions:
+        keys = {r.cache_affinity_key for r in session}
+        assert keys == {session[0].session}
+        assert [r.input_tokens for r in session] == [400 + 28 * i for i in range(len(session))]
+        assert [r.think_ms for r in session] == [0.0] + [250.0] * (len(session) - 1)
+
+
+def _prompt(request: Any) -> bytes:
+    return chat_prompt_bytes(orjson.loads(request.body)["messages"])
+
+
+def test_prompt_text_matches_token_counts_and_shares_prefixes_within_a_session() -> None:
+    work = build(scenario(SESSIONS, prompts={"shared_prefix_tokens": 64}))
+    for session in work.sessions[:20]:
+        texts = [_prompt(r) for r in session]
+        for request, text in zip(session, texts, strict=True):
+            assert text_token_estimate(text) == request.input_tokens
+            assert len(text) == 4 * request.input_tokens
+        for shorter, longer in itertools.pairwise(texts):
+            assert longer.startswith(shorter[:-1])  # all but the closing NUL
+    a, b = (_prompt(s[0]) for s in work.sessions[:2])
+    assert a[: 64 * 4] == b[: 64 * 4]  # the shared system prompt
+    assert a[64 * 4 : 64 * 4 + 64] != b[64 * 4 : 64 * 4 + 64]  # sessions diverge right after it
+
+
+def test_repeat_mode_sends_the_original_filler() -> None:
+    first = build(scenario(HOTSET, prompts={"text": "repeat"})).requests[0]
+    assert orjson.loads(first.body)["messages"] == [{"role": "user", "content": "x" * first.input_tokens}]
+
+
+def test_trace_replay_is_relative_to_the_scenario_file(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp_ms": 1000, "session": "s1", "input_tokens": 50, "output_tokens": 3},
+        {"timestamp_ms": 1500, "session": None, "input_tokens": 7, "output_tokens": 1, "prompt": "hello"},
+        {"timestamp_ms": 1250, "session": "s1", "input_tokens": 60, "output_tokens": 2},
+    ]
+    (tmp_path / "t.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    data = scenario({"kind": "trace", "path": "t.jsonl", "time_scale": 2.0}) | {"request_count": 3}
+    work = build(data, base_dir=tmp_path)
+    planned = [(r.at_ms, r.session, r.turn) for r in work.requests]
+    assert planned == [(0, "s1", 0), (500, "s1", 1), (1000, None, 0)]
+    assert orjson.loads(work.requests[2].body)["messages"][0]["content"] == "hello"
+    with pytest.raises(ConfigError, match="fewer than request_count"):
+        build(data | {"request_count": 4}, base_dir=tmp_path)
+    (tmp_path / "t.jsonl").write_text('{"timestamp_ms": 1}\n')
+    with pytest.raises(ConfigError, match="bad trace line"):
+        build(data | {"request_count": 1}, base_dir=tmp_path)

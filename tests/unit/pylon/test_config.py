@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from stargate.errors import ConfigError
+from stargate.pylon.admission import threshold_ms
+from stargate.pylon.cli import main
+from stargate.pylon.config import StatsStreamMode, UpstreamBackend, health_candidates, parse_settings
+
+BASE = ["--upstream-http-base-url", "http://127.0.0.1:8090/"]
+
+
+def parse(*extra: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    return parse_settings([*BASE, *extra], env)
+
+
+def test_b01_defaults() -> None:
+    s = parse()
+    assert (s.inference_server_id, s.cluster_id) == ("pylon", "pylon")
+    assert (
+        s.discovery_mode and s.discovery_poll_interval_ms == 5000 and s.discovery_request_timeout_ms == 5000
+    )
+    assert s.stats_stream_mode is StatsStreamMode.AUTO
+    assert s.stats_stream_url == "http://127.0.0.1:8090/pylon/v1/stats/stream"
+    assert s.min_update_interval_ms == 1000
+    assert s.upstream_base_url == "http://127.0.0.1:8090"
+    assert s.max_engine_concurrency is None
+
+
+def test_b02_unknown_discovery_provider() -> None:
+    with pytest.raises(ConfigError, match="--model-discovery-provider"):
+        parse("--model-discovery-provider", "unknown")
+
+
+def test_b03_static_models_sorted_dedup() -> None:
+    assert parse("--model-name", "b", "--model-name", "a", "--model-name", "b").model_names == ("a", "b")
+
+
+def test_b04_blank_model_name() -> None:
+    with pytest.raises(ConfigError, match="--model-name"):
+        parse("--model-name", "   ")
+
+
+@pytest.mark.parametrize(
+    "flag", ["--model-discovery-poll-interval-ms", "--model-discovery-request-timeout-ms"]
+)
+def test_b05_zero_discovery_intervals(flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        parse(flag, "0")
+
+
+def test_b06_calibration_and_initial_tps_exclusive() -> None:
+    with pytest.raises(ConfigError, match="--do-calibration/--initial-input-tps"):
+        parse("--do-calibration", "--initial-input-tps", "2200")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "-inf"])
+def test_b07_invalid_initial_tps(value: str) -> None:
+    with pytest.raises(ConfigError, match="--initial-input-tps"):
+        parse(f"--initial-input-tps={value}")
+
+
+def test_b08_pin_requires_initial_tps() -> None:
+    with pytest.raises(ConfigError, match="--benchmark-pin-input-tps"):
+        parse("--benchmark-pin-input-tps")
+
+
+def test_b09_calibration_requests_zero() -> None:
+    with pytest.raises(ConfigError, match="--calibration-requests"):
+        parse("--do-calibration", "--calibration-requests", "0")
+
+
+def test_b10_tolerance_factor_zero() -> None:
+    with pytest.raises(ConfigError, match="--pylon-queue-mismatch-tolerance-factor"):
+        parse("--pylon-queue-mismatch-tolerance-factor", "0")
+
+
+def test_b11_retryable_status_codes() -> None:
+    assert parse("--pylon-retryable-upstream-status-codes", "418, 429,503").retryable_statuses == {
+        418,
+        429,
+        503,
+    }
+    assert parse("--pylon-retryable-upstream-status-codes=").retryable_statuses == frozenset()
+    assert parse(env={"PYLON_RETRYABLE_UPSTREAM_STATUS_CODES": "500"}).retryable_statuses == {500}
+    with pytest.raises(ConfigError, match="--pylon-retryable-upstream-status-codes"):
+        parse("--pylon-retryable-upstream-status-codes", "429,nope")
+
+
+def test_b12_upstream_backend() -> None:
+    with pytest.raises(ConfigError, match="--pylon-upstream-backend"):
+        parse("--pylon-upstream-backend", "sglang")
+    assert parse("--pylon-upstream-backend", " Passthrough ").upstream_backend is UpstreamBackend.PASSTHROUGH
+    assert parse("--pylon-upstream-backend", "dynamo").upstream_backend is UpstreamBackend.DYNAMO
+
+
+def test_b13_kv_url_join() -> None:
+    assert parse("--kv-cache-stats-path", "kv/live").kv_cache_stats_url == "http://127.0.0.1:8090/kv/live"
+
+
+def test_b14_fallback_at_start() -> None:
+    assert parse("--engine-stats-stream", "off").fallback_stats_at_start
+    assert not parse("--engine-stats-stream", "auto").fallback_stats_at_start
+    assert not parse("--engine-stats-stream", "required").fallback_stats_at_start
+    assert parse("--engine-stats-source", "prometheus").fallback_stats_at_start
+
+
+def test_b15_auth_token_sources(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from stargate.pylon.registration import token_source
+
+    f = tmp_path / "token"
+    f.write_text("  abc \n")
+    s = parse("--auth-token-file", str(f))
+    read = token_source(s.auth_token, s.auth_token_file)
+    assert read() == "abc"
+    f.write_text("def")
+    assert read() == "def"
+    assert token_source("static", str(f))() == "static"
+    assert parse(env={"STARGATE_AUTH_TOKEN": "env-token"}).auth_token == "env-token"
+
+
+def test_b24_health_candidates() -> None:
+    assert health_candidates([]) == ("/health", "/v1/health/ready")
+    assert health_candidates(["ping", " ", "/health"]) == ("/ping", "/health", "/v1/health/ready")
+
+
+def test_b71_threshold() -> None:
+    u64 = 2**64 - 1
+    assert threshold_ms(100, 25, 1.25) == 125
+    assert threshold_ms(0, 25, 1.25) == 25
+    assert threshold_ms(u64, 25, 1.25) == u64
+    assert threshold_ms(100, 0, math.nan) == 100
+
+
+def test_max_engine_concurrency_must_be_positive() -> None:
+    assert parse("--max-engine-concurrency", "25").max_engine_concurrency == 25
+    with pytest.raises(ConfigError, match="--max-engine-concurrency"):
+        parse("--max-engine-concurrency", "0")
+
+
+def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*BASE, "--do-calibration", "--initial-input-tps", "5"]) == 2
+    assert "--do-calibration/--initial-input-tps" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "--upstream-http-base-url" in capsys.readouterr().err
+    assert main([*BASE, "--http-listen-addr", "localhost:1"]) == 2

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import pytest
+
+from stargate.pylon.clock import ManualClock
+from stargate.pylon.models import Generation
+from stargate.pylon.observer import MAX_PENDING_EVENT, EventTooLarge, RequestObserver, SseScanner
+from stargate.pylon.stats.observation import Endpoint, Observation, State
+
+
+def test_b97_oversize_unterminated_event_aborts() -> None:
+    with pytest.raises(EventTooLarge):
+        SseScanner().feed(b"data: " + b"x" * (MAX_PENDING_EVENT + 1))
+
+
+def test_b98_response_created_is_not_output() -> None:
+    s = SseScanner()
+    assert not s.feed(b'event: response.created\ndata: {"type":"response.created"}\n\n')
+    assert s.feed(b'event: response.output_text.delta\ndata: {"type":"x","delta":"hi"}\n\n')
+
+
+def test_b99_crlf_comment_and_split_chunks() -> None:
+    s = SseScanner()
+    assert not s.feed(b': keepalive\r\n\r\ndata: {"choices":')
+    assert s.feed(b'[{"delta":{"content":"a"}}]}\r\n\r\n')
+    assert s.tokens == 1
+
+
+def test_b100_explicit_counters_cumulative() -> None:
+    s = SseScanner()
+    seen = []
+    for n in (1, 2, 2):
+        s.feed(b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\n' % n)
+        seen.append(s.tokens)
+    assert seen == [1, 2, 2]
+
+
+def test_b101_estimate_then_explicit() -> None:
+    s = SseScanner()
+    s.feed('data: {"choices":[{"delta":{"content":"。"}}]}\n\n'.encode())
+    assert s.tokens == 1
+    s.feed(b'data: {"choices":[],"usage":{"completion_tokens":7}}\n\ndata: [DONE]\n\n')
+    assert s.tokens == 7
+
+
+def test_b102_output_tokens_so_far() -> None:
+    s = SseScanner()
+    s.feed(b'data: {"output_tokens_so_far":4}\n\n')
+    assert s.explicit_tokens == 4
+
+
+def test_b103_responses_usage() -> None:
+    s = SseScanner()
+    s.feed(b'data: {"type":"response.output_text.delta","delta":"hello world"}\n\n')
+    s.feed(b'data: {"type":"response.completed","response":{"usage":{"output_tokens":3}}}\n\n')
+    assert s.tokens == 3
+
+
+def test_done_and_empty_data_are_not_output() -> None:
+    s = SseScanner()
+    assert not s.feed(b"data: [DONE]\n\ndata:\n\n")
+    assert not s.output_seen
+
+
+def make_observer(
+    endpoint: Endpoint = Endpoint.CHAT,
+) -> tuple[RequestObserver, list[Observation], ManualClock]:
+    seen: list[Observation] = []
+    clock = ManualClock()
+    o = RequestObserver(
+        request_id="r",
+        generation=Generation("m", 1),
+        endpoint=endpoint,
+        input_tokens=5,
+        clock=clock,
+        sink=seen.append,
+    )
+    return o, seen, clock
+
+
+def test_b104_lifecycle_observations() -> None:
+    o, seen, clock = make_observer()
+    assert seen[0].state is State.UPSTREAM_CONNECTING and seen[0].upstream_status is None
+    clock.advance(0.1)
+    o.headers(200)
+    clock.advance(0.2)
+    o.output(1)
+    assert [x.state for x in seen] == [
+        State.UPSTREAM_CONNECTING,
+        State.INPUT_PROCESSING,
+        State.OUTPUT_GENERATION,
+    ]
+    assert seen[-1].time_to_first_output == pytest.approx(0.3)
+    assert o.finish() is State.COMPLETE
+
+
+def test_b105_cancelled_and_failed() -> None:
+    o, seen, _ = make_observer()
+    o.cancel()
+    assert seen[-1].state is State.CANCELLED
+    o2, seen2, _ = make_observer()
+    o2.finish(failed=True)
+    assert seen2[-1].state is State.FAILED
+
+
+def test_b106_embeddings_terminal_states() -> None:
+    o, _, _ = make_observer(Endpoint.EMBEDDINGS)
+    o.headers(200)
+    assert o.finish() is State.COMPLETE
+    o2, _, _ = make_observer(Endpoint.EMBEDDINGS)
+    o2.headers(500)
+    assert o2.finish() is State.FAILED

@@ -1,0 +1,251 @@
+from __future__ import annotations
+
+import pytest
+
+from stargate.pylon.models import Generation
+from stargate.pylon.stats.kv import parse_kv
+from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
+from stargate.pylon.stats.observation import Endpoint, Observation, State
+
+from .helpers import Rig, make_rig
+
+
+def stats(rig: Rig, rid: str, p: int | None, g: int | None, finished: bool = False) -> str | None:
+    return rig.hub.on_engine_stats(StatsEvent(rid, rig.gen.model_id, p, g, finished))
+
+
+def tracked(rig: Rig, rid: str = "req-1") -> str:
+    rig.load.track(rid, rig.gen, 0, 10)
+    return rid
+
+
+def test_b48_output_tps_from_stream() -> None:
+    rig = make_rig()
+    rid = tracked(rig)
+    stats(rig, rid, 0, 0)
+    rig.clock.advance(0.1)
+    stats(rig, rid, 10, 4)
+    snap = rig.hub.snapshot(rig.gen)
+    assert snap.output_tps == pytest.approx(40) and snap.max_output_tps == pytest.approx(40)
+    assert snap.stats_sources == ("engine_stats_stream",)
+    assert snap.stats_capabilities == ("model.throughput.engine_stream",)
+
+
+def test_b49_input_tps_needs_five_samples() -> None:
+    rig = make_rig()
+    rid = tracked(rig)
+    stats(rig, rid, 0, None)
+    for i in range(1, 6):
+        rig.clock.advance(0.1)
+        stats(rig, rid, 10 * i, None)
+        expected = 100 if i == 5 else 0
+        assert rig.hub.snapshot(rig.gen).last_mean_input_tps == pytest.approx(expected)
+
+
+def test_b50_bootstrap_moves_with_samples() -> None:
+    rig = make_rig(initial_input_tps=100)
+    rid = tracked(rig)
+    stats(rig, rid, 0, None)
+    rig.clock.advance(0.1)
+    stats(rig, rid, 20, None)
+    assert rig.hub.snapshot(rig.gen).last_mean_input_tps == pytest.approx(700 / 6)
+
+
+def test_b51_pinned_tps_stays() -> None:
+    rig = make_rig(initial_input_tps=2200, pin=True)
+    rid = tracked(rig)
+    stats(rig, rid, 0, None)
+    for i in range(1, 20):
+        rig.clock.advance(0.1)
+        stats(rig, rid, 1000 * i, None)
+    assert rig.hub.snapshot(rig.gen).last_mean_input_tps == 2200
+
+
+def test_b52_first_event_without_baseline_uses_floor() -> None:
+    rig = make_rig(floor_s=0.1)
+    stats(rig, tracked(rig), 0, 10, finished=True)
+    assert rig.hub.snapshot(rig.gen).output_tps == pytest.approx(100)
+
+
+def test_b53_accumulates_below_floor() -> None:
+    rig = make_rig()
+    rid = tracked(rig)
+    stats(rig, rid, 0, 0)
+    rig.clock.advance(0.001)
+    stats(rig, rid, None, 1)
+    assert rig.hub.snapshot(rig.gen).max_output_tps == pytest.approx(100)
+    for g in range(2, 10):
+        rig.clock.advance(0.001)
+        stats(rig, rid, None, g)
+    assert rig.hub.snapshot(rig.gen).max_output_tps == pytest.approx(100)
+    rig.clock.advance(0.002)
+    stats(rig, rid, None, 11)
+    snap = rig.hub.snapshot(rig.gen)
+    assert snap.max_output_tps == pytest.approx(1000) and snap.output_tps == pytest.approx(550)
+
+
+def test_b54_regressing_and_post_finalize() -> None:
+    rig = make_rig()
+    rid = tracked(rig)
+    stats(rig, rid, 0, 5)
+    assert stats(rig, rid, 0, 3) == "regressing_counters"
+    stats(rig, rid, 0, 6, finished=True)
+    assert stats(rig, rid, 0, 7) == "post_finalize"
+
+
+def test_b55_unknown_request_and_model_dropped() -> None:
+    rig = make_rig()
+    before = rig.hub.snapshot(rig.gen)
+    assert rig.hub.on_engine_stats(StatsEvent("nobody", "other-model", 10, 10, False)) is None
+    assert rig.hub.snapshot(rig.gen) == before
+
+
+def test_b56_calibration_ids_ignored_foreign_processed() -> None:
+    rig = make_rig(floor_s=0.1)
+    own = rig.hub.ids.new("calibration", rig.gen.seq)
+    stats(rig, own, 0, 10, finished=True)
+    assert rig.hub.snapshot(rig.gen).output_tps == 0
+    foreign = f"calibration-99999999-2222-3333-4444-555555555555-g{rig.gen.seq}-1"
+    tracked(rig, foreign)
+    stats(rig, foreign, 0, 10, finished=True)
+    assert rig.hub.snapshot(rig.gen).output_tps == pytest.approx(100)
+
+
+def test_b57_stale_output_cleared_input_kept() -> None:
+    rig = make_rig()
+    rid = tracked(rig)
+    stats(rig, rid, 0, 0)
+    for i in range(1, 6):
+        rig.clock.advance(0.1)
+        stats(rig, rid, 10 * i, 4 * i)
+    rig.clock.advance(30.5)
+    rig.hub.sweep()
+    snap = rig.hub.snapshot(rig.gen)
+    assert snap.output_tps == 0 and snap.max_output_tps == pytest.approx(40)
+    assert snap.last_mean_input_tps == pytest.approx(100)
+
+
+def test_b58_live_request_swept_after_300s() -> None:
+    rig = make_rig()
+    rid = tracked(rig)
+    stats(rig, rid, 0, 0)
+    rig.clock.advance(301)
+    rig.hub.sweep()
+    assert stats(rig, rid, 10, 10, finished=True) == "post_finalize"
+
+
+def obs(rig: Rig, state: State, **kw: object) -> Observation:
+    defaults: dict[str, object] = dict(
+        request_id="r", generation=rig.gen, endpoint=Endpoint.CHAT, state=state, input_tokens=50
+    )
+    defaults.update(kw)
+    return Observation(**defaults)  # type: ignore[arg-type]
+
+
+def test_b59_fallback_input_samples_from_complete_chats() -> None:
+    rig = make_rig(fallback=True)
+    for i in range(5):
+        rig.hub.on_observation(
+            obs(rig, State.COMPLETE, request_id=f"r{i}", time_to_first_output=0.5, elapsed=1)
+        )
+        expected = 100 if i == 4 else 0
+        assert rig.hub.snapshot(rig.gen).last_mean_input_tps == pytest.approx(expected)
+
+
+def test_b60_fallback_output_tps() -> None:
+    rig = make_rig(fallback=True)
+    rig.hub.on_observation(
+        obs(rig, State.COMPLETE, output_tokens=30, time_to_first_output=3, time_to_first_token=3, elapsed=9)
+    )
+    assert rig.hub.snapshot(rig.gen).output_tps == pytest.approx(5.0)
+
+
+def test_b61_decode_falls_back_to_ttfo() -> None:
+    rig = make_rig(fallback=True)
+    rig.hub.on_observation(
+        obs(
+            rig, State.COMPLETE, output_tokens=8, time_to_first_output=2, time_to_first_token=5.995, elapsed=6
+        )
+    )
+    assert rig.hub.snapshot(rig.gen).output_tps == pytest.approx(2.0)
+
+
+def test_b62_non_terminal_no_input_sample() -> None:
+    rig = make_rig(fallback=True)
+    for i in range(6):
+        rig.hub.on_observation(obs(rig, State.INPUT_PROCESSING, request_id=f"r{i}", time_to_first_output=0.5))
+    assert rig.hub.snapshot(rig.gen).last_mean_input_tps == 0
+
+
+def test_b63_live_output_rate() -> None:
+    rig = make_rig(fallback=True)
+    rig.hub.on_observation(
+        obs(
+            rig,
+            State.OUTPUT_GENERATION,
+            output_tokens=8,
+            time_to_first_output=2,
+            time_to_first_token=2,
+            elapsed=3,
+        )
+    )
+    assert rig.hub.snapshot(rig.gen).output_tps == pytest.approx(8.0)
+
+
+def test_b64_chunk_usage_labels() -> None:
+    rig = make_rig(fallback=True)
+    rig.hub.on_observation(
+        obs(rig, State.OUTPUT_GENERATION, output_tokens=3, output_tokens_from_chunk_usage=True)
+    )
+    snap = rig.hub.snapshot(rig.gen)
+    assert snap.stats_capabilities == ("request.output.chunk_usage",)
+    assert snap.stats_sources == ("chunk_usage",)
+
+
+def test_b65_kv_stats() -> None:
+    rig = make_rig(model="model-a")
+    body = (
+        b'{"model":"model-a","kv_cache_capacity_tokens":1000,"kv_cache_used_tokens":250,'
+        b'"kv_cache_free_tokens":750,"entries":3}'
+    )
+    parsed = parse_kv(body)
+    assert parsed == ("model-a", 1000, 250, 750)
+    assert rig.hub.on_kv(*parsed)
+    snap = rig.hub.snapshot(rig.gen)
+    assert (snap.kv_cache_capacity_tokens, snap.kv_cache_used_tokens, snap.kv_cache_free_tokens) == (
+        1000,
+        250,
+        750,
+    )
+    assert snap.stats_sources == ("kv_cache_stats",)
+    assert not rig.hub.on_kv("unconfigured", 1, 1, 0)
+    assert parse_kv(b'{"model":"m","kv_cache_capacity_tokens":-1}') is None
+
+
+def test_b78_fallback_limit_published() -> None:
+    assert make_rig(limit=25).hub.snapshot(make_rig(limit=25).gen).max_engine_concurrency == 25
+
+
+def test_b79_engine_limit_override_withdraw_keep() -> None:
+    rig = make_rig(limit=25)
+    rig.hub.on_ping(PingEvent("llama", 40))
+    assert rig.hub.snapshot(rig.gen).max_engine_concurrency == 40
+    rig.hub.on_ping(PingEvent("llama", 0))
+    assert rig.hub.snapshot(rig.gen).max_engine_concurrency == 25
+    rig.hub.on_ping(PingEvent("llama", 30))
+    rig.hub.on_ping(PingEvent("llama", None))
+    rig.hub.on_ping(PingEvent(None, None))
+    assert rig.hub.snapshot(rig.gen).max_engine_concurrency == 30
+
+
+def test_concurrency_update_for_stale_generation_is_discarded() -> None:
+    from stargate.pylon.stats.hub import ConcurrencyUpdate, LimitSource
+
+    rig = make_rig(limit=25)
+    old = rig.gen
+    rig.registry.retire("llama")
+    new = rig.registry.allocate("llama")
+    rig.hub.init_generation(new)
+    assert not rig.hub.apply_concurrency(ConcurrencyUpdate(old, LimitSource.ENGINE, 99))
+    assert rig.hub.snapshot(new).max_engine_concurrency == 25
+    assert new != Generation("llama", old.seq)

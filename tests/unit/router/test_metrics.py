@@ -1,0 +1,108 @@
+"""Metric names, label sets (declared in spec order) and buckets of §6; registries are per instance."""
+
+from __future__ import annotations
+
+from prometheus_client.utils import floatToGoString
+
+from stargate.balancer.types import Target
+from stargate.router.metrics import RouterMetrics
+
+T = Target("rk", "m")
+TGT = ("routing_key", "model")
+
+
+def test_declared_label_names_follow_the_spec_order() -> None:
+    m = RouterMetrics()
+    declared = {
+        m.requests_total: (*TGT, "inference_server_id", "status"),
+        m.proxy_attempts_total: (*TGT, "inference_server_id", "result"),
+        m.proxy_retries_total: (*TGT, "reason"),
+        m.routing_selections_total: (*TGT, "algorithm", "selection"),
+        m.routing_kv_free_token_fallback_selections_total: (*TGT, "algorithm"),
+        m.proxy_retry_exhausted_total: (*TGT, "reason"),
+        m.admission_rejections_total: (*TGT, "reason"),
+        m.quic_connection_evictions_total: ("inference_server_id", "reason"),
+        m.quic_hot_path_reconnect_total: ("inference_server_id", "result"),
+        m.tls_reloads_total: ("material_type", "result"),
+        m.proxy_replay_buffer_bytes: ("model",),
+        m.proxy_duration_seconds: (*TGT, "inference_server_id"),
+        m.routing_duration_seconds: TGT,
+        m.active_inference_servers: TGT,
+        m.tls_certificate_expiry_seconds: ("material_type",),
+    }
+    for metric, labels in declared.items():
+        assert metric._labelnames == labels, metric._name
+
+
+def test_exposed_names_with_prefix() -> None:
+    m = RouterMetrics(prefix="x_")
+    m.request_finished(T, "b1", 200)
+    m.selection(T, "pulsar", 2, True)
+    m.eviction("b1", "proxy_error")
+    m.reconnect("b1", False)
+    get = m.registry.get_sample_value
+    assert (
+        get(
+            "x_requests_total",
+            {"routing_key": "rk", "model": "m", "inference_server_id": "b1", "status": "200"},
+        )
+        == 1
+    )
+    assert (
+        get(
+            "x_routing_selections_total",
+            {"routing_key": "rk", "model": "m", "algorithm": "pulsar", "selection": "fallback"},
+        )
+        == 1
+    )
+    assert (
+        get(
+            "x_routing_kv_free_token_fallback_selections_total",
+            {"routing_key": "rk", "model": "m", "algorithm": "pulsar"},
+        )
+        == 1
+    )
+    assert (
+        get("x_quic_connection_evictions_total", {"inference_server_id": "b1", "reason": "proxy_error"}) == 1
+    )
+    assert get("x_quic_hot_path_reconnect_total", {"inference_server_id": "b1", "result": "error"}) == 1
+    for result in ("success", "rejected"):
+        assert get("x_tls_reloads_total", {"material_type": "server_identity", "result": result}) == 0
+
+
+def test_buckets_match_the_spec() -> None:
+    m = RouterMetrics()
+    m.replay_buffer(T, 5000)
+    m.proxy_duration(T, "b1", 0.2)
+    m.routing_duration(T, 0.0002)
+    get = m.registry.get_sample_value
+    replay = [0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864]
+    proxy = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
+    routing = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1]
+    for bound in replay:
+        expected = 1.0 if bound >= 5000 else 0.0
+        assert (
+            get("stargate_proxy_replay_buffer_bytes_bucket", {"model": "m", "le": floatToGoString(bound)})
+            == expected
+        )
+    labels = {"routing_key": "rk", "model": "m", "inference_server_id": "b1"}
+    for bound in proxy:
+        assert (
+            get("stargate_proxy_duration_seconds_bucket", {**labels, "le": floatToGoString(bound)})
+            is not None
+        )
+    for bound in routing:
+        sample = get(
+            "stargate_routing_duration_seconds_bucket",
+            {"routing_key": "rk", "model": "m", "le": floatToGoString(bound)},
+        )
+        assert sample == (1.0 if bound >= 0.0002 else 0.0)
+
+
+def test_registries_are_isolated_and_gauge_tracks_active_count() -> None:
+    a, b = RouterMetrics(), RouterMetrics()
+    a.set_active(T, 3)
+    a.set_active(T, 0)
+    labels = {"routing_key": "rk", "model": "m"}
+    assert a.registry.get_sample_value("stargate_active_inference_servers", labels) == 0
+    assert b.registry.get_sample_value("stargate_active_inference_servers", labels) is None

@@ -1,0 +1,287 @@
+"""Cluster aggregation, backend choice and reservations (spec §1.8, §1.9, §1.11; conformance 86-94)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from stargate.balancer.types import Candidate, ModelStats, Target
+from stargate.router.state import RegistrationHandle, RoutingState
+
+MS = 1_000_000  # ns per ms
+T = Target(None, "model-a")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pmap(**entries: int) -> MappingProxyType[int, int]:
+    return MappingProxyType({int(k[1:]): v for k, v in entries.items()})
+
+
+def make_state() -> tuple[RoutingState, Clock]:
+    clock = Clock()
+    return RoutingState(clock=clock), clock
+
+
+def join(state: RoutingState, server_id: str, cluster_id: str = "c1") -> RegistrationHandle:
+    handle = state.admit(server_id, f"http://{server_id}:9000", cluster_id, None)
+    assert handle is not None
+    return handle
+
+
+def publish(state: RoutingState, handle: RegistrationHandle, stats: ModelStats, rtt_ms: float = 1.0) -> None:
+    assert state.apply_update(handle, {"model-a": stats}, int(rtt_ms * MS))
+
+
+def only_candidate(state: RoutingState) -> Candidate:
+    view = state.view(T)
+    assert view is not None
+    (candidate,) = view.candidates
+    return candidate
+
+
+STATS_A = ModelStats(
+    last_mean_input_tps=100.0,
+    queued_input_size=100,
+    queue_size=1,
+    num_running_queries=11,
+    max_engine_concurrency=111,
+    queue_time_estimate_ms_by_priority=pmap(p1=111),
+)
+STATS_B = ModelStats(
+    last_mean_input_tps=120.0,
+    queued_input_size=200,
+    queue_size=2,
+    num_running_queries=7,
+    max_engine_concurrency=77,
+    queue_time_estimate_ms_by_priority=pmap(p1=222, p2=333),
+)
+
+
+def test_86_cluster_sums_load_and_copies_latest_publisher() -> None:
+    state, clock = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    publish(state, a, STATS_A, rtt_ms=10)
+    clock.now += 1
+    publish(state, b, STATS_B, rtt_ms=5)
+    candidate = only_candidate(state)
+    assert candidate.cluster_id == "c1"
+    assert candidate.stats.last_mean_input_tps == 220.0
+    assert candidate.stats.queued_input_size == 300
+    assert candidate.stats.queue_size == 3
+    assert candidate.stats.num_running_queries == 7
+    assert candidate.stats.max_engine_concurrency == 77
+    assert dict(candidate.stats.queue_time_estimate_ms_by_priority) == {1: 222, 2: 333}
+    assert candidate.rtt_s == 0.0075
+    assert candidate.active_backend_count == 2
+    assert candidate.updated_at == 101.0
+
+
+def test_87_source_falls_back_to_remaining_backend_when_publisher_leaves() -> None:
+    state, clock = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    publish(state, a, STATS_A, rtt_ms=10)
+    clock.now += 1
+    publish(state, b, STATS_B, rtt_ms=5)
+    state.remove(b)
+    candidate = only_candidate(state)
+    assert candidate.stats.last_mean_input_tps == 100.0
+    assert candidate.stats.num_running_queries == 11
+    assert candidate.stats.max_engine_concurrency == 111
+    assert candidate.rtt_s == 0.010
+    assert candidate.active_backend_count == 1
+
+
+def test_88_rtt_is_integer_nanosecond_mean_per_cluster() -> None:
+    state, _ = make_state()
+    for server_id, cluster_id, rtt_ms in (("a", "c1", 1), ("b", "c1", 101), ("c", "c2", 20), ("d", "c2", 20)):
+        publish(state, join(state, server_id, cluster_id), ModelStats(), rtt_ms=rtt_ms)
+    view = state.view(T)
+    assert view is not None
+    assert {c.cluster_id: c.rtt_s for c in view.candidates} == {"c1": 0.051, "c2": 0.020}
+
+
+def test_rtt_mean_truncates_toward_zero() -> None:
+    state, _ = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    assert state.apply_update(a, {"model-a": ModelStats()}, 8 * MS)
+    assert state.apply_update(b, {"model-a": ModelStats()}, 5 * MS + 1)
+    assert only_candidate(state).rtt_s == 6_500_000 / 1e9
+
+
+def test_invalid_tps_is_not_summed_and_observed_time_is_max() -> None:
+    state, _ = make_state()
+    a, b, c = join(state, "a"), join(state, "b"), join(state, "c")
+    nan = float("nan")
+    publish(state, a, ModelStats(last_mean_input_tps=nan, output_tps=3.0, stats_observed_at_unix_ms=7))
+    publish(state, b, ModelStats(last_mean_input_tps=-5.0, output_tps=4.0, stats_observed_at_unix_ms=9))
+    publish(state, c, ModelStats(last_mean_input_tps=50.0, stats_observed_at_unix_ms=8))
+    stats = only_candidate(state).stats
+    assert stats.last_mean_input_tps == 50.0
+    assert stats.output_tps == 7.0
+    assert stats.stats_observed_at_unix_ms == 9
+
+
+def test_labels_are_unioned_in_backend_id_order() -> None:
+    state, _ = make_state()
+    b, a = join(state, "b"), join(state, "a")
+    publish(state, b, ModelStats(stats_capabilities=("kv", "z"), stats_sources=("engine",)))
+    publish(state, a, ModelStats(stats_capabilities=("z", "q"), stats_sources=("pylon", "engine")))
+    stats = only_candidate(state).stats
+    assert stats.stats_capabilities == ("z", "q", "kv")
+    assert stats.stats_sources == ("pylon", "engine")
+
+
+def test_previous_source_is_kept_when_another_member_leaves() -> None:
+    state, clock = make_state()
+    a, b, c = join(state, "a"), join(state, "b"), join(state, "c")
+    publish(state, a, ModelStats(num_running_queries=1))
+    clock.now += 1
+    publish(state, c, ModelStats(num_running_queries=3))
+    clock.now += 1
+    publish(state, b, ModelStats(num_running_queries=2))
+    state.remove(c)
+    assert only_candidate(state).stats.num_running_queries == 2
+    state.remove(b)
+    assert only_candidate(state).stats.num_running_queries == 1
+
+
+def test_greatest_update_time_becomes_source_when_source_leaves() -> None:
+    state, clock = make_state()
+    a, b, c = join(state, "a"), join(state, "b"), join(state, "c")
+    publish(state, b, ModelStats(num_running_queries=2))
+    clock.now += 1
+    publish(state, a, ModelStats(num_running_queries=1))
+    clock.now += 1
+    publish(state, c, ModelStats(num_running_queries=3))
+    state.remove(c)
+    assert only_candidate(state).stats.num_running_queries == 1
+
+
+def test_90_backend_round_robin_skips_failed_backends() -> None:
+    state, _ = make_state()
+    for server_id in ("c", "a", "b"):
+        publish(state, join(state, server_id), ModelStats())
+    view = state.view(T)
+    assert view is not None
+    picks = [view.pick_backend("c1") for _ in range(3)]
+    assert [p.inference_server_id for p in picks if p] == ["a", "b", "c"]
+    failed = frozenset({"a"})
+    picks = [view.pick_backend("c1", failed) for _ in range(2)]
+    assert [p.inference_server_id for p in picks if p] == ["c", "b"]
+    assert view.pick_backend("c1", frozenset({"a", "b", "c"})) is None
+    assert view.pick_backend("unknown") is None
+    backend = view.pick_backend("c1")
+    assert backend is not None and backend.url == f"http://{backend.inference_server_id}:9000"
+
+
+def test_backend_counter_is_shared_across_views_of_one_generation() -> None:
+    state, _ = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    publish(state, a, ModelStats())
+    publish(state, b, ModelStats())
+    first = state.view(T)
+    assert first is not None
+    assert first.pick_backend("c1") is not None
+    publish(state, a, ModelStats(queue_size=1))
+    second = state.view(T)
+    assert second is not None and second is not first
+    picked = second.pick_backend("c1")
+    assert picked is not None and picked.inference_server_id == "b"
+
+
+def test_91_reservation_applies_until_the_backends_next_heartbeat() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    published = ModelStats(last_mean_input_tps=100.0, queue_time_estimate_ms_by_priority=pmap(p4=5))
+    publish(state, a, published)
+    state.reserve(T, "a", 37, 4)
+    stats = only_candidate(state).stats
+    assert (stats.num_running_queries, stats.queue_size) == (1, 1)
+    assert (stats.queued_input_size, stats.total_query_input_size) == (37, 37)
+    assert dict(stats.queue_time_estimate_ms_by_priority) == {4: 375}
+    assert stats.last_mean_input_tps == 100.0
+    publish(state, a, published)
+    assert only_candidate(state).stats == published
+
+
+def test_92_releasing_one_reservation_removes_only_its_contribution() -> None:
+    state, _ = make_state()
+    publish(state, join(state, "a"), ModelStats(last_mean_input_tps=100.0))
+    first = state.reserve(T, "a", 10, 0)
+    state.reserve(T, "a", 20, 0)
+    state.release(first)
+    stats = only_candidate(state).stats
+    assert (stats.queue_size, stats.queued_input_size, stats.num_running_queries) == (1, 20, 1)
+    state.release(first)
+    assert only_candidate(state).stats.queued_input_size == 20
+
+
+def test_93_other_backends_heartbeat_keeps_reservation() -> None:
+    state, _ = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    stats = ModelStats(last_mean_input_tps=100.0, queue_time_estimate_ms_by_priority=pmap(p4=5))
+    publish(state, a, stats)
+    publish(state, b, stats)
+    state.reserve(T, "a", 37, 4)
+    publish(state, b, stats)
+    candidate = only_candidate(state)
+    assert dict(candidate.stats.queue_time_estimate_ms_by_priority) == {4: 190}
+    assert candidate.stats.queue_size == 1
+
+
+def test_94_priority_map_bump_and_clear_without_tps() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    estimates = pmap(p1=10, p2=100, p4=400)
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, queue_time_estimate_ms_by_priority=estimates))
+    state.reserve(T, "a", 10, 2)
+    assert dict(only_candidate(state).stats.queue_time_estimate_ms_by_priority) == {1: 10, 2: 200, 4: 500}
+    publish(state, a, ModelStats(last_mean_input_tps=0.0, queue_time_estimate_ms_by_priority=estimates))
+    state.reserve(T, "a", 10, 2)
+    assert dict(only_candidate(state).stats.queue_time_estimate_ms_by_priority) == {}
+
+
+def test_reservation_ends_when_backend_leaves_cluster() -> None:
+    state, _ = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    publish(state, a, ModelStats())
+    publish(state, b, ModelStats())
+    state.reserve(T, "a", 5, 0)
+    state.reserve(T, "b", 7, 0)
+    state.remove(a)
+    assert only_candidate(state).stats.queued_input_size == 7
+
+
+def test_reservation_for_unknown_backend_or_target_is_inert() -> None:
+    state, _ = make_state()
+    publish(state, join(state, "a"), ModelStats())
+    before = state.view(T)
+    ghost = state.reserve(T, "ghost", 5, 0)
+    missing = state.reserve(Target(None, "other"), "a", 5, 0)
+    assert state.view(T) is before
+    state.release(ghost)
+    state.release(missing)
+    assert only_candidate(state).stats.queue_size == 0
+
+
+def test_view_is_shared_until_a_mutation() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats())
+    first = state.view(T)
+    assert first is not None
+    assert state.view(T) is first
+    reservation = state.reserve(T, "a", 1, 0)
+    reserved = state.view(T)
+    assert reserved is not first and reserved is not None
+    assert first.candidates[0].stats.queue_size == 0
+    assert reserved.candidates[0].stats.queue_size == 1
+    state.release(reservation)
+    released = state.view(T)
+    assert released is not None and released.candidates[0].stats.queue_size == 0

@@ -1,0 +1,97 @@
+"""`stargate validate-config FILE`: a summary and exit 0, or `<file>: <json path>: <reason>` and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from stargate.cli import main
+
+
+def write(tmp_path: Path, data: object) -> str:
+    path = tmp_path / "lb-config.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def test_valid_file_prints_summary_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(
+        tmp_path,
+        {
+            "default": "random",
+            "request_algorithms": {"power-of-n": {"algorithm": "power-of-n", "sample_count": 4}},
+            "models": {
+                "model-a": {
+                    "algorithm": "wait-and-widen",
+                    "cache_affinity_backend_selection_count": 2,
+                    "cache_affinity_wait_ms": 200,
+                    "cache_affinity_input_tokens_scale": 0.1,
+                }
+            },
+        },
+    )
+    assert main(["validate-config", path]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: valid" in out
+    assert "default: random" in out
+    assert "power-of-n (comparator=ttft, sample_count=4)" in out
+    assert '"model-a": wait-and-widen' in out
+    assert "cache_affinity_wait_ms=200" in out and "cache_affinity_input_tokens_scale=0.1" in out
+
+
+def test_invalid_field_reports_file_path_and_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, {"models": {"model-a": {"algorithm": "power-of-n", "sample_count": 65}}})
+    assert main(["validate-config", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f'{path}: $.models["model-a"].sample_count: power-of-n sample_count must be between 1 and 64, got 65'
+    )
+
+
+def test_c04_unsupported_field_via_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, {"models": {"m": {"algorithm": "round-robin", "seed": "x"}}})
+    assert main(["validate-config", path]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"{path}: $.models.m: round-robin config does not support field(s): seed"
+    )
+
+
+def test_missing_file_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(tmp_path / "absent.json")
+    assert main(["validate-config", path]) == 2
+    assert capsys.readouterr().err.startswith(f"{path}: failed to read lb config file")
+
+
+def test_invalid_json_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, '{"default": ')
+    assert main(["validate-config", path]) == 2
+    assert capsys.readouterr().err.startswith(f"{path}: failed to parse lb config file")
+
+
+def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate-config"]) == 2
+    assert "FILE" in capsys.readouterr().err
+    assert main(["validate-config", "--help"]) == 0
+    assert "usage: stargate validate-config" in capsys.readouterr().out
+
+
+def test_other_commands_go_to_the_router_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+
+    def router_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 7
+
+    fake = types.ModuleType("stargate.router.cli")
+    fake.main = router_main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "stargate.router.cli", fake)
+    assert main(["--http-listen-addr", "127.0.0.1:0"]) == 7
+    assert seen == [["--http-listen-addr", "127.0.0.1:0"]]
