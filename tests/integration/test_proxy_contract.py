@@ -614,6 +614,30 @@ async def test_p126_debug_state_has_explicit_fields_only(sg: Harness) -> None:
     assert state["active_model_ids"] == [MODEL]
 
 
+async def test_debug_routing_shows_candidates_and_member_stats(sg: Harness) -> None:
+    # Ours, not the original's: what the balancer sees, per target, cluster and backend.
+    await sg.backend("b1", cluster_id="A", max_engine_concurrency=8, num_running_queries=3)
+    await sg.backend("b2", cluster_id="A", max_engine_concurrency=4, num_running_queries=1)
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        async with sg.http.get(sg.base + "/debug/routing") as resp:
+            assert resp.status == 200
+            targets = orjson.loads(await resp.read())["targets"]
+        members = targets[0]["clusters"][0]["backends"] if targets else []
+        if len(members) == 2 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    [target] = targets
+    assert (target["routing_key"], target["model_id"]) == (None, MODEL)
+    [cluster] = target["clusters"]
+    assert cluster["cluster_id"] == "A"
+    # Running count and concurrency limit are latest-wins fields (§1.6): b2 published last.
+    assert (cluster["stats"]["num_running_queries"], cluster["stats"]["max_engine_concurrency"]) == (1, 4)
+    by_id = {b["inference_server_id"]: b["stats"] for b in cluster["backends"]}
+    assert by_id["b1"]["max_engine_concurrency"] == 8 and by_id["b2"]["num_running_queries"] == 1
+    assert "url" not in orjson.dumps(targets).decode()
+
+
 async def test_p124_health_and_readiness_then_drain(sg: Harness) -> None:
     for path in ("/healthz", "/readyz"):
         async with sg.http.get(sg.base + path) as resp:

@@ -95,3 +95,16 @@ def test_other_commands_go_to_the_router_cli(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "stargate.router.cli", fake)
     assert main(["--http-listen-addr", "127.0.0.1:0"]) == 7
     assert seen == [["--http-listen-addr", "127.0.0.1:0"]]
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "lb-config").glob("*.json"))
+
+
+def test_examples_directory_is_not_empty() -> None:
+    assert EXAMPLES, "examples/lb-config/*.json is referenced by the README and docs"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_lb_configs_are_valid(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate-config", str(path)]) == 0
+    assert f"{path}: valid" in capsys.readouterr().out

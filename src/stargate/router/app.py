@@ -92,7 +92,9 @@ class StargateServer:
         self.settings = settings
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
         self.state = RoutingState(on_active_count=self.metrics.set_active)
-        self.endpoints = Endpoints(self.state.list_models, self.state.active_model_ids, self._debug_config)
+        self.endpoints = Endpoints(
+            self.state.list_models, self.state.active_model_ids, self._debug_config, self.state.describe
+        )
         self.addresses: BoundAddresses | None = None
         self.control_plane: ControlPlane | None = None
         self.proxy: ProxyHandler | None = None

@@ -79,8 +79,12 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         if env_var is not None and env_var in env:
             kw["default"] = [env[env_var]] if kw.get("action") == "append" else env[env_var]
             kw.pop("required", None)
+        notes = [kw.get("help") or ""]
+        if kw.get("default") not in (None, False, []):
+            notes.append("(default: %(default)s)")
         if env_var is not None:
-            kw["help"] = f"{kw.get('help', '')} (env {env_var})".strip()
+            notes.append(f"(env {env_var})")
+        kw["help"] = " ".join(n for n in notes if n) or None
         p.add_argument(flag, **kw)
 
     add("--stargate-id", required=True, help="identity in WatchStargates and /debug/state")
@@ -90,25 +94,33 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add("--advertise-addr", required=True, help="self gRPC address published in discovery")
     add("--metrics-port", type=_port, default=9090, help="Prometheus port (0.0.0.0:PORT/metrics)")
     add("--metrics-host", default="0.0.0.0", help="Prometheus bind host")
-    add("--shutdown-drain-timeout-ms", type=_non_negative, default=30_000)
+    add(
+        "--shutdown-drain-timeout-ms",
+        type=_non_negative,
+        default=30_000,
+        help="on SIGTERM, how long in-flight requests may finish",
+    )
     add("--lb-config-path", default=None, help="lb-config.json; unset = permissive default")
     add(
         "--proxy-max-connect-retries",
         env_var="STARGATE_PROXY_MAX_CONNECT_RETRIES",
         type=_non_negative,
         default=2,
+        help="retries after a backend connect failure",
     )
     add(
         "--proxy-max-request-retries",
         env_var="STARGATE_PROXY_MAX_REQUEST_RETRIES",
         type=_non_negative,
         default=2,
+        help="retries after a retryable backend answer",
     )
     add(
         "--proxy-max-replay-body-bytes",
         env_var="STARGATE_PROXY_MAX_REPLAY_BODY_BYTES",
         type=_non_negative,
         default=67_108_864,
+        help="largest request body kept for replay; larger ones get 413",
     )
     add(
         "--proxy-require-pylon-retry-signal",
@@ -116,6 +128,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         type=_bool,
         default=True,
         metavar="BOOL",
+        help="retry 429/503 only when Pylon marks them x-stargate-retryable",
     )
     add(
         "--proxy-retry-budget-header",
@@ -128,12 +141,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         env_var="STARGATE_REGISTRATION_UPDATE_IDLE_TIMEOUT_MS",
         type=_non_negative,
         default=60_000,
+        help="floor of the registration idle timeout (3 x the Pylon heartbeat); 0 disables",
     )
     add(
         "--registration-update-max-idle-timeout-ms",
         env_var="STARGATE_REGISTRATION_UPDATE_MAX_IDLE_TIMEOUT_MS",
         type=_non_negative,
         default=300_000,
+        help="cap of the registration idle timeout; 0 disables",
     )
     add(
         "--stargate-discovery-dns-name",
@@ -149,8 +164,8 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         help="remote watch seed (repeatable, comma-delimited)",
     )
     add("--grpc-pylon-dial-addr", default=None, help="written into every StargateInfo")
-    add("--dns-poll-ms", type=_positive, default=1000)
-    add("--watch-heartbeat-ms", type=_positive, default=5000)
+    add("--dns-poll-ms", type=_positive, default=1000, help="peer discovery interval")
+    add("--watch-heartbeat-ms", type=_positive, default=5000, help="WatchStargates resend interval")
     add(
         "--backend-connectivity",
         choices=("direct",),
@@ -172,7 +187,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         default=30_000,
         help="time allowed until response headers",
     )
-    add("--metrics-prefix", default=DEFAULT_PREFIX)
+    add("--metrics-prefix", default=DEFAULT_PREFIX, help="prefix of every Prometheus metric name")
     add(
         "--otel-endpoint",
         env_var="OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -181,7 +196,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     )
     add("--otel-service-name", default="stargate", help="accepted; tracing is off")
     add("--secrets-path", env_var="SECRETS_PATH", default=None, help="accepted; unused without worker auth")
-    add("--secrets-json-path", env_var="SECRETS_JSON_PATH", default="authToken")
+    add("--secrets-json-path", env_var="SECRETS_JSON_PATH", default="authToken", help="accepted; unused")
     add("--worker-auth-endpoint", default=None, help="not supported: registrations use open authentication")
     return p
 

@@ -14,11 +14,16 @@ from stargate.router.proxy import error_response
 
 @dataclass
 class Endpoints:
-    """``config`` is the explicit, non-secret field set of ``/debug/state``; nothing else is exposed."""
+    """``config`` is the explicit, non-secret field set of ``/debug/state``; nothing else is exposed.
+
+    ``/debug/routing`` is ours (not in the original): the routing targets with each cluster's
+    candidate stats and its backends' latest stats, so an operator can see what the balancer sees.
+    """
 
     list_models: Callable[[str | None, list[str]], list[str]]
     active_model_ids: Callable[[], list[str]]
     config: Callable[[], Mapping[str, object]]
+    routing: Callable[[], object]
     draining: bool = False
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -44,11 +49,15 @@ class Endpoints:
             {"config": dict(self.config()), "active_model_ids": sorted(set(self.active_model_ids()))}
         )
 
+    async def debug_routing(self, request: web.Request) -> web.Response:
+        return _json({"targets": self.routing()})
+
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/debug/state", self.debug_state)
+        app.router.add_get("/debug/routing", self.debug_routing)
 
 
 def _json(payload: object) -> web.Response:

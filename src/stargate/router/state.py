@@ -160,6 +160,45 @@ class RoutingState:
     def active_model_ids(self) -> list[str]:
         return sorted({t.model_id for t in self._targets})
 
+    def describe(self) -> list[dict[str, object]]:
+        """Operator view of every routing target: the candidates the balancer sees, and their members.
+
+        Candidate stats include pending reservations; backend URLs and tokens are left out.
+        """
+        now = self._clock()
+        out: list[dict[str, object]] = []
+        for target, state in sorted(
+            self._targets.items(), key=lambda item: (item[0].routing_key or "", item[0].model_id)
+        ):
+            clusters = []
+            for cluster_id, cluster in sorted(state.clusters.items()):
+                clusters.append(
+                    {
+                        "cluster_id": cluster_id,
+                        "stats": _stats_json(cluster.candidate.stats),
+                        "rtt_ms": round(cluster.candidate.rtt_s * 1000.0, 3),
+                        "pending_reservations": len(cluster.reservations),
+                        "backends": [
+                            {
+                                "inference_server_id": backend_id,
+                                "rtt_ms": round(member.rtt_ns / 1e6, 3),
+                                "updated_s_ago": round(max(0.0, now - member.updated_at), 3),
+                                "stats": _stats_json(member.stats),
+                            }
+                            for backend_id, member in sorted(cluster.members.items())
+                        ],
+                    }
+                )
+            out.append(
+                {
+                    "routing_key": target.routing_key,
+                    "model_id": target.model_id,
+                    "generation": state.generation,
+                    "clusters": clusters,
+                }
+            )
+        return out
+
     def registration_count(self) -> int:
         return len(self._live)
 
@@ -315,3 +354,13 @@ class RoutingState:
         for target in dict.fromkeys(targets):
             state = self._targets.get(target)
             self._on_active_count(target, 0 if state is None else state.active_count())
+
+
+def _stats_json(stats: ModelStats) -> dict[str, object]:
+    fields = {name: getattr(stats, name) for name in ModelStats.__dataclass_fields__}
+    fields["queue_time_estimate_ms_by_priority"] = {
+        str(priority): ms for priority, ms in sorted(stats.queue_time_estimate_ms_by_priority.items())
+    }
+    fields["stats_capabilities"] = list(stats.stats_capabilities)
+    fields["stats_sources"] = list(stats.stats_sources)
+    return fields
