@@ -52,46 +52,71 @@ def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="stargate-mock-engine", description="Mock OpenAI-compatible inference engine."
+        prog="stargate-mock-engine",
+        description="Mock OpenAI-compatible inference engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--http-listen-addr", default="127.0.0.1:8090", help="IP:PORT to listen on (port 0: any)")
     p.add_argument("--host", help="listen host (overrides the host of --http-listen-addr)")
     p.add_argument("--port", type=int, help="listen port (overrides the port of --http-listen-addr)")
-    p.add_argument("--model-name", "--model", dest="model", default="dummy-model")
+    p.add_argument("--model-name", "--model", dest="model", default="dummy-model", help="model id served")
     p.add_argument(
         "--backend-id",
         help="engine identity in x-mock-backend-id and system_fingerprint (default MODEL/PORT)",
     )
     p.add_argument("--num-tokens", type=int, default=10, help="default and maximum output tokens")
-    p.add_argument("--token-delay-ms", type=_non_negative(float), default=100.0)
+    p.add_argument("--token-delay-ms", type=_non_negative(float), default=100.0, help="decode time per token")
     p.add_argument(
         "--decode-tokens-per-s", type=_non_negative(float), help="sets --token-delay-ms to 1000/TPS"
     )
-    p.add_argument("--decode-jitter-ms", type=_non_negative(int), default=0)
-    p.add_argument("--ttft-ms", type=_non_negative(float), default=0.0)
-    p.add_argument("--ttft-jitter-ms", type=_non_negative(int), default=0)
-    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0)
-    p.add_argument("--batching", choices=("independent", "continuous"), default="independent")
+    p.add_argument(
+        "--decode-jitter-ms", type=_non_negative(int), default=0, help="uniform +- jitter per token"
+    )
+    p.add_argument("--ttft-ms", type=_non_negative(float), default=0.0, help="base time to first token")
+    p.add_argument("--ttft-jitter-ms", type=_non_negative(int), default=0, help="uniform +- jitter on TTFT")
+    p.add_argument(
+        "--prefill-tokens-per-s", type=float, default=0.0, help="prefill speed of uncached tokens; 0 = free"
+    )
+    p.add_argument(
+        "--batching",
+        choices=("independent", "continuous"),
+        default="independent",
+        help="continuous: concurrent requests share prefill throughput and slow each other's decode",
+    )
     p.add_argument(
         "--decode-slowdown",
         type=_non_negative(float),
         default=0.05,
         help="continuous: extra fraction of the token delay per additional decoding request",
     )
-    p.add_argument("--max-concurrent-requests", type=_non_negative(int), default=0, help="0 = unlimited")
-    p.add_argument("--max-waiting-requests", type=_non_negative(int), default=100_000)
-    p.add_argument("--health-delay-ms", type=_non_negative(float), default=0.0)
+    p.add_argument(
+        "--max-concurrent-requests", type=_non_negative(int), default=0, help="engine slots; 0 = unlimited"
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=_non_negative(int),
+        default=100_000,
+        help="queue cap; beyond it 429 (retryable)",
+    )
+    p.add_argument("--health-delay-ms", type=_non_negative(float), default=0.0, help="latency of GET /health")
     p.add_argument(
         "--kv-cache-capacity-tokens", type=_non_negative(int), default=0, help="0 disables the cache"
     )
-    p.add_argument("--kv-cache-mode", choices=("affinity", "prefix"), default="affinity")
+    p.add_argument(
+        "--kv-cache-mode",
+        choices=("affinity", "prefix"),
+        default="affinity",
+        help="key the cache by x-cache-affinity-key, or by hashed blocks of the prompt text",
+    )
     p.add_argument("--kv-block-size", type=int, default=16, help="prefix mode: tokens per cached block")
     p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request")
     p.add_argument(
         "--responses-stream-only", action="store_true", help="answer 400 to non-streaming /v1/responses"
     )
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger bodies get 413")
+    p.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
+    )
     return p
 
 
