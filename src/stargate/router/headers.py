@@ -7,6 +7,7 @@ it into a short JSON body.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -70,8 +71,12 @@ def text_value(raw: str | None) -> str | None:
     return value or None
 
 
+_NOT_VISIBLE = re.compile(r"[^\t -~]")
+
+
 def is_visible_ascii(raw: str) -> bool:
-    return all(ch == "\t" or " " <= ch <= "~" for ch in raw)
+    """Tab, space and printable ASCII only; one regex scan instead of a per-character loop."""
+    return raw.isascii() and _NOT_VISIBLE.search(raw) is None
 
 
 def parse_unsigned(name: str, raw: str, limit: int) -> int:
