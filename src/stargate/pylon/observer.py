@@ -10,7 +10,7 @@ fields (one per streamed piece) until an explicit counter replaces them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import orjson
 
@@ -23,6 +23,7 @@ PROGRESS_INTERVAL_S = 1.0
 _DELIMS = (b"\r\n\r\n", b"\n\n")
 _TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
 _EMPTY_MARKERS = (b'"content":""', b'"content": ""', b'"delta":""', b'"delta": ""')
+_MARKER_PAIRS = tuple(zip(_TEXT_MARKERS, _EMPTY_MARKERS, strict=True))
 
 
 class EventTooLarge(Exception):
@@ -97,13 +98,22 @@ class SseScanner:
         if not complete:
             return False
         first = False
-        if not self.output_seen or b'_tokens"' in complete or b"_so_far" in complete:
-            for raw in _split_events(complete):
-                if not self.output_seen and is_output(raw):
+        if not self.output_seen:
+            consumed = 0
+            for raw in _iter_events(complete):
+                consumed += len(raw)
+                if is_output(raw):
                     self.output_seen = first = True
-                if self.output_seen:
                     self._count(raw)
-        else:
+                    break
+            else:
+                return False
+            complete = complete[consumed:]
+        if b'_tokens"' in complete or b"_so_far" in complete:
+            for raw in _iter_events(complete):
+                self._count(raw)
+        elif complete:
+            # No usage counter here: counting the events together equals counting them one by one.
             self._count(complete)
         return first
 
@@ -115,22 +125,38 @@ class SseScanner:
                 self.explicit_tokens = max(value, self.explicit_tokens or 0)
                 return
         if self.explicit_tokens is None:
-            pieces = sum(raw.count(m) for m in _TEXT_MARKERS) - sum(raw.count(m) for m in _EMPTY_MARKERS)
-            self.estimated_tokens += max(pieces, 0)
+            self.estimated_tokens += max(_pieces(raw), 0)
 
 
-def _split_events(blob: bytes) -> list[bytes]:
-    events: list[bytes] = []
+def _pieces(raw: bytes) -> int:
+    """Non-empty text markers; an empty marker is only looked for where its text marker occurs."""
+    pieces = 0
+    for text, empty in _MARKER_PAIRS:
+        found = raw.count(text)
+        if found:
+            pieces += found - raw.count(empty)
+    return pieces
+
+
+def _iter_events(blob: bytes) -> Iterator[bytes]:
+    """Raw events of ``blob``, each with its delimiter; a plain ``split`` when no CR is present."""
+    if b"\r" not in blob:
+        parts = blob.split(b"\n\n")
+        last = parts.pop()
+        for part in parts:
+            yield part + b"\n\n"
+        if last:
+            yield last
+        return
     start = 0
     while start < len(blob):
         ends = [(i, len(d)) for d in _DELIMS if (i := blob.find(d, start)) >= 0]
         if not ends:
-            events.append(blob[start:])
-            break
+            yield blob[start:]
+            return
         i, n = min(ends)
-        events.append(blob[start : i + n])
+        yield blob[start : i + n]
         start = i + n
-    return events
 
 
 class RequestObserver:
