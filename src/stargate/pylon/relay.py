@@ -8,6 +8,7 @@ chunk with ``iter_any`` while the observer scans the bytes → finish.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -88,6 +89,10 @@ class Relay:
         self._ceiling = (
             settings.priority_ceiling if settings.upstream_backend is UpstreamBackend.DYNAMO else None
         )
+        # Per-request counter children by label tuple: ``labels()`` locks and validates every call.
+        # Bounded by the series prometheus_client keeps anyway (models by states or results).
+        self._finished: dict[tuple[str, str], Any] = {}
+        self._admitted: dict[tuple[str, str], Any] = {}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -102,7 +107,11 @@ class Relay:
             self.load.advance(obs.request_id, Phase.OUTPUT_GENERATION)
         elif obs.state.terminal:
             self.load.release(obs.request_id)
-            self.metrics.requests_total.labels(obs.generation.model_id, "", obs.state.value).inc()
+            key = (obs.generation.model_id, obs.state.value)
+            child = self._finished.get(key)
+            if child is None:
+                child = self._finished[key] = self.metrics.requests_total.labels(key[0], "", key[1])
+            child.inc()
         self.hub.on_observation(obs)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -181,7 +190,13 @@ class Relay:
         return await self._relay(request, self.s.upstream_base_url + request.path_qs, headers, body, observer)
 
     def _record_admission(self, model: str, decision: admission.Decision) -> None:
-        self.metrics.admission.labels(self.s.inference_server_id, model, decision.result.value).inc()
+        key = (model, decision.result.value)
+        child = self._admitted.get(key)
+        if child is None:
+            child = self._admitted[key] = self.metrics.admission.labels(
+                self.s.inference_server_id, model, key[1]
+            )
+        child.inc()
         if decision.expected_ms is not None:
             self.metrics.admission_expected.observe(decision.expected_ms)
         if decision.actual_ms is not None:
