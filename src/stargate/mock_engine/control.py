@@ -5,6 +5,9 @@ Spec endpoints: ``PUT /test-control/models/{model}``, ``GET /test-control``,
 requests with a status, optionally marked retryable; add latency; hang before the first byte;
 drop the connection after K chunks), ``DELETE /test-control/faults``, ``POST /test-control/pause``
 and ``POST /test-control/resume``. Faults apply to the generating endpoints and embeddings.
+The model body's extra ``max_engine_concurrency`` field (integer >= 0, ``null`` clears) overrides
+the limit the stats stream pings advertise, so tests can move Pylon's engine-reported limit at
+runtime (0 = an explicit withdrawal).
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class TestControl:
         self.discovered: list[str] = [default_model]
         self.discovery_requests = 0
         self.models: dict[str, dict[str, bool]] = {}
+        self.limit_overrides: dict[str, int] = {}
         self.counters: dict[tuple[str, str, str], int] = {}
         self.faults = Faults()
         self._released = asyncio.Event()
@@ -206,14 +210,24 @@ class TestControl:
             ],
             "faults": self.faults.snapshot(),
             "paused": self.paused,
+            "max_engine_concurrency_overrides": dict(sorted(self.limit_overrides.items())),
         }
 
     def set_model(self, model: str, body: dict[str, Any]) -> None:
         for name in ("chat_failure", "bringup_blocked"):
             if name in body and not isinstance(body[name], bool):
                 raise FaultError(f"{name} must be a boolean")
+        limit = body.get("max_engine_concurrency")
+        bad_limit = not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit < 1 << 32
+        if limit is not None and bad_limit:
+            raise FaultError("max_engine_concurrency must be an integer in [0, 4294967295] or null")
         if model not in self.models and len(self.models) >= MAX_MODELS:
             raise FaultError("too many models under test control")
+        if "max_engine_concurrency" in body:
+            if limit is None:
+                self.limit_overrides.pop(model, None)
+            else:
+                self.limit_overrides[model] = limit
         switches = self.models.setdefault(model, {"chat_failure": False, "bringup_blocked": False})
         for name in ("chat_failure", "bringup_blocked"):
             if name in body:

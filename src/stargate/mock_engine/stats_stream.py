@@ -3,7 +3,9 @@
 Events are broadcast to every subscriber connected at emission time; a subscriber more than
 ``SUBSCRIBER_BACKLOG`` lines behind loses the oldest ones. With no subscriber an event costs one
 attribute check. Pings go out on connect and every second; when the engine's concurrency limit is
-known they advertise it (``model`` + ``max_engine_concurrency``, the seed PR's ping extension).
+known they advertise it (``model`` + ``max_engine_concurrency``, the seed PR's ping extension). A
+test-control override (``PUT /test-control/models/{model}`` with ``max_engine_concurrency``) replaces
+the advertised value from the next ping on; an override of 0 is sent explicitly (a withdrawal).
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def ping_line(model: str, max_engine_concurrency: int) -> bytes:
     return b'{"type":"ping","v":1}\n'
 
 
+def override_ping_line(model: str, max_engine_concurrency: int) -> bytes:
+    """A ping that always names the model and the limit, 0 included (the engine withdraws it)."""
+    return b'{"type":"ping","v":1,"model":%s,"max_engine_concurrency":%d}\n' % (
+        orjson.dumps(model),
+        max_engine_concurrency,
+    )
+
+
 class _Subscriber:
     __slots__ = ("lines", "wake")
 
@@ -54,7 +64,16 @@ class _Subscriber:
 class StatsHub:
     def __init__(self, model: str, max_engine_concurrency: int) -> None:
         self._subscribers: list[_Subscriber] = []
+        self._model = model
         self._ping = ping_line(model, max_engine_concurrency)
+
+    def _ping_for(self, request: web.Request) -> bytes:
+        """The configured ping unless the app's test control overrides this model's limit."""
+        from .app import ENGINE_KEY  # app imports this module; resolved at call time
+
+        engine = request.app.get(ENGINE_KEY)
+        override = None if engine is None else engine.control.limit_overrides.get(self._model)
+        return self._ping if override is None else override_ping_line(self._model, override)
 
     @property
     def active(self) -> bool:
@@ -83,7 +102,7 @@ class StatsHub:
         self._subscribers.append(subscriber)
         loop = asyncio.get_running_loop()
         try:
-            await response.write(self._ping)
+            await response.write(self._ping_for(request))
             next_ping = loop.time() + PING_INTERVAL_S
             while True:
                 timeout = next_ping - loop.time()
@@ -97,7 +116,7 @@ class StatsHub:
                     await response.write(batch)
                 now = loop.time()
                 if now >= next_ping:
-                    await response.write(self._ping)
+                    await response.write(self._ping_for(request))
                     while next_ping <= now:  # missed ticks are skipped, not replayed
                         next_ping += PING_INTERVAL_S
         except ConnectionError:
