@@ -296,3 +296,56 @@ async def test_live_load_tracks_phases_during_stream(
             await task
     finally:
         await app.close()
+
+
+def sample(text: str, line_prefix: str) -> float:
+    """Value of the exposition line that starts with ``line_prefix`` (name plus labels)."""
+    for line in text.splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {line_prefix!r} in\n{text}")
+
+
+async def test_12_request_timing_histograms_and_tokens_recorded_at_terminal(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    """§12: timings, token counters and the in-flight gauge of proxied requests, once per request."""
+    app = await started(engine, "--engine-stats-stream", "off", read_s=0.5)
+    loop = asyncio.get_running_loop()
+    try:
+        engine.chat_mode = "hang"  # headers, then silence: the read timeout fails it without output
+        url = app.http_url + "/v1/chat/completions"
+        hung = asyncio.create_task(client.post(url, data=CHAT, headers=HEADERS))
+        deadline = loop.time() + 5
+        while engine.hits("/v1/chat/completions") == 0:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
+        text = app.metrics.render().decode()
+        assert sample(text, 'pylon_requests_inflight{model="llama"}') == 1
+        assert "pylon_request_duration_seconds_count" not in text
+        async with await hung as resp:
+            assert resp.status == 200
+            with contextlib.suppress(aiohttp.ClientError):
+                await resp.read()
+
+        engine.chat_mode = "ok"
+        headers = {**HEADERS, "x-request-id": "r2"}
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+        text = app.metrics.render().decode()
+        ok = 'model="llama",routing_key=""'
+        assert sample(text, 'pylon_requests_inflight{model="llama"}') == 0
+        assert sample(text, f'pylon_requests_total{{{ok},status="complete"}}') == 1
+        assert sample(text, f'pylon_requests_total{{{ok},status="failed"}}') == 1
+        assert sample(text, f'pylon_request_duration_seconds_count{{{ok},status="complete"}}') == 1
+        assert sample(text, f'pylon_request_duration_seconds_count{{{ok},status="failed"}}') == 1
+        assert sample(text, f"pylon_request_time_to_response_headers_seconds_count{{{ok}}}") == 2
+        for name in ("time_to_first_output", "time_to_first_token"):  # only the completed one had output
+            assert sample(text, f"pylon_request_{name}_seconds_count{{{ok}}}") == 1, name
+            assert 0 < sample(text, f"pylon_request_{name}_seconds_sum{{{ok}}}") < 5, name
+        assert sample(text, f"pylon_request_input_tokens_total{{{ok}}}") == 20
+        assert sample(text, f"pylon_request_output_tokens_total{{{ok}}}") == 3
+        assert sample(text, f'pylon_request_stats_sources_total{{{ok},source="chunk_usage"}}') == 1
+    finally:
+        await app.close()

@@ -1,16 +1,21 @@
 """Pylon's Prometheus metrics on its own registry (spec pylon.md §12).
 
 Every metric object lives on one ``PylonMetrics`` instance created at startup and passed in, so
-tests get a fresh registry and never share global state.
+tests get a fresh registry and never share global state. Per-request series are recorded once per
+request: ``request_started`` at acceptance, ``request_finished`` at the terminal observation.
+The token-count histograms of §12 (``pylon_request_input_tokens`` / ``_output_tokens``) are not
+exported: in the Prometheus text format their family names collide with the token counters.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stargate.balancer.types import ModelStats
+from stargate.pylon.stats.observation import Observation
 
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (*TIME_BUCKETS, 60.0)
@@ -53,6 +58,13 @@ class PylonMetrics:
             buckets=TIME_BUCKETS,
             registry=r,
         )
+        self.ttft = Histogram(
+            "pylon_request_time_to_first_token_seconds",
+            "Time to the first output token",
+            ["model", "routing_key"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
         self.duration = Histogram(
             "pylon_request_duration_seconds",
             "Request duration",
@@ -70,6 +82,12 @@ class PylonMetrics:
             "pylon_request_output_tokens",
             "Output tokens of finished requests",
             ["model", "routing_key"],
+            registry=r,
+        )
+        self.stats_sources = Counter(
+            "pylon_request_stats_sources",
+            "Finished requests by the source of their token counts",
+            ["model", "routing_key", "source"],
             registry=r,
         )
         self.stream_events = Counter(
@@ -143,6 +161,39 @@ class PylonMetrics:
             )
         }
         self._models: set[str] = set()
+        # Label children per model (and status): ``labels()`` locks and validates on every call.
+        self._started: dict[str, Any] = {}
+        self._finished: dict[tuple[str, str], _FinishedSeries] = {}
+
+    def request_started(self, model: str) -> None:
+        child = self._started.get(model)
+        if child is None:
+            child = self._started[model] = self.requests_inflight.labels(model)
+        child.inc()
+
+    def request_finished(self, obs: Observation) -> None:
+        """Terminal metrics of one proxied request: count, timings, tokens; leaves the in-flight gauge."""
+        model = obs.generation.model_id
+        key = (model, obs.state.value)
+        series = self._finished.get(key)
+        if series is None:
+            series = self._finished[key] = _FinishedSeries(self, model, obs.state.value)
+        series.total.inc()
+        series.duration.observe(obs.elapsed)
+        if obs.time_to_response_headers is not None:
+            series.ttrh.observe(obs.time_to_response_headers)
+        if obs.time_to_first_output is not None:
+            series.ttfo.observe(obs.time_to_first_output)
+        if obs.time_to_first_token is not None:
+            series.ttft.observe(obs.time_to_first_token)
+        series.input_tokens.inc(obs.input_tokens)
+        if obs.output_tokens:
+            series.output_tokens.inc(obs.output_tokens)
+        if obs.output_tokens_from_chunk_usage:
+            series.chunk_usage.inc()
+        inflight = self._started.get(model)
+        if inflight is not None:
+            inflight.dec()
 
     def publish_model(self, model: str, stats: ModelStats) -> None:
         g = self._model_gauges
@@ -165,6 +216,24 @@ class PylonMetrics:
             gauge.remove(model)
         with contextlib.suppress(KeyError):
             self.requests_inflight.remove(model)
+        self._started.pop(model, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _FinishedSeries:
+    """The label children one (model, terminal state) pair records into."""
+
+    __slots__ = ("chunk_usage", "duration", "input_tokens", "output_tokens", "total", "ttfo", "ttft", "ttrh")
+
+    def __init__(self, metrics: PylonMetrics, model: str, state: str) -> None:
+        routing_key = ""  # observations do not carry the routing key
+        self.total = metrics.requests_total.labels(model, routing_key, state)
+        self.duration = metrics.duration.labels(model, routing_key, state)
+        self.ttrh = metrics.ttrh.labels(model, routing_key)
+        self.ttfo = metrics.ttfo.labels(model, routing_key)
+        self.ttft = metrics.ttft.labels(model, routing_key)
+        self.input_tokens = metrics.input_tokens.labels(model, routing_key)
+        self.output_tokens = metrics.output_tokens.labels(model, routing_key)
+        self.chunk_usage = metrics.stats_sources.labels(model, routing_key, "chunk_usage")

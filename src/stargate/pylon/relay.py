@@ -90,8 +90,7 @@ class Relay:
             settings.priority_ceiling if settings.upstream_backend is UpstreamBackend.DYNAMO else None
         )
         # Per-request counter children by label tuple: ``labels()`` locks and validates every call.
-        # Bounded by the series prometheus_client keeps anyway (models by states or results).
-        self._finished: dict[tuple[str, str], Any] = {}
+        # Bounded by the series prometheus_client keeps anyway (models by results).
         self._admitted: dict[tuple[str, str], Any] = {}
 
     def app(self) -> web.Application:
@@ -107,11 +106,9 @@ class Relay:
             self.load.advance(obs.request_id, Phase.OUTPUT_GENERATION)
         elif obs.state.terminal:
             self.load.release(obs.request_id)
-            key = (obs.generation.model_id, obs.state.value)
-            child = self._finished.get(key)
-            if child is None:
-                child = self._finished[key] = self.metrics.requests_total.labels(key[0], "", key[1])
-            child.inc()
+            self.metrics.request_finished(obs)
+        elif obs.state is State.UPSTREAM_CONNECTING:
+            self.metrics.request_started(obs.generation.model_id)
         self.hub.on_observation(obs)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
