@@ -349,3 +349,21 @@ async def test_12_request_timing_histograms_and_tokens_recorded_at_terminal(
         assert sample(text, f'pylon_request_stats_sources_total{{{ok},source="chunk_usage"}}') == 1
     finally:
         await app.close()
+
+
+async def test_b107_embeddings_item_count_reaches_model_gauges(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine)
+    try:
+        body = orjson.dumps({"model": "llama", "input": [[1, 2], [3, 4], [5]]})
+        async with client.post(app.http_url + "/v1/embeddings", data=body, headers=HEADERS) as resp:
+            assert resp.status == 200
+            await resp.read()
+        app.registration_message()  # publishes the model gauges, as every heartbeat does
+        text = app.metrics.render().decode()
+        tps = sample(text, 'pylon_model_embedding_item_tps{model="llama"}')
+        assert tps > 0 and sample(text, 'pylon_model_max_embedding_item_tps{model="llama"}') == tps
+        assert tps <= 3 / 0.010  # three items over at least the 10 ms floor
+    finally:
+        await app.close()

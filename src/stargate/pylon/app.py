@@ -104,6 +104,7 @@ class PylonApp:
         for gen, status in self.registry.published():
             stats = self.hub.snapshot(gen)
             self.metrics.publish_model(gen.model_id, stats)
+            self.metrics.publish_embedding_items(gen.model_id, *self.hub.embedding_item_tps(gen))
             msg.models[gen.model_id].CopyFrom(
                 stargate_pb2.InferenceServerModelRegistration(stats=stats_to_proto(stats), status=int(status))  # type: ignore[arg-type]
             )

@@ -158,6 +158,8 @@ class PylonMetrics:
                 "kv_cache_capacity_tokens",
                 "kv_cache_used_tokens",
                 "kv_cache_free_tokens",
+                "embedding_item_tps",
+                "max_embedding_item_tps",
             )
         }
         self._models: set[str] = set()
@@ -206,6 +208,12 @@ class PylonMetrics:
         g["kv_cache_capacity_tokens"].labels(model).set(stats.kv_cache_capacity_tokens)
         g["kv_cache_used_tokens"].labels(model).set(stats.kv_cache_used_tokens)
         g["kv_cache_free_tokens"].labels(model).set(stats.kv_cache_free_tokens)
+
+    def publish_embedding_items(self, model: str, tps: float, max_tps: float) -> None:
+        """Pylon-only embeddings item throughput (never sent to Stargate)."""
+        self._models.add(model)
+        self._model_gauges["embedding_item_tps"].labels(model).set(tps)
+        self._model_gauges["max_embedding_item_tps"].labels(model).set(max_tps)
 
     def remove_model(self, model: str) -> None:
         """Drop every model-labelled gauge series of a retired generation."""

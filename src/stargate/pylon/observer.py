@@ -188,6 +188,7 @@ class RequestObserver:
         self.ttft: float | None = None
         self.output_tokens = 0
         self.from_chunk_usage = False
+        self.embedding_items: int | None = None  # set by the relay from an embeddings body
         self._last_progress = 0.0
         self._emit()
 
@@ -210,6 +211,7 @@ class RequestObserver:
                 elapsed=self._elapsed(),
                 calibration=self._calibration,
                 upstream_status=self.status,
+                embedding_items=self.embedding_items,
             )
         )
 

@@ -32,7 +32,7 @@ from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner
 from stargate.pylon.stats.hub import StatsHub
-from stargate.pylon.stats.observation import Endpoint, Observation, State
+from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 
 MAX_BODY = 64 * 1024 * 1024
 ENDPOINTS = {
@@ -165,6 +165,8 @@ class Relay:
         error = _body_error(body, endpoint)
         if error is not None:
             return problem(400, error)
+        if endpoint is Endpoint.EMBEDDINGS and observer is not None:
+            observer.embedding_items = embedding_item_count(orjson.loads(body))
         decision = admission.decide(
             self.admission,
             request.headers.get(admission.EXPECTED_QUEUE_HEADER),

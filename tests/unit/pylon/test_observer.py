@@ -5,7 +5,7 @@ import pytest
 from stargate.pylon.clock import ManualClock
 from stargate.pylon.models import Generation
 from stargate.pylon.observer import MAX_PENDING_EVENT, EventTooLarge, RequestObserver, SseScanner
-from stargate.pylon.stats.observation import Endpoint, Observation, State
+from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 
 
 def test_b97_oversize_unterminated_event_aborts() -> None:
@@ -110,3 +110,21 @@ def test_b106_embeddings_terminal_states() -> None:
     o2, _, _ = make_observer(Endpoint.EMBEDDINGS)
     o2.headers(500)
     assert o2.finish() is State.FAILED
+
+
+@pytest.mark.parametrize(
+    ("body", "items"),
+    [
+        ({"input": "hello"}, 1),
+        ({"input": ["a", "b"]}, 2),
+        ({"input": [1, 2, 3]}, 1),
+        ({"input": [[1, 2], [3, 4], [5]]}, 3),
+        ({"input": []}, 0),
+        ({"input": [True, False]}, 2),  # booleans are not token ids
+        ({"input": 7}, None),
+        ({}, None),
+        (["hello"], None),
+    ],
+)
+def test_b107_embedding_item_counts(body: object, items: int | None) -> None:
+    assert embedding_item_count(body) == items

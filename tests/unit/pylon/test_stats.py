@@ -249,3 +249,28 @@ def test_concurrency_update_for_stale_generation_is_discarded() -> None:
     assert not rig.hub.apply_concurrency(ConcurrencyUpdate(old, LimitSource.ENGINE, 99))
     assert rig.hub.snapshot(new).max_engine_concurrency == 25
     assert new != Generation("llama", old.seq)
+
+
+def test_b107_embedding_item_tps_pylon_only() -> None:
+    """§6.4: items / max(total - headers, 10 ms), window 8, max kept; never in ModelStats."""
+    r = make_rig()
+
+    def done(rid: str, items: int | None, ttrh: float, elapsed: float) -> None:
+        r.hub.on_observation(
+            Observation(rid, r.gen, Endpoint.EMBEDDINGS, State.COMPLETE, input_tokens=10,
+                        time_to_response_headers=ttrh, elapsed=elapsed, upstream_status=200,
+                        embedding_items=items)
+        )  # fmt: skip
+
+    done("e1", 3, 0.5, 1.5)  # 3 items over 1 s
+    assert r.hub.embedding_item_tps(r.gen) == (3.0, 3.0)
+    done("e2", 2, 0.2, 0.2)  # no time after headers: the 10 ms floor
+    assert r.hub.embedding_item_tps(r.gen) == (101.5, 200.0)
+    done("e3", 0, 0.1, 0.5)  # no items, no sample
+    done("e4", None, 0.1, 0.5)  # unknown count, no sample
+    assert r.hub.embedding_item_tps(r.gen) == (101.5, 200.0)
+    for i in range(8):
+        done(f"w{i}", 1, 0.0, 1.0)
+    assert r.hub.embedding_item_tps(r.gen) == (1.0, 200.0)
+    stats = r.hub.snapshot(r.gen)
+    assert stats.output_tps == 0 and stats.max_output_tps == 0

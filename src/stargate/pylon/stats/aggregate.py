@@ -6,6 +6,8 @@
   decode rate of requests in output generation (fallback only, ignored once counters are
   authoritative for the model).
 - ``max_output_tps``: the largest output sample ever.
+- embeddings item TPS: mean of the last ≤ 8 samples ``items / max(total - headers, 10 ms)`` and
+  its maximum; Pylon's own gauges only, never published to Stargate.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class ThroughputAggregate:
     last_counter_event_at: float | None = None
     live_decode_rates: dict[str, float] = field(default_factory=dict)
     labels: set[str] = field(default_factory=set)
+    embedding_window: deque[float] = field(default_factory=lambda: deque(maxlen=OUTPUT_WINDOW))
+    max_embedding_item_tps: float = 0.0
 
     @classmethod
     def create(cls, initial_input_tps: float | None, pinned: bool) -> ThroughputAggregate:
@@ -93,6 +97,18 @@ class ThroughputAggregate:
         self.max_output_tps = max(self.max_output_tps, tps)
         if from_counters:
             self.counter_authoritative = True
+
+    def add_embedding_sample(self, items: int, duration_s: float) -> None:
+        if items < 1:
+            return
+        tps = items / max(duration_s, DURATION_FLOOR_S)
+        self.embedding_window.append(tps)
+        self.max_embedding_item_tps = max(self.max_embedding_item_tps, tps)
+
+    @property
+    def embedding_item_tps(self) -> float:
+        window = self.embedding_window
+        return sum(window) / len(window) if window else 0.0
 
     def set_live_rate(self, request_id: str, rate: float | None) -> None:
         if rate is None:

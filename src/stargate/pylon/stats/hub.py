@@ -215,6 +215,8 @@ class StatsHub:
         tp.set_live_rate(obs.request_id, None)
         counted = obs.request_id in state.usage_counted
         state.usage_counted.discard(obs.request_id)
+        if obs.state is State.COMPLETE and obs.embedding_items is not None:
+            tp.add_embedding_sample(obs.embedding_items, obs.elapsed - (obs.time_to_response_headers or 0.0))
         if obs.state is State.COMPLETE and fallback:
             if obs.endpoint is Endpoint.EMBEDDINGS:
                 base = obs.time_to_response_headers or obs.elapsed
@@ -268,6 +270,13 @@ class StatsHub:
     def input_tps(self, gen: Generation) -> float:
         state = self._gens.get(gen)
         return state.throughput.published_input_tps if state is not None else 0.0
+
+    def embedding_item_tps(self, gen: Generation) -> tuple[float, float]:
+        """``(embedding_item_tps, max_embedding_item_tps)`` for Pylon's own gauges."""
+        state = self._gens.get(gen)
+        if state is None:
+            return 0.0, 0.0
+        return state.throughput.embedding_item_tps, state.throughput.max_embedding_item_tps
 
     def effective_limit(self, gen: Generation) -> int:
         state = self._gens.get(gen)

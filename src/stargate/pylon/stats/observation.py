@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from stargate.pylon.models import Generation
 
@@ -44,3 +45,19 @@ class Observation:
     elapsed: float = 0.0
     calibration: bool = False
     upstream_status: int | None = None
+    embedding_items: int | None = None
+
+
+def embedding_item_count(body: Any) -> int | None:
+    """Items of an embeddings request (§7.1): a string is 1, a token array (numbers) is 1, another
+    array counts its elements (``[]`` is 0); a missing or other ``input`` is unknown (None)."""
+    if not isinstance(body, dict):
+        return None
+    items = body.get("input")
+    if isinstance(items, str):
+        return 1
+    if not isinstance(items, list):
+        return None
+    if items and all(isinstance(i, int | float) and not isinstance(i, bool) for i in items):
+        return 1
+    return len(items)
