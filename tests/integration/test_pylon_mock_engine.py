@@ -11,6 +11,8 @@ import aiohttp
 import pytest
 from test_pylon_support import FakeStargate
 
+from stargate.pylon.models import ModelStatus
+
 MOCK_LINE = "stargate-mock-engine listening on "
 
 
@@ -105,6 +107,60 @@ async def test_pylon_against_mock_engine_process(stargate: FakeStargate) -> None
         assert list(stats.stats_sources) == ["engine_stats_stream", "kv_cache_stats"]
         pylon.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(pylon.wait(), 20) == 0
+    finally:
+        for proc in (pylon, engine):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def test_b39_canary_failure_advertises_inactive_until_recovery(stargate: FakeStargate) -> None:
+    """§5.3 with real processes: the mock's chat-failure switch fails canaries, then lets them pass."""
+    engine = await spawn(
+        "stargate.mock_engine.cli", "--http-listen-addr", "127.0.0.1:0", "--model-name", "llama"
+    )
+    pylon: asyncio.subprocess.Process | None = None
+    try:
+        engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
+        pylon = await spawn(
+            "stargate.pylon.cli",
+            "--upstream-http-base-url", engine_url,
+            "--stargate-address", stargate.address,
+            "--http-listen-addr", "127.0.0.1:0",
+            "--metrics-host", "127.0.0.1",
+            "--metrics-port", "0",
+            "--model-name", "llama",
+            "--min-update-interval-ms", "20",
+            "--active-canary-interval-ms", "50",
+        )  # fmt: skip
+        await read_line(pylon, "pylon ready ")
+
+        async def advertised(status: int) -> None:
+            async def waiter() -> None:
+                while not (stargate.messages and stargate.messages[-1].models["llama"].status == status):
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(waiter(), 10)
+
+        async def control(body: dict[str, bool]) -> int:
+            async with aiohttp.ClientSession() as client:
+                async with client.put(f"{engine_url}/test-control/models/llama", json=body) as resp:
+                    assert resp.status == 200
+                async with client.get(f"{engine_url}/test-control") as resp:
+                    counters = (await resp.json())["counters"]
+            return sum(c["count"] for c in counters if c["request_class"] == "pylon_generated")
+
+        await advertised(ModelStatus.ACTIVE)
+
+        async def canaries_sent(n: int) -> None:
+            while await control({}) < n:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(canaries_sent(2), 10)  # periodic canaries reach the engine
+        await control({"chat_failure": True})
+        await advertised(ModelStatus.INACTIVE)
+        await control({"chat_failure": False})
+        await advertised(ModelStatus.ACTIVE)  # health probe, then a passing canary (retried each 1 s)
     finally:
         for proc in (pylon, engine):
             if proc is not None and proc.returncode is None:

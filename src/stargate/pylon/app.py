@@ -17,6 +17,7 @@ from aiohttp import web
 
 from stargate.proto import stargate_pb2
 from stargate.pylon.calibration import Calibrator
+from stargate.pylon.canary import CanaryRunner
 from stargate.pylon.clock import Clock, SystemClock
 from stargate.pylon.config import PylonSettings, StatsSource, StatsStreamMode
 from stargate.pylon.health import HealthProber
@@ -72,6 +73,7 @@ class PylonApp:
         self._critical: dict[asyncio.Task[Any], str] = {}
         self._optional: list[asyncio.Task[Any]] = []
         self._lifecycle: ModelLifecycle | None = None
+        self.canaries: CanaryRunner | None = None
         self.registration: RegistrationClient | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str, *, critical: bool = True) -> None:
@@ -170,6 +172,18 @@ class PylonApp:
                 max_concurrency=s.calibration_max_concurrency,
                 step_timeout_s=s.calibration_step_timeout_ms / 1000.0,
             )
+        if not s.disable_bringup and s.canary_interval_ms > 0:
+            self.canaries = CanaryRunner(
+                session=session,
+                base_url=s.upstream_base_url,
+                ids=self.ids,
+                registry=self.registry,
+                prober=prober,
+                interval_s=s.canary_interval_ms / 1000.0,
+                threshold=s.canary_max_generation_threshold,
+                timeout_s=s.bringup_timeout_ms / 1000.0,
+            )
+        canaries = self.canaries
         self._lifecycle = ModelLifecycle(
             settings=s,
             session=session,
@@ -178,6 +192,8 @@ class PylonApp:
             prober=prober,
             calibrator=calibrator,
             metrics=self.metrics,
+            on_admitted=canaries.start if canaries is not None else lambda _gen: None,
+            on_retired=canaries.stop if canaries is not None else lambda _gen: None,
         )
         await self._lifecycle.start()
         self.registration = RegistrationClient(
@@ -224,6 +240,8 @@ class PylonApp:
             await self.registration.close()
         if self._lifecycle is not None:
             await self._lifecycle.close()
+        if self.canaries is not None:
+            await self.canaries.close()
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()

@@ -1,0 +1,155 @@
+"""Active bringup canaries (spec pylon.md §5.3).
+
+While bringup is enabled, every admitted generation gets a loop: wait one interval, send a canary
+(a short non-streaming chat), repeat every interval; a late tick fires at once and the next one is
+an interval later (delay on miss). The first failure marks the generation bringup-not-ready, so it
+is advertised ``INACTIVE`` while it stays routable for requests already sent to it. Recovery: a
+health probe, then a canary, each retried after 1 s; when both pass the generation is ``ACTIVE``
+again and periodic canaries resume. Canaries are not observed, so they leave Pylon's own stats
+untouched; the engine may still report them on its stats stream (spec §13 item 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+import orjson
+
+from stargate.pylon.health import HealthProber
+from stargate.pylon.ids import CANARY, RequestIds
+from stargate.pylon.models import Generation, ModelRegistry
+
+log = logging.getLogger("stargate.pylon.canary")
+CANARY_PROMPT = "1+1="
+CANARY_INPUT_TOKENS = 4
+RECOVERY_RETRY_S = 1.0
+
+
+async def send_canary(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    ids: RequestIds,
+    gen: Generation,
+    *,
+    threshold: int,
+    timeout_s: float,
+) -> str | None:
+    """One canary; None when it passed, else why it failed (transport, status, body, runaway)."""
+    body = {
+        "model": gen.model_id,
+        "messages": [{"role": "user", "content": CANARY_PROMPT}],
+        "max_tokens": threshold,
+        "seed": 33,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "stream": False,
+    }
+    headers = {
+        "content-type": "application/json",
+        "x-request-id": ids.new(CANARY, gen.seq),
+        "x-model": gen.model_id,
+        "x-input-tokens": str(CANARY_INPUT_TOKENS),
+    }
+    try:
+        async with session.post(
+            base_url + "/v1/chat/completions",
+            data=orjson.dumps(body),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            payload = await resp.read()
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"request failed: {exc!r}"
+    if not 200 <= status < 300:
+        return f"HTTP {status}"
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return "body is not JSON"
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return "body has no usage.completion_tokens"
+    if tokens == threshold:
+        return f"runaway generation ({tokens} tokens, the canary maximum)"
+    return None
+
+
+class CanaryRunner:
+    """One canary loop per admitted generation; ``start``/``stop`` follow the model lifecycle."""
+
+    def __init__(
+        self,
+        *,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        ids: RequestIds,
+        registry: ModelRegistry,
+        prober: HealthProber,
+        interval_s: float,
+        threshold: int,
+        timeout_s: float,
+        retry_s: float = RECOVERY_RETRY_S,
+    ) -> None:
+        self._session = session
+        self._base = base_url
+        self._ids = ids
+        self._registry = registry
+        self._prober = prober
+        self._interval_s = interval_s
+        self._threshold = threshold
+        self._timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._tasks: dict[Generation, asyncio.Task[None]] = {}
+
+    def start(self, gen: Generation) -> None:
+        if self._interval_s <= 0 or gen in self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks[gen] = loop.create_task(self._loop(gen), name=f"canary-{gen.model_id}")
+
+    def stop(self, gen: Generation) -> None:
+        task = self._tasks.pop(gen, None)
+        if task is not None:
+            task.cancel()
+
+    async def canary(self, gen: Generation) -> str | None:
+        return await send_canary(
+            self._session, self._base, self._ids, gen, threshold=self._threshold, timeout_s=self._timeout_s
+        )
+
+    async def _loop(self, gen: Generation) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + self._interval_s
+        while self._registry.is_current(gen):
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            next_at = max(next_at, loop.time()) + self._interval_s
+            failure = await self.canary(gen)
+            if failure is None:
+                continue
+            log.warning("canary for model %s failed, advertising it INACTIVE: %s", gen.model_id, failure)
+            self._registry.set_bringup_ready(gen, False)
+            await self._recover(gen)
+            if not self._registry.is_current(gen):
+                return
+            log.info("model %s passed its recovery canary, advertising it ACTIVE", gen.model_id)
+            self._registry.set_bringup_ready(gen, True)
+            next_at = loop.time() + self._interval_s
+
+    async def _recover(self, gen: Generation) -> None:
+        while self._registry.is_current(gen):
+            if await self._prober.probe(self._timeout_s) and await self.canary(gen) is None:
+                return
+            await asyncio.sleep(self._retry_s)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)

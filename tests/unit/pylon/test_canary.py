@@ -1,0 +1,195 @@
+"""Bringup canaries (spec pylon.md §5.3) against a real loopback HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stargate.pylon.canary import CanaryRunner, send_canary
+from stargate.pylon.health import HealthProber
+from stargate.pylon.ids import RequestIds
+from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
+
+UUID = "11111111-2222-3333-4444-555555555555"
+
+
+@dataclass
+class Engine:
+    """Chat answers ``chat_body`` with ``chat_status``; ``/health`` answers ``health_status``."""
+
+    chat_status: int = 200
+    chat_body: bytes = b'{"choices":[],"usage":{"completion_tokens":2}}'
+    health_status: int = 200
+    chats: list[tuple[CIMultiDict[str], Any]] = field(default_factory=list)
+    health_hits: int = 0
+    url: str = ""
+    runner: web.AppRunner | None = None
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        self.chats.append((CIMultiDict(request.headers), orjson.loads(await request.read())))
+        return web.Response(status=self.chat_status, body=self.chat_body, content_type="application/json")
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        self.health_hits += 1
+        return web.Response(status=self.health_status)
+
+    async def start(self) -> Engine:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/health", self._health)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    e = await Engine().start()
+    yield e
+    assert e.runner is not None
+    await e.runner.cleanup()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def canary(session: aiohttp.ClientSession, url: str, threshold: int = 237) -> str | None:
+    return await send_canary(
+        session, url, RequestIds(UUID), Generation("llama", 3), threshold=threshold, timeout_s=2
+    )
+
+
+async def test_canary_request_shape_and_success(engine: Engine, session: aiohttp.ClientSession) -> None:
+    assert await canary(session, engine.url, threshold=50) is None
+    headers, body = engine.chats[-1]
+    assert body == {
+        "model": "llama",
+        "messages": [{"role": "user", "content": "1+1="}],
+        "max_tokens": 50,
+        "seed": 33,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "stream": False,
+    }
+    assert headers["x-request-id"].startswith(f"canary-{UUID}-g3-")
+    assert headers["x-model"] == "llama" and headers["x-input-tokens"] == "4"
+
+
+async def test_b38_completion_tokens_equal_to_threshold_is_runaway(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    engine.chat_body = b'{"usage":{"completion_tokens":237}}'
+    failure = await canary(session, engine.url)
+    assert failure is not None and "runaway" in failure
+    assert await canary(session, engine.url, threshold=238) is None  # one below the maximum passes
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "reason"),
+    [
+        (500, b'{"usage":{"completion_tokens":2}}', "HTTP 500"),
+        (200, b"not json", "not JSON"),
+        (200, b'{"choices":[]}', "usage.completion_tokens"),
+        (200, b'{"usage":{"completion_tokens":"2"}}', "usage.completion_tokens"),
+    ],
+)
+async def test_canary_failures(
+    engine: Engine, session: aiohttp.ClientSession, status: int, body: bytes, reason: str
+) -> None:
+    engine.chat_status, engine.chat_body = status, body
+    failure = await canary(session, engine.url)
+    assert failure is not None and reason in failure
+
+
+async def test_canary_transport_failure(session: aiohttp.ClientSession) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound but not listening: connection refused
+        failure = await canary(session, f"http://127.0.0.1:{port}")
+    assert failure is not None and failure.startswith("request failed")
+
+
+async def until(what: str, check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = check()
+        if result if isinstance(result, bool) else await result:
+            return
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_b39_failed_canary_inactive_until_health_and_canary_recover(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    registry = ModelRegistry()
+    gen = registry.allocate("llama")
+    registry.publish(gen)
+    runner = CanaryRunner(
+        session=session,
+        base_url=engine.url,
+        ids=RequestIds(UUID),
+        registry=registry,
+        prober=HealthProber(session, engine.url, ("/health",)),
+        interval_s=0.05,
+        threshold=237,
+        timeout_s=2.0,
+        retry_s=0.02,
+    )
+
+    def status() -> ModelStatus:
+        return dict(registry.published())[gen]
+
+    runner.start(gen)
+    try:
+        await until("periodic canaries", lambda: len(engine.chats) >= 2)
+        assert status() is ModelStatus.ACTIVE and engine.health_hits == 0  # no probes while healthy
+        engine.chat_status, engine.health_status = 503, 503
+        await until("INACTIVE after a failed canary", lambda: status() is ModelStatus.INACTIVE)
+        await until("recovery health probes", lambda: engine.health_hits >= 1)
+        chats = len(engine.chats)
+        engine.chat_status = 200  # canaries would pass now, but the engine is still unhealthy
+        await until("more health probes", lambda: engine.health_hits >= 3)
+        assert len(engine.chats) <= chats + 1 and status() is ModelStatus.INACTIVE
+        engine.health_status = 200
+        await until("ACTIVE after probe and canary pass", lambda: status() is ModelStatus.ACTIVE)
+        await until("periodic canaries resume", lambda: len(engine.chats) >= chats + 3)
+        assert status() is ModelStatus.ACTIVE
+        runner.stop(gen)
+        await asyncio.sleep(0)
+        stopped = len(engine.chats)
+        await asyncio.sleep(0.15)
+        assert len(engine.chats) == stopped  # a retired generation gets no more canaries
+    finally:
+        await runner.close()
+
+
+async def test_interval_zero_disables_canaries(engine: Engine, session: aiohttp.ClientSession) -> None:
+    registry = ModelRegistry()
+    gen = registry.allocate("llama")
+    registry.publish(gen)
+    runner = CanaryRunner(
+        session=session, base_url=engine.url, ids=RequestIds(UUID), registry=registry,
+        prober=HealthProber(session, engine.url, ("/health",)), interval_s=0, threshold=237, timeout_s=1,
+    )  # fmt: skip
+    runner.start(gen)
+    await asyncio.sleep(0.05)
+    await runner.close()
+    assert engine.chats == []
