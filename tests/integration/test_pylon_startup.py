@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator
 
@@ -224,11 +225,62 @@ async def test_b32_retired_model_gets_new_generation(engine: FakeEngine, stargat
         await app._lifecycle.reconcile([])
         assert "llama" not in app.registration_message().models
         await app._lifecycle.reconcile(["llama"])
-        import asyncio
-
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         second = app.registry.admitted("llama")
         assert first is not None and second is not None and second.seq > first.seq
+    finally:
+        await app.close()
+
+
+async def test_b30_blank_discovered_id_rejects_the_whole_poll(
+    engine: FakeEngine, stargate: FakeStargate
+) -> None:
+    engine.models = ["model-a", "  "]
+    app = make_app(engine, stargate)
+    try:
+        with pytest.raises(StargateError, match="blank or missing id"):
+            await app.start()
+        assert stargate.register_calls == 0 and app.registry.model_ids() == []
+    finally:
+        await app.close()
+
+
+def discovery_errors(app: PylonApp) -> float:
+    line = 'pylon_model_discovery_polls_total{outcome="error",provider="dynamo"} '
+    for row in app.metrics.render().decode().splitlines():
+        if row.startswith(line):
+            return float(row.removeprefix(line))
+    return 0.0
+
+
+async def test_b31_failed_polls_keep_last_known_good_models(
+    engine: FakeEngine, stargate: FakeStargate
+) -> None:
+    """503, a body without ``data`` and a blank id (§14 item 30) each fail the poll; models stay."""
+    app = make_app(engine, stargate, "--model-discovery-poll-interval-ms", "20")
+    try:
+        await app.start()
+        admitted = app.registry.admitted("llama")
+        assert admitted is not None and discovery_errors(app) == 0
+        failures: list[tuple[int, bytes | None, list[str]]] = [
+            (503, None, ["llama"]),
+            (200, b'{"object":"list"}', ["llama"]),
+            (200, None, ["llama", " "]),
+        ]
+        loop = asyncio.get_running_loop()
+        for expected, (status, body, models) in enumerate(failures, start=1):
+            engine.models_status, engine.models_body, engine.models = status, body, models
+            deadline = loop.time() + 5
+            while discovery_errors(app) < expected:
+                assert loop.time() < deadline, f"poll {expected} did not fail"
+                await asyncio.sleep(0.01)
+            assert app.registry.admitted("llama") == admitted
+            assert set(app.registration_message().models) == {"llama"}
+        engine.models_status, engine.models_body, engine.models = 200, None, ["other"]
+        deadline = loop.time() + 5
+        while app.registry.current("llama") is not None:  # a good poll still reconciles
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
     finally:
         await app.close()

@@ -19,6 +19,8 @@ from stargate.proto import stargate_pb2, stargate_pb2_grpc
 @dataclass
 class FakeEngine:
     models: list[str] = field(default_factory=lambda: ["llama"])
+    models_status: int = 200  # with models_body: replaces the /v1/models answer
+    models_body: bytes | None = None
     health_status: dict[str, int] = field(default_factory=lambda: {"/health": 200, "/v1/health/ready": 200})
     chat_mode: str = "ok"  # ok | hang | no_output | status
     chat_status: int = 200
@@ -39,6 +41,8 @@ class FakeEngine:
         return web.Response(status=self.health_status.get(request.path, 404))
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.models_status != 200 or self.models_body is not None:
+            return web.Response(status=self.models_status, body=self.models_body or b"{}")
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -121,25 +125,45 @@ class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
         self.address = ""
         self.got_message = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+        # Fault knobs: extra watch URLs announced, watch streams ended after their snapshot,
+        # registration calls refused before any ack, registration streams ended after one ack.
+        self.watch_urls: list[str] = []
+        self.end_watches = 0
+        self.refuse_registrations = 0
+        self.end_registrations = 0
+        self.register_times: list[float] = []
+        self.watch_times: list[float] = []
 
     async def WatchStargates(
         self, request: Any, context: Any
     ) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
         self.watch_calls += 1
+        self.watch_times.append(asyncio.get_running_loop().time())
         yield stargate_pb2.WatchStargatesResponse(
-            stargates=[stargate_pb2.StargateInfo(stargate_id="sg-1", advertise_addr=self.address)]
+            stargates=[stargate_pb2.StargateInfo(stargate_id="sg-1", advertise_addr=self.address)],
+            watch_stargate_urls=self.watch_urls,
         )
+        if self.end_watches > 0:
+            self.end_watches -= 1
+            return
         await asyncio.sleep(3600)
 
     async def RegisterInferenceServer(
         self, request_iterator: Any, context: Any
     ) -> AsyncIterator[stargate_pb2.InferenceServerAck]:
         self.register_calls += 1
+        self.register_times.append(asyncio.get_running_loop().time())
         self.metadata.append({k: v for k, v in context.invocation_metadata()})
+        if self.refuse_registrations > 0:
+            self.refuse_registrations -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
         async for msg in request_iterator:
             self.messages.append(msg)
             self.got_message.set()
             yield stargate_pb2.InferenceServerAck()
+            if self.end_registrations > 0:
+                self.end_registrations -= 1
+                return
 
     async def start(self) -> FakeStargate:
         self._server = grpc.aio.server()

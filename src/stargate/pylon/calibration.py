@@ -160,10 +160,10 @@ class Calibrator:
                     raise CalibrationError("insufficient calibration data") from None
                 return tps
             except ExceptionGroup as group:
-                if not group.subgroup(PromptTooLong) or group.subgroup(
-                    lambda e: not isinstance(e, PromptTooLong)
-                ):
-                    first = group.exceptions[0]
+                # split, not subgroup(callable): a callable is also applied to the group itself.
+                too_long, other = group.split(PromptTooLong)
+                if too_long is None or other is not None:
+                    first = (other or group).exceptions[0]
                     raise (
                         first if isinstance(first, CalibrationError) else CalibrationError(str(first))
                     ) from group

@@ -1,0 +1,63 @@
+"""Registration message contents and generation visibility (spec pylon.md §9, §14 items 113, 116, 117)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from stargate.balancer.types import ModelStats
+from stargate.proto import stargate_pb2
+from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
+from stargate.pylon.registration import RouterInfo, router_from_info, stats_to_proto
+from stargate.pylon.stats.hub import ConcurrencyUpdate, LimitSource
+
+from .helpers import make_rig
+
+
+def test_b113_router_identity_and_dial_address() -> None:
+    info = stargate_pb2.StargateInfo(advertise_addr="10.0.0.1:50071")
+    assert router_from_info(info) == RouterInfo("10.0.0.1:50071", "10.0.0.1:50071", "http://10.0.0.1:50071")
+    dial = stargate_pb2.StargateInfo(
+        stargate_id="sg-7", advertise_addr="sg-7.example:50071", grpc_pylon_dial_addr="127.0.0.1:6000"
+    )
+    assert router_from_info(dial) == RouterInfo("sg-7", "sg-7.example:50071", "http://127.0.0.1:6000")
+    assert router_from_info(stargate_pb2.StargateInfo()) is None
+
+
+def test_b116_registration_carries_estimates_and_limit() -> None:
+    stats = ModelStats(
+        queue_time_estimate_ms_by_priority=MappingProxyType({0: 11, 2: 7}), max_engine_concurrency=11
+    )
+    proto = stats_to_proto(stats)
+    assert dict(proto.queue_time_estimate_ms_by_priority) == {0: 11, 2: 7}
+    assert proto.max_engine_concurrency == 11
+    unknown = stats_to_proto(ModelStats())
+    assert unknown.max_engine_concurrency == 0 and dict(unknown.queue_time_estimate_ms_by_priority) == {}
+    r = make_rig(initial_input_tps=1000, limit=11)
+    r.load.track("q0", r.gen, 0, 11)
+    r.load.track("q2", r.gen, 2, 7)
+    published = stats_to_proto(r.hub.snapshot(r.gen))
+    assert published.max_engine_concurrency == 11
+    assert dict(published.queue_time_estimate_ms_by_priority) == {0: 11, 2: 18}
+
+
+def test_b117_pending_omitted_retired_cannot_publish_or_update() -> None:
+    registry = ModelRegistry()
+    pending = registry.allocate("a")
+    assert registry.published() == [] and registry.admitted("a") is None
+    assert registry.publish(pending)
+    assert registry.published() == [(pending, ModelStatus.ACTIVE)]
+    assert registry.retire("a") == pending
+    assert not registry.publish(pending) and registry.published() == []
+    newer = registry.allocate("a")
+    assert newer.seq > pending.seq and not registry.publish(Generation("a", pending.seq))
+    assert registry.published() == []  # the re-added model is pending again
+    assert registry.publish(newer)
+    registry.set_bringup_ready(pending, False)  # an update for the retired generation is ignored
+    assert registry.published() == [(newer, ModelStatus.ACTIVE)]
+
+    r = make_rig(limit=5)
+    old = r.gen
+    r.hub.retire_generation(old)
+    r.registry.retire(old.model_id)
+    assert not r.hub.apply_concurrency(ConcurrencyUpdate(old, LimitSource.ENGINE, 40))
+    assert r.hub.snapshot(old) == ModelStats()
