@@ -116,59 +116,122 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: …)`` unless there is none to show (unset, a switch, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pylon",
         allow_abbrev=False,
         description="Per-engine sidecar for the Stargate LLM request router.",
+        formatter_class=_HelpFormatter,
     )
     a = p.add_argument
-    a("--upstream-http-base-url", required=True)
+    a("--upstream-http-base-url", required=True, help="engine base URL (http:// or https://)")
     a("--http-listen-addr", default="127.0.0.1:0", help="where Stargate sends requests (IP:port, port 0 ok)")
     a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
-    a("--model-name", action="append", default=[])
-    a("--model-discovery-provider", default="dynamo")
-    a("--model-discovery-poll-interval-ms", type=int, default=5000)
-    a("--model-discovery-request-timeout-ms", type=int, default=5000)
-    a("--stargate-address", default="127.0.0.1:50071")
-    a("--inference-server-id", default="pylon")
-    a("--cluster-id", default=None)
-    a("--disable-bringup", action="store_true")
-    a("--upstream-health-path", action="append", default=[])
-    a("--upstream-health-wait-ms", type=int, default=60000)
-    a("--do-calibration", action="store_true")
-    a("--initial-input-tps", type=float, default=None)
+    a("--model-name", action="append", default=[], help="static model (repeatable); none = discovery")
+    a("--model-discovery-provider", default="dynamo", help="model discovery provider (only dynamo)")
+    a("--model-discovery-poll-interval-ms", type=int, default=5000, help="discovery poll period (> 0)")
+    a("--model-discovery-request-timeout-ms", type=int, default=5000, help="discovery poll timeout (> 0)")
+    a("--stargate-address", default="127.0.0.1:50071", help="seed Stargate for WatchStargates")
+    a("--inference-server-id", default="pylon", help="backend identity registered with Stargate")
+    a("--cluster-id", default=None, help="cluster identity (default: the inference server id)")
+    a("--disable-bringup", action="store_true", help="no canaries and no startup health probe")
+    a("--upstream-health-path", action="append", default=[], help="health path tried first (repeatable)")
+    a("--upstream-health-wait-ms", type=int, default=60000, help="startup health re-probing; 0 = once")
+    a("--do-calibration", action="store_true", help="run the input-TPS calibration ramp before registering")
+    a("--initial-input-tps", type=float, default=None, help="bootstrap input TPS of every model (> 0)")
     a("--benchmark-pin-input-tps", action="store_true", help=argparse.SUPPRESS)
-    a("--active-canary-interval-ms", type=int, default=5000)
-    a("--canary-max-generation-threshold", type=int, default=237)
-    a("--calibration-requests", type=int, default=5)
-    a("--calibration-prompt-units", type=int, default=4096)
-    a("--calibration-max-concurrency", type=int, default=4)
-    a("--bringup-canary-timeout-ms", type=int, default=5000)
-    a("--bringup-calibration-timeout-ms", type=int, default=30000)
-    a("--kv-cache-stats-path", default=None)
-    a("--engine-stats-stream", default="auto")
-    a("--engine-stats-stream-path", default="/pylon/v1/stats/stream")
+    a("--active-canary-interval-ms", type=int, default=5000, help="canary period; 0 disables canaries")
+    a("--canary-max-generation-threshold", type=int, default=237, help="canary max_tokens; reached = runaway")
+    a("--calibration-requests", type=int, default=5, help="requests of the first calibration step")
+    a("--calibration-prompt-units", type=int, default=4096, help="largest calibration prompt (chars, >= 256)")
+    a("--calibration-max-concurrency", type=int, default=4, help="calibration requests in flight")
+    a("--bringup-canary-timeout-ms", type=int, default=5000, help="canary and health probe timeout")
+    a("--bringup-calibration-timeout-ms", type=int, default=30000, help="timeout of one calibration step")
+    a("--kv-cache-stats-path", default=None, help="engine path of JSON KV-cache stats, polled every 1 s")
+    a("--engine-stats-stream", default="auto", help="NDJSON stats stream: auto, required or off")
+    a("--engine-stats-stream-path", default="/pylon/v1/stats/stream", help="engine path of the stats stream")
     a("--engine-stats-source", default="stream", help="stream (NDJSON) or prometheus (engine /metrics)")
-    a("--engine-metrics-path", default="/metrics")
-    a("--engine-metrics-interval-ms", type=int, default=1000)
-    a("--min-update-interval-ms", type=int, default=1000)
-    a("--auth-token", default=None)
-    a("--auth-token-file", default=None)
-    a("--metrics-host", default="0.0.0.0")
-    a("--metrics-port", type=int, default=9089)
-    a("--pylon-retryable-upstream-status-codes", default=None)
-    a("--pylon-require-upstream-retry-header", type=_bool, default=None)
-    a("--pylon-upstream-retry-header", default=None)
-    a("--pylon-propagate-retry-after", type=_bool, default=None)
-    a("--pylon-local-connect-failures-retryable", type=_bool, default=None)
-    a("--pylon-queue-mismatch-retry-enabled", type=_bool, default=None)
-    a("--pylon-queue-mismatch-min-delta-ms", type=int, default=None)
-    a("--pylon-queue-mismatch-tolerance-factor", type=float, default=None)
-    a("--pylon-queue-mismatch-retry-after-ms", type=int, default=None)
-    a("--pylon-upstream-backend", default=None)
-    a("--pylon-priority-ceiling", type=int, default=None)
-    a("--max-engine-concurrency", type=int, default=None)
+    a("--engine-metrics-path", default="/metrics", help="engine Prometheus path (prometheus source)")
+    a("--engine-metrics-interval-ms", type=int, default=1000, help="engine /metrics poll period")
+    a("--min-update-interval-ms", type=int, default=1000, help="registration heartbeat period")
+    a("--auth-token", default=None, help="bearer token for Stargate (env STARGATE_AUTH_TOKEN)")
+    a("--auth-token-file", default=None, help="token file, re-read per stream (env STARGATE_AUTH_TOKEN_FILE)")
+    a("--metrics-host", default="0.0.0.0", help="Prometheus listener IP")
+    a("--metrics-port", type=int, default=9089, help="Prometheus listener port (0 = any)")
+    a(
+        "--pylon-retryable-upstream-status-codes",
+        default=None,
+        help="engine statuses that may be retried (default: 429,503)",
+    )
+    a(
+        "--pylon-require-upstream-retry-header",
+        type=_bool,
+        default=None,
+        help="retryable statuses need the engine's retry header (default: true)",
+    )
+    a(
+        "--pylon-upstream-retry-header",
+        default=None,
+        help="engine header allowing a retry (default: x-stargate-upstream-retryable)",
+    )
+    a(
+        "--pylon-propagate-retry-after",
+        type=_bool,
+        default=None,
+        help="turn engine Retry-After into x-stargate-retry-after-ms (default: true)",
+    )
+    a(
+        "--pylon-local-connect-failures-retryable",
+        type=_bool,
+        default=None,
+        help="mark engine connection failures retryable (default: false)",
+    )
+    a(
+        "--pylon-queue-mismatch-retry-enabled",
+        type=_bool,
+        default=None,
+        help="local queue admission (429 queue_estimate_mismatch) (default: true)",
+    )
+    a(
+        "--pylon-queue-mismatch-min-delta-ms",
+        type=int,
+        default=None,
+        help="additive admission tolerance in ms (default: 25)",
+    )
+    a(
+        "--pylon-queue-mismatch-tolerance-factor",
+        type=float,
+        default=None,
+        help="multiplicative admission tolerance (default: 1.25)",
+    )
+    a(
+        "--pylon-queue-mismatch-retry-after-ms",
+        type=int,
+        default=None,
+        help="x-stargate-retry-after-ms on admission rejections (default: none)",
+    )
+    a(
+        "--pylon-upstream-backend",
+        default=None,
+        help="dynamo (priority headers) or passthrough (default: dynamo)",
+    )
+    a("--pylon-priority-ceiling", type=int, default=None, help="dynamo priority band ceiling (default: 3600)")
+    a(
+        "--max-engine-concurrency",
+        type=int,
+        default=None,
+        help="engine slots per model until the engine reports its own (> 0)",
+    )
+    p.epilog = "Each --pylon-* flag falls back to the environment variable of the same name in capitals."
     return p
 
 

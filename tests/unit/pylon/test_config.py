@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -7,7 +8,13 @@ import pytest
 from stargate.errors import ConfigError
 from stargate.pylon.admission import threshold_ms
 from stargate.pylon.cli import main
-from stargate.pylon.config import StatsStreamMode, UpstreamBackend, health_candidates, parse_settings
+from stargate.pylon.config import (
+    StatsStreamMode,
+    UpstreamBackend,
+    build_parser,
+    health_candidates,
+    parse_settings,
+)
 
 BASE = ["--upstream-http-base-url", "http://127.0.0.1:8090/"]
 
@@ -146,3 +153,22 @@ def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "--upstream-http-base-url" in capsys.readouterr().err
     assert main([*BASE, "--http-listen-addr", "localhost:1"]) == 2
+
+
+def test_help_describes_every_flag_with_its_default() -> None:
+    parser = build_parser()
+    for action in parser._actions:
+        if action.help != argparse.SUPPRESS:
+            assert action.help and action.help.strip(), action.option_strings
+    text = " ".join(parser.format_help().partition("options:")[2].split())  # unwrapped, no usage
+    assert "--benchmark-pin-input-tps" not in text
+    for flag, default in [
+        ("--active-canary-interval-ms", "5000"),
+        ("--canary-max-generation-threshold", "237"),
+        ("--engine-stats-stream-path", "/pylon/v1/stats/stream"),
+        ("--metrics-port", "9089"),
+        ("--pylon-queue-mismatch-tolerance-factor", "1.25"),
+    ]:
+        at = text.index(f"{flag} {flag.removeprefix('--').replace('-', '_').upper()}")
+        assert f"(default: {default})" in text[at : at + 250], flag
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: [])" not in text
