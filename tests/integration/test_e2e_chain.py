@@ -63,7 +63,9 @@ def _pylon(
     argv = [*command("pylon"), "--upstream-http-base-url", engine, "--stargate-address", stargate.grpc,
             "--http-listen-addr", "127.0.0.1:0", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
             "--inference-server-id", f"pylon-{name}", "--cluster-id", "c1", "--model-name", MODEL,
-            "--initial-input-tps", "1000", *extra]  # fmt: skip
+            "--initial-input-tps", "1000",
+            # A canary held by engine A's pause would mark A INACTIVE; canaries have their own tests.
+            "--active-canary-interval-ms", "0", *extra]  # fmt: skip
     return ManagedProcess(f"pylon-{name}", argv, log_dir, parse_pylon_ready)
 
 
@@ -139,10 +141,14 @@ async def metric(chain: Chain, addr: str | None, name: str, **labels: str) -> fl
 
 
 async def engine_chats(chain: Chain, engine: str) -> int:
-    """Chat completions the engine has received (its test-control counters)."""
+    """Gateway chat completions the engine has received (its test-control counters)."""
     async with chain.http.get(f"{chain.engines[engine]}/test-control") as resp:
         counters = (await resp.json())["counters"]
-    return sum(c["count"] for c in counters if c["endpoint"] == "chat_completions")
+    return sum(
+        c["count"]
+        for c in counters
+        if c["endpoint"] == "chat_completions" and c["request_class"] == "api_gateway"
+    )
 
 
 def gateway_headers(request_id: str, input_tokens: int = 8) -> dict[str, str]:
