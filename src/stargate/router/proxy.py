@@ -103,9 +103,7 @@ class ProxyHandler:
         self._idle.clear()
         try:
             source = request.content.iter_any() if request.body_exists else None
-            replay = ReplayBody(
-                source, self._settings.max_replay_body_bytes, length=request.content_length
-            )
+            replay = ReplayBody(source, self._settings.max_replay_body_bytes)
             headers = filter_headers(request.headers.items(), REQUEST_DROPPED)
             try:
                 outcome = await self._runner.run(parsed, request.method, request.path_qs, headers, replay)

@@ -2,9 +2,7 @@
 
 The first attempt streams the client body to the backend while copying it into a buffer capped at
 ``--proxy-max-replay-body-bytes``; later attempts resend the buffered bytes. The body stays opaque:
-chunks are forwarded as they arrive, never parsed or re-split. A body with a declared length (already
-checked against the limit) is read whole first and sent as one ``bytes`` payload: the buffer holds it
-anyway, and one payload saves the per-chunk streaming work on both ends.
+chunks are forwarded as they arrive, never parsed or re-split.
 """
 
 from __future__ import annotations
@@ -22,10 +20,9 @@ class Readiness(Enum):
 class ReplayBody:
     """One request's body: a live stream for the first consuming attempt, bytes afterwards."""
 
-    def __init__(self, source: AsyncIterable[bytes] | None, limit: int, *, length: int | None = None) -> None:
+    def __init__(self, source: AsyncIterable[bytes] | None, limit: int) -> None:
         self._source = source
         self._limit = limit
-        self._length = length
         self._buffer: bytearray | None = bytearray()
         self._started = source is None
         self._complete = source is None
@@ -51,41 +48,6 @@ class ReplayBody:
         if self._frozen is None:
             self._frozen = bytes(self._buffer)
         return self._frozen
-
-    async def next_body(self) -> bytes | AsyncIterable[bytes]:
-        """Like ``body()``, but a declared-length body is first read whole into the buffer.
-
-        A read that fails part-way (or a body that outgrows the limit) continues as a stream of what
-        arrived, so the attempt ends exactly as a streamed body would.
-        """
-        source, buffer = self._source, self._buffer
-        if self._started or source is None or self._length is None or buffer is None:
-            return self.body()
-        self._started = True
-        chunks = aiter(source)
-        try:
-            async for chunk in chunks:
-                if len(buffer) + len(chunk) > self._limit:
-                    self._buffer = None
-                    return self._resume(bytes(buffer) + chunk, chunks, None)
-                buffer.extend(chunk)
-        except Exception as exc:
-            return self._resume(bytes(buffer), None, exc)
-        self._complete = True
-        self._frozen = bytes(buffer)
-        return self._frozen
-
-    async def _resume(
-        self, head: bytes, rest: AsyncIterator[bytes] | None, error: Exception | None
-    ) -> AsyncIterator[bytes]:
-        if head:
-            yield head
-        if error is not None:
-            raise error
-        if rest is not None:
-            async for chunk in rest:
-                yield chunk
-        self._complete = True
 
     async def _stream(self, source: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         # Marked started only once iterated: a connect failure before sending leaves the body replayable.

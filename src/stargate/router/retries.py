@@ -137,9 +137,10 @@ class AttemptRunner:
             attempt_headers = headers.copy()
             if expected is not None:
                 attempt_headers[EXPECTED_QUEUE_HEADER] = str(expected)
-            body = await replay.next_body()
             try:
-                response = await self._transport.send(backend, method, path_qs, attempt_headers, body)
+                response = await self._transport.send(
+                    backend, method, path_qs, attempt_headers, replay.body()
+                )
             except UpstreamError:
                 metrics.attempt(target, backend_id, "proxy_502")
                 metrics.replay_buffer(target, replay.buffered)
