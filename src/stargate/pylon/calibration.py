@@ -29,6 +29,32 @@ MIN_PROMPT = 256
 _TOO_LONG = ("prompt too long", "context length", "maximum context")
 
 
+def engine_chat(
+    model_id: str, request_id: str, content: str, *, max_tokens: int, input_tokens: int
+) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of Pylon's own non-streaming chat to the engine (calibration and canaries).
+
+    Both use the original's fixed sampling (seed 33, temperature 0.7, top_p 1.0) so engines see
+    the same request shape from either.
+    """
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "seed": 33,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "stream": False,
+    }
+    headers = {
+        "content-type": "application/json",
+        "x-request-id": request_id,
+        "x-model": model_id,
+        "x-input-tokens": str(input_tokens),
+    }
+    return orjson.dumps(body), headers
+
+
 class CalibrationError(StargateError):
     """Calibration could not produce a usable input throughput."""
 
@@ -93,21 +119,7 @@ class Calibrator:
 
     async def _one(self, gen: Generation, units: int) -> None:
         request_id = self._ids.new(CALIBRATION, gen.seq)
-        body = {
-            "model": gen.model_id,
-            "messages": [{"role": "user", "content": "1" * units}],
-            "max_tokens": 1,
-            "seed": 33,
-            "temperature": 0.7,
-            "top_p": 1.0,
-            "stream": False,
-        }
-        headers = {
-            "content-type": "application/json",
-            "x-request-id": request_id,
-            "x-model": gen.model_id,
-            "x-input-tokens": str(units),
-        }
+        body, headers = engine_chat(gen.model_id, request_id, "1" * units, max_tokens=1, input_tokens=units)
         observer = RequestObserver(
             request_id=request_id,
             generation=gen,
@@ -118,7 +130,7 @@ class Calibrator:
             calibration=True,
         )
         try:
-            async with self._session.post(self._url, data=orjson.dumps(body), headers=headers) as resp:
+            async with self._session.post(self._url, data=body, headers=headers) as resp:
                 observer.headers(resp.status)
                 payload = await resp.read()
                 if is_prompt_too_long(resp.status, payload):

@@ -18,6 +18,7 @@ import logging
 import aiohttp
 import orjson
 
+from stargate.pylon.calibration import engine_chat
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import CANARY, RequestIds
 from stargate.pylon.models import Generation, ModelRegistry
@@ -38,25 +39,17 @@ async def send_canary(
     timeout_s: float,
 ) -> str | None:
     """One canary; None when it passed, else why it failed (transport, status, body, runaway)."""
-    body = {
-        "model": gen.model_id,
-        "messages": [{"role": "user", "content": CANARY_PROMPT}],
-        "max_tokens": threshold,
-        "seed": 33,
-        "temperature": 0.7,
-        "top_p": 1.0,
-        "stream": False,
-    }
-    headers = {
-        "content-type": "application/json",
-        "x-request-id": ids.new(CANARY, gen.seq),
-        "x-model": gen.model_id,
-        "x-input-tokens": str(CANARY_INPUT_TOKENS),
-    }
+    body, headers = engine_chat(
+        gen.model_id,
+        ids.new(CANARY, gen.seq),
+        CANARY_PROMPT,
+        max_tokens=threshold,
+        input_tokens=CANARY_INPUT_TOKENS,
+    )
     try:
         async with session.post(
             base_url + "/v1/chat/completions",
-            data=orjson.dumps(body),
+            data=body,
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:

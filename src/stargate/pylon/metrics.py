@@ -166,11 +166,19 @@ class PylonMetrics:
         # Label children per model (and status): ``labels()`` locks and validates on every call.
         self._started: dict[str, Any] = {}
         self._finished: dict[tuple[str, str], _FinishedSeries] = {}
+        self._admitted: dict[tuple[str, str, str], Any] = {}
 
     def request_started(self, model: str) -> None:
         child = self._started.get(model)
         if child is None:
             child = self._started[model] = self.requests_inflight.labels(model)
+        child.inc()
+
+    def admission_decided(self, inference_server_id: str, model: str, result: str) -> None:
+        key = (inference_server_id, model, result)
+        child = self._admitted.get(key)
+        if child is None:
+            child = self._admitted[key] = self.admission.labels(*key)
         child.inc()
 
     def request_finished(self, obs: Observation) -> None:

@@ -8,7 +8,6 @@ chunk with ``iter_any`` while the observer scans the bytes → finish.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import orjson
@@ -89,9 +88,6 @@ class Relay:
         self._ceiling = (
             settings.priority_ceiling if settings.upstream_backend is UpstreamBackend.DYNAMO else None
         )
-        # Per-request counter children by label tuple: ``labels()`` locks and validates every call.
-        # Bounded by the series prometheus_client keeps anyway (models by results).
-        self._admitted: dict[tuple[str, str], Any] = {}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -189,13 +185,7 @@ class Relay:
         return await self._relay(request, self.s.upstream_base_url + request.path_qs, headers, body, observer)
 
     def _record_admission(self, model: str, decision: admission.Decision) -> None:
-        key = (model, decision.result.value)
-        child = self._admitted.get(key)
-        if child is None:
-            child = self._admitted[key] = self.metrics.admission.labels(
-                self.s.inference_server_id, model, key[1]
-            )
-        child.inc()
+        self.metrics.admission_decided(self.s.inference_server_id, model, decision.result.value)
         if decision.expected_ms is not None:
             self.metrics.admission_expected.observe(decision.expected_ms)
         if decision.actual_ms is not None:
