@@ -159,11 +159,11 @@ class Engine:
         self.backend_id = config.backend_id
         self.kv = make_kv_cache(config)
         self.slots = Slots(config.max_concurrent_requests, config.max_waiting_requests)
-        self.stats = StatsHub(config.model, config.max_concurrent_requests)
         self.scheduler = DecodeScheduler(config.timing, timer or LoopTimer())
         self.control = TestControl(
             config.model, on_pause=self.scheduler.pause, on_resume=self.scheduler.resume
         )
+        self.stats = StatsHub(config.model, config.max_concurrent_requests, self.control.limit_overrides)
         self.log = RequestLog(config.request_log, config.backend_id) if config.request_log else None
         continuous = config.timing.batching == "continuous" and config.timing.prefill_enabled
         self._pool = PrefillPool(config.timing.prefill_tokens_per_s) if continuous else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Mapping
 
 import orjson
 from aiohttp import web
@@ -62,17 +63,17 @@ class _Subscriber:
 
 
 class StatsHub:
-    def __init__(self, model: str, max_engine_concurrency: int) -> None:
+    def __init__(
+        self, model: str, max_engine_concurrency: int, limit_overrides: Mapping[str, int] | None = None
+    ) -> None:
         self._subscribers: list[_Subscriber] = []
         self._model = model
         self._ping = ping_line(model, max_engine_concurrency)
+        self._overrides: Mapping[str, int] = {} if limit_overrides is None else limit_overrides
 
-    def _ping_for(self, request: web.Request) -> bytes:
-        """The configured ping unless the app's test control overrides this model's limit."""
-        from .app import ENGINE_KEY  # app imports this module; resolved at call time
-
-        engine = request.app.get(ENGINE_KEY)
-        override = None if engine is None else engine.control.limit_overrides.get(self._model)
+    def current_ping(self) -> bytes:
+        """The configured ping unless test control overrides this model's limit (read live)."""
+        override = self._overrides.get(self._model)
         return self._ping if override is None else override_ping_line(self._model, override)
 
     @property
@@ -102,7 +103,7 @@ class StatsHub:
         self._subscribers.append(subscriber)
         loop = asyncio.get_running_loop()
         try:
-            await response.write(self._ping_for(request))
+            await response.write(self.current_ping())
             next_ping = loop.time() + PING_INTERVAL_S
             while True:
                 timeout = next_ping - loop.time()
@@ -116,7 +117,7 @@ class StatsHub:
                     await response.write(batch)
                 now = loop.time()
                 if now >= next_ping:
-                    await response.write(self._ping_for(request))
+                    await response.write(self.current_ping())
                     while next_ping <= now:  # missed ticks are skipped, not replayed
                         next_ping += PING_INTERVAL_S
         except ConnectionError:

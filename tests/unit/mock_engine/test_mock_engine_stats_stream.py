@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from stargate.mock_engine.control import TestControl
 from stargate.mock_engine.stats_stream import StatsHub, ping_line, stats_line
 
 
@@ -25,3 +26,13 @@ def test_emit_without_subscribers_is_discarded() -> None:
     hub = StatsHub("m", 0)
     hub.emit("r", "m", 1, 0)
     assert not hub.active and hub.subscriber_count == 0
+
+
+def test_test_control_override_replaces_the_advertised_limit() -> None:
+    control = TestControl("m")
+    hub = StatsHub("m", 8, control.limit_overrides)
+    assert b'"max_engine_concurrency":8' in hub.current_ping()
+    control.set_model("m", {"max_engine_concurrency": 0})
+    assert hub.current_ping() == b'{"type":"ping","v":1,"model":"m","max_engine_concurrency":0}\n'
+    control.set_model("m", {"max_engine_concurrency": None})
+    assert b'"max_engine_concurrency":8' in hub.current_ping()
