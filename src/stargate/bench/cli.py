@@ -1,4 +1,4 @@
-"""The ``stargate-bench`` console script: run, compare, overhead, demo, list-scenarios, validate.
+"""The ``stargate-bench`` console script: run, compare, overhead, summarize, demo, list-scenarios, validate.
 
 Exit status: 0 every run succeeded, 1 at least one run failed (the report is still written),
 2 bad usage or a bad scenario file, 130 interrupted (every process was stopped first).
@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list-scenarios", help="list the scenarios in benches/")
 
+    summarize = sub.add_parser(
+        "summarize", help="one table across finished compare runs: <dir>/<scenario>/comparison.json"
+    )
+    summarize.add_argument("dir", type=Path, help="directory holding one compare output per scenario")
+
     validate = sub.add_parser("validate", help="check a scenario file without starting anything")
     validate.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
 
@@ -161,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return list_scenarios(console)
         if args.command == "validate":
             return validate(console, args.scenario)
+        if args.command == "summarize":
+            return summarize_command(console, args.dir)
         if args.command == "run":
             return run_command(console, args, list(sys.argv if argv is None else argv))
         if args.command in ("compare", "overhead"):
@@ -199,6 +206,17 @@ def list_scenarios(console: Console) -> int:
         table.add_row(stem, str(sc.request_count), str(sc.backends.count), str(sc.stargates.count),
                       ",".join(sc.metadata.tags), ",".join(a.name for a in sc.algorithms))
     console.print(table)
+    return EXIT_OK
+
+
+def summarize_command(console: Console, root: Path) -> int:
+    from stargate.bench.suite import write_summary
+
+    if not any(root.glob("*/comparison.json")):
+        raise ConfigError(f"no <scenario>/comparison.json under {root}", path="dir")
+    out, text = write_summary(root)
+    console.print(text, highlight=False, markup=False)
+    console.print(f"summary: {out}", highlight=False)
     return EXIT_OK
 
 

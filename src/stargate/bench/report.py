@@ -18,6 +18,7 @@ import orjson
 from stargate.bench.charts import write_charts
 from stargate.bench.scenario import Scenario
 from stargate.bench.score import MemberSummary, RequestRecord, RunSummary
+from stargate.bench.suite import across_repeats, markdown_table, repeats_table
 
 _CACHE_TAGS = frozenset({"cache", "pulsar", "kv-cache"})
 _LAG_WARNING_MS = 1000.0
@@ -60,12 +61,6 @@ def _ms(value: float | None) -> str:
 
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
 
 
 _RESULT_COLUMNS: list[tuple[str, Callable[[RunSummary], str]]] = [
@@ -176,18 +171,25 @@ def render_markdown(scenario: Scenario, summaries: Sequence[RunSummary], charts:
     if warnings:
         lines += ["", "## Warnings", ""] + [f"- {w}" for w in warnings]
     lines += ["", "## Results", ""]
-    lines += _table([c for c, _ in _RESULT_COLUMNS], [[f(s) for _, f in _RESULT_COLUMNS] for s in summaries])
+    lines += markdown_table(
+        [c for c, _ in _RESULT_COLUMNS], [[f(s) for _, f in _RESULT_COLUMNS] for s in summaries]
+    )
     lines += ["", "Balance scores are 1 - total-variation distance over all backends, including idle ones."]
+    grouped = across_repeats([s.to_dict() for s in summaries])
+    if len(grouped) < len(summaries):
+        note = "Medians of the per-run values above; success is the worst run's."
+        lines += ["", "## Across repeats", "", note, "", *repeats_table(grouped)]
     if charts:
         lines += ["", "## Charts", ""] + [f"![{Path(c).stem}]({c})" for c in charts]
     for title, attr in (("Cluster Shares", "clusters"), ("Backend Shares", "backends")):
         lines += ["", f"## {title}"]
         for s in summaries:
-            lines += ["", f"### {s.run}", "", *_table(_MEMBER_HEADERS, _member_rows(getattr(s, attr)))]
+            members = _member_rows(getattr(s, attr))
+            lines += ["", f"### {s.run}", "", *markdown_table(_MEMBER_HEADERS, members)]
     failing = [(s.run, f) for s in summaries for f in s.failures]
     if failing:
         lines += ["", "## Failures", ""]
-        lines += _table(
+        lines += markdown_table(
             ["Run", "Status", "Backend", "Error", "Count"],
             [[run, *_failure_cells(f)] for run, f in failing],
         )

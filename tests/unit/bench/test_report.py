@@ -73,3 +73,13 @@ def test_in_flight_series_counts_overlaps() -> None:
     grid, series = in_flight_series(recs, points=21)
     assert grid[0] == 0.0 and grid[-1] == recs[-1].end_s
     assert max(series["backend-0"]) == 2 and max(series["backend-1"]) == 1
+
+
+def test_report_adds_medians_only_when_runs_repeat() -> None:
+    scenario = load_scenario(ROOT / "benches" / "smoke.yaml")
+    once = [summarize("power-of-n", records("power-of-n", ["backend-0"] * 5, 2), scenario, 1.0, None)]
+    assert "## Across repeats" not in render_markdown(scenario, once, [])
+    twice = [summarize(f"power-of-n #{n}", records(f"p{n}", ["backend-0"] * 5, 2), scenario, 1.0, None)
+             for n in (1, 2)]  # fmt: skip
+    text = render_markdown(scenario, twice, [])
+    assert "## Across repeats" in text and "| power-of-n | 2 | 100.0% |" in text

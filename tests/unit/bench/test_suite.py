@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from stargate.bench.cli import main
+from stargate.bench.suite import across_repeats, router_of, standing
+
+
+def row(run: str, p99: float | None, goodput: float | None, success: float = 1.0) -> dict[str, Any]:
+    return {"run": run, "p99_ttft_ms": p99, "goodput_rps": goodput, "success_rate": success,
+            "p50_ttft_ms": p99 and p99 / 2, "requests_per_second": 9.0, "cache_hit_rate": 0.25}  # fmt: skip
+
+
+def test_router_of_strips_only_the_repeat_suffix() -> None:
+    assert router_of("stargate:power-of-n #2") == "stargate:power-of-n"
+    assert router_of("direct") == "direct"
+    assert router_of("odd #name") == "odd #name"
+
+
+def test_across_repeats_takes_medians_and_the_worst_success() -> None:
+    rows = [row("a #1", 300, 8.0), row("b #1", 500, 7.0), row("b #2", 700, 6.0, 0.9), row("a #2", 100, 9.0),
+            row("a #3", 200, None)]  # fmt: skip
+    a, b = across_repeats(rows)
+    assert (a.router, a.runs, a.p99_ttft_ms, a.p99_ttft_min_ms, a.p99_ttft_max_ms) == ("a", 3, 200, 100, 300)
+    assert a.goodput_rps == 8.5  # the run without a value is left out, not counted as zero
+    assert (b.router, b.runs, b.p99_ttft_ms, b.success_rate) == ("b", 2, 600, 0.9)
+
+
+def test_standing_picks_stargates_best_by_p99_and_the_best_peer_per_measure() -> None:
+    results = across_repeats([
+        row("stargate:power-of-n", 400, 9.0), row("stargate:wait-and-widen", 300, 8.0),
+        row("stargate:pulsar", 100, 9.5, success=0.95),  # lost requests rank last whatever the latency
+        row("sglang:cache_aware", 350, 7.0), row("vllm:consistent_hash", 500, 8.8), row("direct", 50, 10.0),
+    ])  # fmt: skip
+    found = standing("s", results)
+    assert found is not None
+    assert found.stargate.router == "stargate:wait-and-widen"
+    assert found.best_p99_peer is not None and found.best_p99_peer.router == "sglang:cache_aware"
+    assert found.best_goodput_peer is not None and found.best_goodput_peer.router == "vllm:consistent_hash"
+    assert found.direct is not None and found.direct.p99_ttft_ms == 50
+    assert found.p99_ratio == pytest.approx(300 / 350)
+    assert found.goodput_ratio == pytest.approx(8.0 / 8.8)
+    assert standing("s", across_repeats([row("direct", 1, 1)])) is None
+
+
+def test_summarize_writes_one_table_across_scenarios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, p99 in (("alpha", 200), ("beta", 600)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "comparison.json").write_bytes(orjson.dumps([
+            row("stargate:wait-and-widen #1", p99, 9.0), row("stargate:wait-and-widen #2", p99 + 20, 9.2),
+            row("sglang:cache_aware #1", 400, 9.0), row("sglang:cache_aware #2", 420, 9.0),
+        ]))  # fmt: skip
+    assert main(["summarize", str(tmp_path)]) == 0
+    text = (tmp_path / "summary.md").read_text()
+    assert "| alpha | wait-and-widen | 2 | 210 | 9.10 | 410 (sglang:cache_aware) | 0.51 |" in text
+    assert "| beta | wait-and-widen | 2 | 610 | 9.10 | 410 (sglang:cache_aware) | 1.49 |" in text
+    assert "## beta" in text and "| sglang:cache_aware | 2 | 100.0% | 9.00 | 205 | 410 | 400 to 420 |" in text
+    assert "summary:" in capsys.readouterr().out
+
+
+def test_summarize_names_an_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["summarize", str(tmp_path)]) == 2
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert f"error: dir: no <scenario>/comparison.json under {tmp_path}" in out
