@@ -319,6 +319,63 @@ async def test_response_streams_chunk_by_chunk(sg: Harness) -> None:
         assert await resp.read() == b"".join(SSE_CHUNKS[1:])
 
 
+@contextlib.asynccontextmanager
+async def one_write_backend(body: bytes) -> AsyncIterator[str]:
+    """A raw HTTP/1.1 backend that sends each whole answer (headers, chunked body, end) in one write."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+                await reader.readexactly(length)
+                if head.startswith(b"GET /health"):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                else:
+                    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+                    writer.write(b"%b\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (head, len(body), body))
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_an_upstream_body_read_whole_is_relayed_with_the_end_in_one_write(
+    sg: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The headers go out at once (streaming); then the body and the chunked end share one send()."""
+    from aiohttp.http_writer import StreamWriter
+
+    writes: list[tuple[int, bytes]] = []
+    plain, lines = StreamWriter._write, StreamWriter._writelines
+
+    def record_write(self: StreamWriter, chunk: bytes) -> None:
+        writes.append((id(self), bytes(chunk)))
+        plain(self, chunk)
+
+    def record_writelines(self: StreamWriter, chunks: list[bytes]) -> None:
+        writes.append((id(self), b"".join(chunks)))
+        lines(self, chunks)
+
+    monkeypatch.setattr(StreamWriter, "_write", record_write)
+    monkeypatch.setattr(StreamWriter, "_writelines", record_writelines)
+    body = b"".join(SSE_CHUNKS)
+    async with one_write_backend(body) as url:
+        backend = FakeBackend("raw")
+        backend.url = url
+        await sg.register(registration(backend))
+        status, headers, got = await sg.post()
+    assert (status, got, headers["x-inference-server-id"]) == (200, body, "raw")
+    writer = next(w for w, data in writes if b"x-inference-server-id: raw" in data.lower())
+    answer = [data for w, data in writes if w == writer]
+    assert len(answer) == 2, answer
+    assert answer[1] == b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+
+
 async def test_p89_two_backends_in_one_cluster_share_the_cluster_id(sg: Harness) -> None:
     await sg.backend("b1", cluster_id="c")
     await sg.backend("b2", cluster_id="c")

@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    console = Console()
+    # Piped or redirected output keeps whole table rows and markdown lines instead of rich's 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=400, soft_wrap=True)
     try:
         if args.command == "list-scenarios":
             return list_scenarios(console)

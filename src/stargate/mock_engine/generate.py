@@ -259,10 +259,10 @@ async def _stream(
             record.outcome = "dropped"
             _abort(request)
         return response
-    await response.write(encoder.finish(inp, n))
+    final = encoder.finish(inp, n)
     stats.emit(request_id, model, inp, n, True)
     record.finish = engine.to_wall(engine.clock())
-    await response.write_eof()
+    await response.write_eof(final)  # the last event and the end of the body in one write
     return response
 
 

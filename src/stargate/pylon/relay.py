@@ -7,6 +7,7 @@ chunk with ``iter_any`` while the observer scans the bytes → finish.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import aiohttp
@@ -260,12 +261,15 @@ class Relay:
                 and (upstream.headers.get("content-type", "").startswith("text/event-stream"))
             )
             if sse and observer is not None:
-                ok = await self._pump_sse(upstream, response, observer)
+                ok, tail = await self._pump_sse(upstream, response, observer)
             else:
-                ok = await self._pump(upstream, response)
+                ok, tail = await self._pump(upstream, response)
             if not ok:
                 if observer is not None:
                     observer.finish(failed=True)
+                if tail:
+                    with contextlib.suppress(ConnectionError):
+                        await response.write(tail)
                 if request.transport is not None:
                     request.transport.close()
                 return response
@@ -275,7 +279,8 @@ class Relay:
                 elif not sse and observer.endpoint is Endpoint.EMBEDDINGS and 200 <= upstream.status < 300:
                     observer.output(0)
                 observer.finish()
-            await response.write_eof()
+            # The slot is free before the client can see the end; the last piece and the end share a write.
+            await response.write_eof(tail)
             return response
 
     def _record_status(self, status: int, failure: str | None) -> None:
@@ -289,31 +294,39 @@ class Relay:
             self.metrics.nonretryable.labels(self.s.inference_server_id, failure).inc()
 
     @staticmethod
-    async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> bool:
+    async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> tuple[bool, bytes]:
+        """Relay the body except its last piece, which is returned for the caller to send with the end."""
         try:
             async for chunk in upstream.content.iter_any():
+                if upstream.content.at_eof():
+                    return True, chunk
                 await response.write(chunk)
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
-            return False
-        return True
+            return False, b""
+        return True, b""
 
     async def _pump_sse(
         self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, observer: RequestObserver
-    ) -> bool:
+    ) -> tuple[bool, bytes]:
+        """As :meth:`_pump`, observing the stream; not ok when it carried no output."""
         scanner = SseScanner()
+        tail = b""
         try:
             async for chunk in upstream.content.iter_any():
                 explicit_before = scanner.explicit_tokens
                 scanner.feed(chunk)
-                await response.write(chunk)
+                if upstream.content.at_eof():
+                    tail = chunk
+                else:
+                    await response.write(chunk)
                 if scanner.output_seen:
                     explicit = scanner.explicit_tokens
                     observer.output(scanner.tokens, explicit=explicit is not None)
                     if explicit is not None and explicit != explicit_before:
                         self.hub.on_usage(observer.request_id, observer.generation, explicit)
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
-            return False
-        return scanner.output_seen
+            return False, b""
+        return scanner.output_seen, tail
 
 
 def _body_error(body: bytes, endpoint: Endpoint | None) -> str | None:

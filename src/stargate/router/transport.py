@@ -36,6 +36,9 @@ class UpstreamResponse(Protocol):
     def headers(self) -> Iterable[tuple[str, str]]: ...
     def header(self, name: str) -> str | None: ...
     def chunks(self) -> AsyncIterator[bytes]: ...
+    def complete(self) -> bool:
+        """True once the whole body has been read: the relay then ends the client stream in one write."""
+        ...
     def release(self) -> None: ...
 
 
@@ -100,6 +103,9 @@ class _AiohttpResponse:
                 yield chunk
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream body failed: {exc!r}") from exc
+
+    def complete(self) -> bool:
+        return self._resp.content.at_eof()
 
     def release(self) -> None:
         self._resp.release()

@@ -66,5 +66,4 @@ def test_summarize_writes_one_table_across_scenarios(
 
 def test_summarize_names_an_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["summarize", str(tmp_path)]) == 2
-    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
-    assert f"error: dir: no <scenario>/comparison.json under {tmp_path}" in out
+    assert f"error: dir: no <scenario>/comparison.json under {tmp_path}\n" in capsys.readouterr().out

@@ -100,6 +100,9 @@ class FakeResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         yield self.body
 
+    def complete(self) -> bool:
+        return True
+
     def release(self) -> None:
         self.released = True
 
