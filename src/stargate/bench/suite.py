@@ -8,10 +8,10 @@ again without re-running anything. One router's repeats are the runs named ``<ro
 from __future__ import annotations
 
 import re
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import orjson
@@ -49,13 +49,9 @@ def router_of(run: str) -> str:
     return match.group("router") if match else run
 
 
-def _median(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
-    values = [row[key] for row in rows if row.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
-def _bound(rows: Sequence[Mapping[str, Any]], key: str, pick: Any) -> float | None:
-    values = [row[key] for row in rows if row.get(key) is not None]
+def _of(pick: Callable[[list[float]], float], rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """``pick`` over the runs that have a value (a run without one is left out, not counted as zero)."""
+    values = [float(row[key]) for row in rows if row.get(key) is not None]
     return pick(values) if values else None
 
 
@@ -69,13 +65,13 @@ def across_repeats(rows: Sequence[Mapping[str, Any]]) -> list[RouterResult]:
             router=router,
             runs=len(runs),
             success_rate=min(float(r["success_rate"]) for r in runs),
-            requests_per_second=_median(runs, "requests_per_second"),
-            p50_ttft_ms=_median(runs, "p50_ttft_ms"),
-            p99_ttft_ms=_median(runs, "p99_ttft_ms"),
-            p99_ttft_min_ms=_bound(runs, "p99_ttft_ms", min),
-            p99_ttft_max_ms=_bound(runs, "p99_ttft_ms", max),
-            goodput_rps=_median(runs, "goodput_rps"),
-            cache_hit_rate=_median(runs, "cache_hit_rate"),
+            requests_per_second=_of(median, runs, "requests_per_second"),
+            p50_ttft_ms=_of(median, runs, "p50_ttft_ms"),
+            p99_ttft_ms=_of(median, runs, "p99_ttft_ms"),
+            p99_ttft_min_ms=_of(min, runs, "p99_ttft_ms"),
+            p99_ttft_max_ms=_of(max, runs, "p99_ttft_ms"),
+            goodput_rps=_of(median, runs, "goodput_rps"),
+            cache_hit_rate=_of(median, runs, "cache_hit_rate"),
         )
         for router, runs in groups.items()
     ]
