@@ -118,16 +118,17 @@ class ScenarioStanding:
     @property
     def p99_ratio(self) -> float | None:
         peer = self.best_p99_peer
-        if peer is None or not peer.p99_ttft_ms or self.stargate.p99_ttft_ms is None:
-            return None
-        return self.stargate.p99_ttft_ms / peer.p99_ttft_ms
+        return _over(self.stargate.p99_ttft_ms, peer.p99_ttft_ms if peer else None)
 
     @property
     def goodput_ratio(self) -> float | None:
         peer = self.best_goodput_peer
-        if peer is None or not peer.goodput_rps or self.stargate.goodput_rps is None:
-            return None
-        return self.stargate.goodput_rps / peer.goodput_rps
+        return _over(self.stargate.goodput_rps, peer.goodput_rps if peer else None)
+
+
+def _over(ours: float | None, theirs: float | None) -> float | None:
+    """Stargate's value over the peer's; None when either is missing or the peer's is zero."""
+    return None if ours is None or not theirs else ours / theirs
 
 
 def _p99_key(result: RouterResult) -> tuple[float, float, float]:
@@ -160,10 +161,6 @@ def load_suite(root: Path) -> dict[str, list[RouterResult]]:
     }
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def _who(result: RouterResult | None, attr: str, digits: int) -> str:
     if result is None:
         return "-"
@@ -178,8 +175,8 @@ def standings_table(standings: Sequence[ScenarioStanding]) -> list[str]:
         [
             [s.scenario, s.stargate.router.removeprefix("stargate:"), str(s.stargate.runs),
              _num(s.stargate.p99_ttft_ms), _num(s.stargate.goodput_rps, 2),
-             _who(s.best_p99_peer, "p99_ttft_ms", 0), _ratio(s.p99_ratio),
-             _who(s.best_goodput_peer, "goodput_rps", 2), _ratio(s.goodput_ratio),
+             _who(s.best_p99_peer, "p99_ttft_ms", 0), _num(s.p99_ratio, 2),
+             _who(s.best_goodput_peer, "goodput_rps", 2), _num(s.goodput_ratio, 2),
              _num(s.direct.p99_ttft_ms) if s.direct else "-", _pct(s.stargate.cache_hit_rate)]
             for s in standings
         ],
