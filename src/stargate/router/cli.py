@@ -22,10 +22,10 @@ from typing import Any
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
 from stargate.router.app import StargateServer, StargateSettings
+from stargate.router.attempt import RetrySettings
 from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, valid_header_name
 from stargate.router.metrics import DEFAULT_PREFIX
 from stargate.router.proxy import ProxySettings
-from stargate.router.retries import RetrySettings
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 TUNNEL_PROTOCOLS = {

@@ -9,7 +9,7 @@ import orjson
 from aiohttp import web
 
 from stargate.errors import RequestError
-from stargate.router.proxy import error_response
+from stargate.responses import error_response
 
 
 @dataclass
@@ -35,13 +35,10 @@ class Endpoints:
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        filters = [value.strip() for value in request.query.getall("model_ids", [])]
-        if any(not value for value in filters):
-            return error_response(400, "model_ids must not contain empty values")
         try:
-            model_ids = self.list_models(None, filters)
+            model_ids = self.list_models(None, request.query.getall("model_ids", []))
         except RequestError as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            return error_response(exc)
         return _json({"model_ids": model_ids})
 
     async def debug_state(self, request: web.Request) -> web.Response:
