@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from aiohttp import web
 from grpc import aio
-import openai
 from openai import AsyncOpenAI
 
 from stargate.balancer.config import parse_lb_config

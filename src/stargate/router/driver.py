@@ -56,20 +56,25 @@ WOKE = Woke()
 
 
 class RoutingStateView(Protocol):
-    """What the driver needs of ``RoutingState``: snapshots and the per-attempt reservation."""
+    """What the driver needs of ``RoutingState``: snapshots and each attempt's reservation, which
+    ``finish`` ends (in-flight count and optimistic load) whatever the attempt's outcome."""
 
     def view(self, target: Target) -> TargetSnapshot | None: ...
     def is_advertised(self, target: Target) -> bool: ...
     def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Any: ...
     def release(self, reservation: Any) -> None: ...
+    def first_byte(self, reservation: Any) -> None: ...
+    def finish(self, reservation: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Passthrough:
-    """Final: stream this upstream response to the client."""
+    """Final: stream this upstream response to the client; the relay reports its first body byte
+    and its end through ``AttemptDriver.first_byte`` / ``finish`` (the in-flight count)."""
 
     response: UpstreamResponse
     backend: BackendRef
+    reservation: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,7 @@ class AttemptDriver:
         state = start(request)
         event: Event = START
         response: UpstreamResponse | None = None
+        reservation: Any = None
         routing_started = clock()
         routing_observed = False
         while True:
@@ -129,6 +135,7 @@ class AttemptDriver:
                 self._count(target, state.notes)
             if response is not None and not isinstance(action, Relay):
                 response.release()
+                self._state.finish(reservation)
                 response = None
             if isinstance(action, Pick):
                 picked = None
@@ -161,6 +168,7 @@ class AttemptDriver:
                         backend, method, path_qs, attempt_headers, replay.body()
                     )
                 except UpstreamError as exc:
+                    self._state.finish(reservation)
                     metrics.attempt(target, backend_id, "proxy_502")
                     metrics.replay_buffer(target, replay.buffered)
                     event = SendFailed(exc, replay.readiness())
@@ -179,9 +187,15 @@ class AttemptDriver:
                 event = Reconnected(ok)
             elif isinstance(action, Relay):
                 assert response is not None and state.backend is not None
-                return Passthrough(response, state.backend)
+                return Passthrough(response, state.backend, reservation)
             else:
                 return LocalFailure(action.error, action.backend_id)
+
+    def first_byte(self, outcome: Passthrough) -> None:
+        self._state.first_byte(outcome.reservation)
+
+    def finish(self, outcome: Passthrough) -> None:
+        self._state.finish(outcome.reservation)
 
     def _snapshot(self, target: Target) -> Snapshot:
         view = self._state.view(target)

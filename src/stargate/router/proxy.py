@@ -9,6 +9,7 @@ itself carries a short JSON body naming the problem.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 class ProxySettings:
     max_replay_body_bytes: int = 67_108_864
     retry_budget_header: str | None = "x-stargate-max-wait-ms"
+    default_max_wait_ms: int | None = None  # the routing wait of requests without x-max-wait-ms
 
 
 class ProxyHandler:
@@ -79,6 +81,8 @@ class ProxyHandler:
             )
         except StargateError as exc:
             return error_response(exc)
+        if parsed.max_wait_ms is None and self._settings.default_max_wait_ms is not None:
+            parsed = dataclasses.replace(parsed, max_wait_ms=self._settings.default_max_wait_ms)
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -112,6 +116,7 @@ class ProxyHandler:
             and valid_header_value(backend.cluster_id)
         ):
             upstream.release()
+            self._driver.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, 500)
             return error_response(StargateError("backend identity cannot be sent as a header value"))
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -119,9 +124,13 @@ class ProxyHandler:
         response.headers["x-inference-server-id"] = backend.inference_server_id
         response.headers["x-inference-server-url"] = backend.url
         response.headers["x-stargate-cluster-id"] = backend.cluster_id
+        first = True
         try:
             await response.prepare(request)
             async for chunk in upstream.chunks():
+                if first:
+                    first = False
+                    self._driver.first_byte(outcome)
                 if upstream.complete():
                     # The last piece goes out with the end of the body (and the headers, if still
                     # buffered) in one write: at low concurrency that is a send() saved per request.
@@ -143,5 +152,6 @@ class ProxyHandler:
             pass  # the client went away; nothing left to tell it
         finally:
             upstream.release()
+            self._driver.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response

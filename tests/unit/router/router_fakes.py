@@ -74,6 +74,7 @@ class FakeState:
     advertised: bool = True
     reserved: list[tuple[str, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
 
     def view(self, target: Target) -> FakeView | None:
         return self.current
@@ -87,6 +88,12 @@ class FakeState:
 
     def release(self, reservation: int) -> None:
         self.released.append(reservation)
+
+    def first_byte(self, reservation: int) -> None:
+        pass
+
+    def finish(self, reservation: int) -> None:
+        self.finished.append(reservation)
 
 
 def make_view(clusters: dict[str, list[str]], policy: Policy | None = None, **stats: float) -> FakeView:

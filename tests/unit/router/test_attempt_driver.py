@@ -384,3 +384,17 @@ async def test_transport_failure_answer_names_the_backend_and_code() -> None:
     runner, *_ = make_runner({"c1": ["a"]}, {"a": [DEAD]}, RetrySettings(max_connect_retries=0))
     outcome = await run(runner)
     assert isinstance(outcome, LocalFailure) and outcome.error.code == "upstream_transport_error"
+
+
+async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_relay() -> None:
+    """The in-flight count must drop each attempt that ended (refused, unreachable) at once; the
+    attempt whose answer is relayed stays in flight until the relay reports its end."""
+    runner, state, _, _ = make_runner(
+        {"c1": ["a", "b"], "c2": ["r"], "c3": ["ok"]},
+        {"a": [DEAD], "b": [retryable(reason="other")], "r": [retryable()], "ok": [FakeResponse(200)]},
+    )
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.backend.inference_server_id == "ok"
+    assert state.finished == [0, 1, 2]
+    runner.finish(outcome)
+    assert state.finished == [0, 1, 2, 3]
