@@ -24,6 +24,8 @@ _DELIMS = (b"\r\n\r\n", b"\n\n")
 _TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
 _EMPTY_MARKERS = (b'"content":""', b'"content": ""', b'"delta":""', b'"delta": ""')
 _MARKER_PAIRS = tuple(zip(_TEXT_MARKERS, _EMPTY_MARKERS, strict=True))
+# /v1/completions chunks carry their text in "text" (chat and responses use content/delta).
+_COMPLETION_PAIRS = ((b'"text":"', b'"text":""'), (b'"text": "', b'"text": ""'))
 
 
 class EventTooLarge(Exception):
@@ -31,7 +33,8 @@ class EventTooLarge(Exception):
 
 
 def _explicit_counter(data: bytes) -> int | None:
-    """First of ``usage.completion_tokens``, ``output_tokens_so_far``, ``response.usage.output_tokens``."""
+    """First of ``usage.completion_tokens``, ``output_tokens_so_far``, ``response.usage.output_tokens``
+    (and ``usage.output_tokens`` of a whole ``/v1/responses`` JSON answer)."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -42,6 +45,7 @@ def _explicit_counter(data: bytes) -> int | None:
     usage = obj.get("usage")
     if isinstance(usage, dict):
         candidates.append(usage.get("completion_tokens"))
+        candidates.append(usage.get("output_tokens"))
     candidates.append(obj.get("output_tokens_so_far"))
     response = obj.get("response")
     if isinstance(response, dict) and isinstance(response.get("usage"), dict):
@@ -77,8 +81,14 @@ def is_output(raw: bytes) -> bool:
     return True
 
 
+def json_output_tokens(body: bytes) -> int | None:
+    """Output tokens of a whole JSON answer (non-streaming chat, completions, responses), if it says."""
+    return _explicit_counter(body)
+
+
 class SseScanner:
-    def __init__(self) -> None:
+    def __init__(self, *, completions: bool = False) -> None:
+        self._pairs = _COMPLETION_PAIRS if completions else _MARKER_PAIRS
         self._tail = b""
         self.output_seen = False
         self.estimated_tokens = 0
@@ -125,13 +135,13 @@ class SseScanner:
                 self.explicit_tokens = max(value, self.explicit_tokens or 0)
                 return
         if self.explicit_tokens is None:
-            self.estimated_tokens += max(_pieces(raw), 0)
+            self.estimated_tokens += max(_pieces(raw, self._pairs), 0)
 
 
-def _pieces(raw: bytes) -> int:
+def _pieces(raw: bytes, pairs: tuple[tuple[bytes, bytes], ...]) -> int:
     """Non-empty text markers; an empty marker is only looked for where its text marker occurs."""
     pieces = 0
-    for text, empty in _MARKER_PAIRS:
+    for text, empty in pairs:
         found = raw.count(text)
         if found:
             pieces += found - raw.count(empty)
@@ -189,6 +199,7 @@ class RequestObserver:
         self.output_tokens = 0
         self.from_chunk_usage = False
         self.embedding_items: int | None = None  # set by the relay from an embeddings body
+        self.streamed = True  # the relay clears it for a JSON answer
         self._last_progress = 0.0
         self._emit()
 
@@ -212,6 +223,7 @@ class RequestObserver:
                 calibration=self._calibration,
                 upstream_status=self.status,
                 embedding_items=self.embedding_items,
+                streamed=self.streamed,
             )
         )
 
