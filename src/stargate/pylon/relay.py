@@ -30,7 +30,7 @@ from stargate.pylon.health import HealthProber
 from stargate.pylon.load import LiveLoad, Phase
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
-from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, json_output_tokens
+from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, json_usage
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 
@@ -284,7 +284,8 @@ class Relay:
             if observer is not None:
                 if kept is not None and 200 <= upstream.status < 300:
                     observer.streamed = False
-                    tokens = json_output_tokens(bytes(kept)) if kept else None
+                    tokens, prompt = json_usage(bytes(kept)) if kept else (None, None)
+                    observer.reported_input_tokens = prompt
                     observer.output(1 if tokens is None else tokens, explicit=tokens is not None)
                 elif not sse and observer.endpoint is Endpoint.EMBEDDINGS and 200 <= upstream.status < 300:
                     observer.output(0)
@@ -344,6 +345,7 @@ class Relay:
                     observer.output(scanner.tokens, explicit=explicit is not None)
                     if explicit is not None and explicit != explicit_before:
                         self.hub.on_usage(observer.request_id, observer.generation, explicit)
+                        observer.reported_input_tokens = scanner.prompt_tokens
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
             return False, b""
         return scanner.output_seen, tail

@@ -9,7 +9,7 @@ from stargate.pylon.observer import (
     EventTooLarge,
     RequestObserver,
     SseScanner,
-    json_output_tokens,
+    json_usage,
 )
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 
@@ -144,7 +144,7 @@ def test_completions_chunks_count_their_text_pieces() -> None:
 
 
 def test_json_answers_report_their_output_tokens() -> None:
-    assert json_output_tokens(b'{"usage":{"prompt_tokens":3,"completion_tokens":7}}') == 7
-    assert json_output_tokens(b'{"object":"response","usage":{"input_tokens":3,"output_tokens":5}}') == 5
-    assert json_output_tokens(b'{"choices":[]}') is None
-    assert json_output_tokens(b"not json") is None
+    assert json_usage(b'{"usage":{"prompt_tokens":3,"completion_tokens":7}}') == (7, 3)
+    assert json_usage(b'{"object":"response","usage":{"input_tokens":4,"output_tokens":5}}') == (5, 4)
+    assert json_usage(b'{"choices":[]}') == (None, None)
+    assert json_usage(b"not json") == (None, None)
