@@ -9,6 +9,7 @@ StargateError                      status 500 internal_error: anything raised on
  ├── RequestError                  400 invalid_request: a client request breaks the header/body contract
  │    ├── PayloadTooLarge          413 payload_too_large: declared or buffered body over a limit
  │    └── UnsupportedEncoding      415 unsupported_content_encoding: a body Pylon cannot check
+ ├── ModelNotFound                 404 model_not_found: ``GET /v1/models/{id}`` of a model nobody serves
  ├── RoutingError                  503 no_selectable_backend: no backend could be chosen
  │    ├── NoEligibleCandidates     404 no_eligible_candidates (spec §4.6 body, error-code header)
  │    └── InputWorkLimitExceeded   503 input_work_limit_exceeded (spec §4.6 body, error-code header)
@@ -109,11 +110,18 @@ class UnavailableRoutingMethod(RoutingMethodError):
 
 
 class RequestError(StargateError):
-    """A request breaks the header/body contract."""
+    """A request breaks the header/body contract; ``hint`` says how to make it work."""
 
     status = 400
     code = "invalid_request"
     kind = "invalid_request_error"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.hint = hint
+        super().__init__(message)
+
+    def extra_fields(self) -> Mapping[str, object]:
+        return {} if self.hint is None else {"hint": self.hint}
 
 
 class PayloadTooLarge(RequestError):
@@ -124,6 +132,14 @@ class PayloadTooLarge(RequestError):
 class UnsupportedEncoding(RequestError):
     status = 415
     code = "unsupported_content_encoding"
+
+
+class ModelNotFound(StargateError):
+    """``GET /v1/models/{id}`` for a model no active backend serves."""
+
+    status = 404
+    code = "model_not_found"
+    kind = "not_found_error"
 
 
 class RoutingError(StargateError):
