@@ -143,13 +143,12 @@ class ControlPlane:
             self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
         self._control_port = control_port
         self._discovery = PeerDiscovery(self._settings.discovery, control_port)
-        loop = asyncio.get_running_loop()
         self._publisher = watch.WatchPublisher(
-            self._build_watch_snapshot(await self._poll_peers()), self.watch_heartbeat_s, loop.time()
+            self._build_watch_snapshot(await self._poll_peers()), self.watch_heartbeat_s
         )
         for server in self._servers:
             await server.start()
-        self._poller = loop.create_task(self._poll_discovery(self._publisher))
+        self._poller = asyncio.get_running_loop().create_task(self._poll_discovery(self._publisher))
         return control_port, discovery_port
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -194,18 +193,11 @@ class ControlPlane:
             return []
 
     async def _poll_discovery(self, publisher: watch.WatchPublisher) -> None:
-        """Poll every ``--dns-poll-ms`` (the first poll ran at start); between polls, wake for the
-        heartbeat so identical snapshots keep flowing every ``--watch-heartbeat-ms``."""
-        loop = asyncio.get_running_loop()
+        """Poll every ``--dns-poll-ms`` (the first poll ran at start) and publish what changed."""
         poll_s = self._settings.discovery.poll_ms / 1000.0
-        next_poll = loop.time() + poll_s
-        snapshot = publisher.snapshot
         while True:
-            await asyncio.sleep(max(0.0, min(next_poll, publisher.next_heartbeat()) - loop.time()))
-            if loop.time() >= next_poll:
-                snapshot = self._build_watch_snapshot(await self._poll_peers())
-                next_poll = loop.time() + poll_s
-            publisher.offer(snapshot, loop.time())
+            await asyncio.sleep(poll_s)
+            publisher.offer(self._build_watch_snapshot(await self._poll_peers()))
 
     def _build_watch_snapshot(self, peers: list[watch.StargateEntry]) -> stargate_pb2.WatchStargatesResponse:
         settings, control_port = self._settings, self._control_port

@@ -103,14 +103,13 @@ def build_response(
 class WatchPublisher:
     """The published snapshot, shared by every open watch stream.
 
-    ``offer`` publishes when the content changed or ``heartbeat_s`` passed since the last
-    publication (identical heartbeats included); each publication wakes every stream once.
+    ``offer`` publishes a snapshot whose content changed and wakes every stream; a stream that saw
+    no publication for ``heartbeat_s`` re-sends the current snapshot (identical heartbeats).
     """
 
-    def __init__(self, snapshot: stargate_pb2.WatchStargatesResponse, heartbeat_s: float, now: float) -> None:
+    def __init__(self, snapshot: stargate_pb2.WatchStargatesResponse, heartbeat_s: float) -> None:
         self._snapshot = snapshot
         self._heartbeat_s = heartbeat_s
-        self._published_at = now
         self._version = 0
         self._published = asyncio.Event()
 
@@ -118,33 +117,33 @@ class WatchPublisher:
     def snapshot(self) -> stargate_pb2.WatchStargatesResponse:
         return self._snapshot
 
-    def next_heartbeat(self) -> float:
-        return self._published_at + self._heartbeat_s
-
-    def offer(self, snapshot: stargate_pb2.WatchStargatesResponse, now: float) -> bool:
-        if snapshot == self._snapshot and now < self.next_heartbeat():
+    def offer(self, snapshot: stargate_pb2.WatchStargatesResponse) -> bool:
+        if snapshot == self._snapshot:
             return False
         self._snapshot = snapshot
-        self._published_at = now
         self._version += 1
         self._published.set()
         self._published = asyncio.Event()
         return True
 
     async def stream(self, stopping: asyncio.Event) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
-        """The current snapshot at once (when non-empty), then every publication until ``stopping``."""
-        snapshot, sent = self._snapshot, self._version
-        if snapshot.stargates or snapshot.watch_stargate_urls:
-            yield snapshot
+        """The current snapshot at once (when non-empty), then every publication, and the current
+        snapshot again after each ``heartbeat_s`` without one, until ``stopping``."""
+        sent = self._version
+        if self._snapshot.stargates or self._snapshot.watch_stargate_urls:
+            yield self._snapshot
         while not stopping.is_set():
-            if sent != self._version:
-                sent = self._version
-                yield self._snapshot
-                continue
-            published = asyncio.ensure_future(self._published.wait())
-            stop = asyncio.ensure_future(stopping.wait())
-            try:
-                await asyncio.wait((published, stop), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                published.cancel()
-                stop.cancel()
+            if sent == self._version:
+                published = asyncio.ensure_future(self._published.wait())
+                stop = asyncio.ensure_future(stopping.wait())
+                try:
+                    await asyncio.wait(
+                        (published, stop), timeout=self._heartbeat_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    published.cancel()
+                    stop.cancel()
+                if stopping.is_set():
+                    return
+            sent = self._version
+            yield self._snapshot
