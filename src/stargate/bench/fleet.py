@@ -22,8 +22,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from stargate.bench import plan
+from stargate.bench.plan import BackendSpec, EngineSpec, RunSpec
 from stargate.bench.procs import ManagedProcess, ProcessError, stop_all
-from stargate.bench.scenario import BackendSpec, EngineSpec, RunSpec, Scenario
+from stargate.bench.schema import Scenario
 
 PROBE_REQUEST_PREFIX = "__stargate_bench_ready-probe"
 PROBE_CACHE_KEY_PREFIX = "__stargate_bench_benchmark-ready-probe"
@@ -143,7 +145,7 @@ class Fleet:
 
     async def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        engines = self.scenario.engines()
+        engines = plan.engines(self.scenario)
         urls = await self._launch([self._engine_proc(e) for e in engines])
         self.engines = {e.engine_id: url for e, url in zip(engines, urls, strict=True)}
         if not self.with_stargate:
@@ -159,7 +161,7 @@ class Fleet:
         first = await self._launch([self._stargate_proc(0, lb_path, seeds)])
         self.stargates = [*first, *others]
 
-        backends = self.scenario.backend_specs()
+        backends = plan.backend_specs(self.scenario)
         addrs = await self._launch([self._pylon_proc(b) for b in backends])
         self.pylons = {b.backend_id: a for b, a in zip(backends, addrs, strict=True)}
         await self.wait_routable()
@@ -216,7 +218,7 @@ class Fleet:
     async def wait_routable(self) -> None:
         """Every Stargate lists the model, counts every backend active, and serves a probe request."""
         deadline = time.monotonic() + self.timeouts.ready_s
-        expected = len(self.scenario.backend_specs())
+        expected = len(plan.backend_specs(self.scenario))
         model = self.scenario.model
         last_problem = "not checked yet"
         timeout = aiohttp.ClientTimeout(total=5.0)
