@@ -1,4 +1,5 @@
-"""The ``stargate-bench`` console script: run, compare, overhead, summarize, demo, list-scenarios, validate.
+"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, list-scenarios,
+validate.
 
 Exit status: see :mod:`stargate.bench.console`.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from stargate.bench import plan
+from stargate.bench import fault_suite, plan
 from stargate.bench.console import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
 
     commands.add_parsers(sub)
+    fault_suite.add_parser(sub)
     return parser
 
 
@@ -89,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return summarize_command(console, args.dir)
         if args.command == "run":
             return run_command(console, args, list(sys.argv if argv is None else argv))
+        if args.command == "faults":
+            return fault_suite.faults_command(console, args, list(sys.argv if argv is None else argv))
         if args.command in ("compare", "overhead"):
             handler = commands.compare_command if args.command == "compare" else commands.overhead_command
             return handler(console, args, list(sys.argv if argv is None else argv))
