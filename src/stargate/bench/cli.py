@@ -1,5 +1,5 @@
-"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, list-scenarios,
-validate.
+"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, serve,
+list-scenarios, validate.
 
 Exit status: see :mod:`stargate.bench.console`.
 """
@@ -7,6 +7,7 @@ Exit status: see :mod:`stargate.bench.console`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from stargate.bench import fault_suite, plan
+from stargate.bench import fault_suite, plan, serve
 from stargate.bench.console import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
 
     commands.add_parsers(sub)
+    serve.add_parser(sub, positive)
     fault_suite.add_parser(sub)
     return parser
 
@@ -96,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("compare", "overhead"):
             handler = commands.compare_command if args.command == "compare" else commands.overhead_command
             return handler(console, args, list(sys.argv if argv is None else argv))
+        if args.command == "serve":
+            return asyncio.run(serve.serve(args))
         return demo_command(console, args)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc.describe()}", highlight=False)
