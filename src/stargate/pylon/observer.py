@@ -30,26 +30,37 @@ class EventTooLarge(Exception):
     """An unterminated SSE event exceeded the 1 MiB buffer limit."""
 
 
-def _explicit_counter(data: bytes) -> int | None:
-    """First of ``usage.completion_tokens``, ``output_tokens_so_far``, ``response.usage.output_tokens``."""
+def _uint(value: object) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _explicit_counters(data: bytes) -> tuple[int | None, int | None]:
+    """``(output, prompt)`` usage counters of one event.
+
+    Output: first of ``usage.completion_tokens``, ``output_tokens_so_far``,
+    ``response.usage.output_tokens``; prompt: ``usage.prompt_tokens`` or
+    ``response.usage.input_tokens`` (the engine's own count, which bounds a client's claim).
+    """
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return None
+        return None, None
     if not isinstance(obj, dict):
-        return None
-    candidates: list[object] = []
+        return None, None
     usage = obj.get("usage")
-    if isinstance(usage, dict):
-        candidates.append(usage.get("completion_tokens"))
-    candidates.append(obj.get("output_tokens_so_far"))
     response = obj.get("response")
-    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
-        candidates.append(response["usage"].get("output_tokens"))
-    for value in candidates:
-        if type(value) is int and value >= 0:
-            return value
-    return None
+    response_usage = response.get("usage") if isinstance(response, dict) else None
+    outputs: list[object] = []
+    prompt: int | None = None
+    if isinstance(usage, dict):
+        outputs.append(usage.get("completion_tokens"))
+        prompt = _uint(usage.get("prompt_tokens"))
+    outputs.append(obj.get("output_tokens_so_far"))
+    if isinstance(response_usage, dict):
+        outputs.append(response_usage.get("output_tokens"))
+        prompt = prompt if prompt is not None else _uint(response_usage.get("input_tokens"))
+    output = next((v for value in outputs if (v := _uint(value)) is not None), None)
+    return output, prompt
 
 
 def _event_data(raw: bytes) -> tuple[bytes | None, bytes]:
@@ -83,6 +94,7 @@ class SseScanner:
         self.output_seen = False
         self.estimated_tokens = 0
         self.explicit_tokens: int | None = None
+        self.prompt_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -120,7 +132,9 @@ class SseScanner:
     def _count(self, raw: bytes) -> None:
         if b'_tokens"' in raw or b"_so_far" in raw:
             _, data = _event_data(raw)
-            value = _explicit_counter(data)
+            value, prompt = _explicit_counters(data)
+            if prompt is not None:
+                self.prompt_tokens = prompt
             if value is not None:
                 self.explicit_tokens = max(value, self.explicit_tokens or 0)
                 return
@@ -189,6 +203,7 @@ class RequestObserver:
         self.output_tokens = 0
         self.from_chunk_usage = False
         self.embedding_items: int | None = None  # set by the relay from an embeddings body
+        self.reported_input_tokens: int | None = None  # the engine's usage.prompt_tokens, if seen
         self._last_progress = 0.0
         self._emit()
 
@@ -212,6 +227,7 @@ class RequestObserver:
                 calibration=self._calibration,
                 upstream_status=self.status,
                 embedding_items=self.embedding_items,
+                reported_input_tokens=self.reported_input_tokens,
             )
         )
 

@@ -324,6 +324,7 @@ class Relay:
                     observer.output(scanner.tokens, explicit=explicit is not None)
                     if explicit is not None and explicit != explicit_before:
                         self.hub.on_usage(observer.request_id, observer.generation, explicit)
+                        observer.reported_input_tokens = scanner.prompt_tokens
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
             return False, b""
         return scanner.output_seen, tail

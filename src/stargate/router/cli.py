@@ -22,7 +22,7 @@ from typing import Any
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
 from stargate.router.app import StargateServer, StargateSettings
-from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, valid_header_name
+from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, MAX_WAIT_CAP_MS, valid_header_name
 from stargate.router.metrics import DEFAULT_PREFIX
 from stargate.router.proxy import ProxySettings
 from stargate.router.retries import RetrySettings
@@ -121,6 +121,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         type=_non_negative,
         default=67_108_864,
         help="largest request body kept for replay; larger ones get 413",
+    )
+    add(
+        "--default-max-wait-ms",
+        env_var="STARGATE_DEFAULT_MAX_WAIT_MS",
+        type=_non_negative,
+        default=0,
+        help="routing wait for requests without x-max-wait-ms (capped at 60000); 0 = the spec's "
+        "immediate 503 when nothing is selectable",
     )
     add(
         "--proxy-require-pylon-retry-signal",
@@ -240,6 +248,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         ),
         proxy=ProxySettings(
             max_replay_body_bytes=options.proxy_max_replay_body_bytes,
+            default_max_wait_ms=min(options.default_max_wait_ms, MAX_WAIT_CAP_MS) or None,
             retry_budget_header=budget_header or None,
         ),
         connect_timeout_ms=options.quic_connect_timeout_ms,

@@ -13,7 +13,7 @@ from collections.abc import Set
 from dataclasses import dataclass, replace
 
 from stargate.balancer import with_reservation
-from stargate.balancer.types import Candidate, ModelStats, Target, valid_tps
+from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
 
 U64_MAX = 2**64 - 1
 MAX_RESERVATIONS_PER_CLUSTER = 65_536
@@ -31,13 +31,18 @@ class Backend:
 
 @dataclass(eq=False, slots=True)
 class Reservation:
-    """Optimistic load of one proxy attempt on one cluster; compared by identity."""
+    """One proxy attempt on one cluster, from dispatch until it ends; compared by identity.
+
+    It carries two things: the spec's optimistic load (§1.9), pending until the backend's next
+    heartbeat counts it, and the router's own in-flight record, kept until the attempt ends.
+    """
 
     target: Target
     cluster_id: str
     backend_id: str
     input_tokens: int
     priority: int
+    prefilling: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +127,14 @@ class ClusterState:
     __slots__ = (
         "_base",
         "_counter",
+        "_in_flight",
         "candidate",
         "cluster_id",
         "generation",
         "members",
         "picker",
         "reservations",
+        "running",
         "source_id",
     )
 
@@ -136,6 +143,8 @@ class ClusterState:
         self.generation = generation
         self.members: dict[str, Member] = {}
         self.reservations: dict[Reservation, None] = {}
+        self.running: dict[Reservation, None] = {}
+        self._in_flight = NO_IN_FLIGHT
         self.source_id: str | None = None
         self._counter = RoundRobin()
         self._base = Candidate(cluster_id=cluster_id, stats=ModelStats(), rtt_s=0.0, active_backend_count=0)
@@ -157,6 +166,7 @@ class ClusterState:
         if self.source_id == backend_id:
             self.source_id = None
         self._drop_reservations_of(backend_id)
+        self._forget_running_of(backend_id)
         self._recompute(membership_changed=True)
         return True
 
@@ -177,9 +187,59 @@ class ClusterState:
         self._refold()
         return True
 
+    def start(self, reservation: Reservation) -> None:
+        """Count a dispatched attempt in flight (prefilling) until ``finish``."""
+        if len(self.running) >= MAX_RESERVATIONS_PER_CLUSTER:
+            self._end(next(iter(self.running)))
+        self.running[reservation] = None
+        self._count(reservation, +1)
+
+    def first_byte(self, reservation: Reservation) -> bool:
+        """The attempt's first response byte arrived: its prefill is over, it is decoding now."""
+        if reservation not in self.running or not reservation.prefilling:
+            return False
+        self._count(reservation, -1)
+        reservation.prefilling = False
+        self._count(reservation, +1)
+        return True
+
+    def finish(self, reservation: Reservation) -> bool:
+        """The attempt ended: it leaves the in-flight count, and its reservation if still pending."""
+        changed = self._end(reservation)
+        if reservation in self.reservations:
+            del self.reservations[reservation]
+            self._refold()
+            changed = True
+        return changed
+
+    def _end(self, reservation: Reservation) -> bool:
+        if reservation not in self.running:
+            return False
+        del self.running[reservation]
+        self._count(reservation, -1)
+        return True
+
+    def _count(self, reservation: Reservation, sign: int) -> None:
+        """Add (+1) or remove (-1) one attempt, in its current phase, from the in-flight count."""
+        current = self._in_flight
+        prefill = sign if reservation.prefilling else 0
+        in_flight = InFlight(
+            current.requests + sign,
+            current.prefilling + prefill,
+            current.prefill_tokens + prefill * reservation.input_tokens,
+        )
+        self._in_flight = in_flight
+        self._base = replace(self._base, in_flight=in_flight)
+        self.candidate = replace(self.candidate, in_flight=in_flight)
+
     def _drop_reservations_of(self, backend_id: str) -> None:
         if self.reservations:
             self.reservations = {r: None for r in self.reservations if r.backend_id != backend_id}
+
+    def _forget_running_of(self, backend_id: str) -> None:
+        """A backend that left takes its in-flight attempts with it: they are no load of the cluster."""
+        for reservation in [r for r in self.running if r.backend_id == backend_id]:
+            self._end(reservation)
 
     def _recompute(self, *, membership_changed: bool) -> None:
         ordered = [self.members[k] for k in sorted(self.members)]
@@ -199,6 +259,7 @@ class ClusterState:
             rtt_s=rtt_ns / 1e9,
             updated_at=source.updated_at,
             active_backend_count=len(ordered),
+            in_flight=self._in_flight,
         )
         self._refold()
 

@@ -9,6 +9,7 @@ itself carries a short JSON body naming the problem.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ FALLBACK_CODES = {
 class ProxySettings:
     max_replay_body_bytes: int = 67_108_864
     retry_budget_header: str | None = "x-stargate-max-wait-ms"
+    default_max_wait_ms: int | None = None  # the routing wait of requests without x-max-wait-ms
 
 
 def error_response(status: int, message: str, code: str | None = None) -> web.Response:
@@ -100,6 +102,8 @@ class ProxyHandler:
             )
         except RequestError as exc:
             return error_response(exc.status, exc.message, exc.code)
+        if parsed.max_wait_ms is None and self._settings.default_max_wait_ms is not None:
+            parsed = dataclasses.replace(parsed, max_wait_ms=self._settings.default_max_wait_ms)
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -133,6 +137,7 @@ class ProxyHandler:
             and valid_header_value(backend.cluster_id)
         ):
             upstream.release()
+            self._runner.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, 500)
             return error_response(500, "backend identity cannot be sent as a header value")
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -140,9 +145,13 @@ class ProxyHandler:
         response.headers["x-inference-server-id"] = backend.inference_server_id
         response.headers["x-inference-server-url"] = backend.url
         response.headers["x-stargate-cluster-id"] = backend.cluster_id
+        first = True
         try:
             await response.prepare(request)
             async for chunk in upstream.chunks():
+                if first:
+                    first = False
+                    self._runner.first_byte(outcome)
                 if upstream.complete():
                     # The last piece goes out with the end of the body (and the headers, if still
                     # buffered) in one write: at low concurrency that is a send() saved per request.
@@ -164,5 +173,6 @@ class ProxyHandler:
             pass  # the client went away; nothing left to tell it
         finally:
             upstream.release()
+            self._runner.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response

@@ -80,6 +80,21 @@ class RouterChoice:
     make: AdapterFactory
 
 
+RECOMMENDED = "recommended"
+RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
+
+
+def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
+    """``examples/lb-config/recommended.json`` with its one model entry renamed to ``model``: what
+    ``stargate:recommended`` runs unless the scenario defines an algorithm of that name."""
+    try:
+        config = orjson.loads(path.read_bytes())
+        (settings,) = config["models"].values()
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot use {path} as the recommended config: {exc}", path="--routers") from exc
+    return {**config, "models": {model: settings}}
+
+
 def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list[RouterChoice]:
     """Parse ``--routers``; ``stargate:<name>`` is an ``algorithms[]`` entry, else a bare algorithm."""
     labels = [part.strip() for part in text.split(",") if part.strip()]
@@ -93,6 +108,8 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
         kind, name = parse_router_label(label)
         if kind == "stargate":
             spec = entries.get(name)
+            if spec is None and name == RECOMMENDED:
+                spec = RunSpec(name, recommended_lb_config(scenario.model), [])
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])
