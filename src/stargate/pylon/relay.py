@@ -280,12 +280,16 @@ class Relay:
                 timeout=self.timeout,
                 allow_redirects=False,
             )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+        except aiohttp.ConnectionTimeoutError:
             # Nothing reached the engine: safe to run elsewhere (unless configured off).
             return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
-        except (TimeoutError, aiohttp.ClientConnectionError):
-            # Sent, then no answer: the engine may be running it, so never retryable.
+        except TimeoutError:
+            # The engine holds the request without answering: it may still be running it.
             return _problem(LocalConnectFailure(retryable=False))
+        except aiohttp.ClientConnectionError:
+            # Refused, reset or closed before any response byte: nothing can come back from this
+            # engine for this request, so another backend may run it (unless configured off).
+            return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy
