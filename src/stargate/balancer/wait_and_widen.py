@@ -18,9 +18,11 @@ import random
 from collections.abc import Sequence
 from enum import Enum
 
+from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
 from stargate.balancer.comparators import score_for
+from stargate.balancer.config_schema import WaitAndWidenFields
 from stargate.balancer.estimates import INF, load_queue_ms, load_running, load_tie_key, queue_ms
-from stargate.balancer.settings import AlgorithmDefinition, Comparator
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
 from stargate.balancer.types import (
     UNAVAILABLE,
     Candidate,
@@ -32,7 +34,6 @@ from stargate.balancer.types import (
     Wait,
 )
 from stargate.balancer.wait_and_widen_affinity import AffinityGroups
-from stargate.errors import ConfigError
 
 PhaseResult = Choice | float | None
 
@@ -259,10 +260,14 @@ def as_decision(result: PhaseResult) -> Decision:
     return UNAVAILABLE
 
 
-def check_affinity_settings(definition: AlgorithmDefinition) -> None:
+def check_affinity_settings(definition: AlgorithmDefinition) -> Problem | None:
     scale = definition.cache_affinity_input_tokens_scale
-    if not 0.0 <= scale <= 1.0:
-        raise ConfigError(f"cache_affinity_input_tokens_scale must be between 0.0 and 1.0, got {scale}")
+    if not 0.0 <= scale <= 1.0:  # also rejects NaN
+        return (
+            "cache_affinity_input_tokens_scale",
+            f"cache_affinity_input_tokens_scale must be between 0.0 and 1.0, got {scale!r}",
+        )
+    return None
 
 
 class WaitAndWiden:
@@ -281,11 +286,6 @@ class WaitAndWiden:
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
-        if definition.consider_kv_free_tokens:
-            raise ConfigError(
-                "consider_kv_free_tokens is supported only for pulsar and pulsar-wait-and-widen"
-            )
-        check_affinity_settings(definition)
         self.definition = definition
         comparator = definition.comparator or Comparator.TTFT
         if comparator is Comparator.TTFT:
@@ -360,3 +360,14 @@ class WaitAndWiden:
         affine = best(candidates, group, request, self._scale, queue_limit, selectable_only=False)
         public = best(candidates, None, request, 1.0, queue_limit, selectable_only=True)
         return margin is not None and public < INF and affine > public + margin
+
+
+SPEC = AlgorithmSpec(
+    Algorithm.WAIT_AND_WIDEN,
+    build=WaitAndWiden,
+    fields=WaitAndWidenFields,
+    aliases=("groq-multiregion",),
+    comparator=True,
+    seeded=True,
+    check=check_affinity_settings,
+)
