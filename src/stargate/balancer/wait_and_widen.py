@@ -37,6 +37,9 @@ from stargate.balancer.wait_and_widen_affinity import AffinityGroups
 
 PhaseResult = Choice | float | None
 
+MAX_VIRTUAL_NODES = 1000
+"""Ring points per cluster: 64 clusters x 1000 points take most of a second to hash (default 150)."""
+
 GLOBAL_RANK_DEPTH = 2
 """rank_depth of a global (post-affinity-wait) pick: any value > 1 reports it as a fallback."""
 
@@ -362,6 +365,17 @@ class WaitAndWiden:
         return margin is not None and public < INF and affine > public + margin
 
 
+def _check(definition: AlgorithmDefinition) -> Problem | None:
+    """The ring is rebuilt on the event loop whenever the candidates change: its size is bounded."""
+    nodes = definition.virtual_nodes
+    if nodes > MAX_VIRTUAL_NODES:
+        return (
+            "cache_affinity_virtual_nodes",
+            f"cache_affinity_virtual_nodes must be at most {MAX_VIRTUAL_NODES}, got {nodes}",
+        )
+    return check_affinity_settings(definition)
+
+
 SPEC = AlgorithmSpec(
     Algorithm.WAIT_AND_WIDEN,
     build=WaitAndWiden,
@@ -369,5 +383,5 @@ SPEC = AlgorithmSpec(
     aliases=("groq-multiregion",),
     comparator=True,
     seeded=True,
-    check=check_affinity_settings,
+    check=_check,
 )

@@ -65,6 +65,8 @@ def test_a_config_that_loads_always_builds(algorithm: Algorithm) -> None:
          "cache_affinity_wait_ms", "only 0"),
         ({"algorithm": "wait-and-widen", "cache_affinity_input_tokens_scale": 2.0},
          "cache_affinity_input_tokens_scale", "between 0.0 and 1.0"),
+        ({"algorithm": "wait-and-widen", "cache_affinity_virtual_nodes": 1001},
+         "cache_affinity_virtual_nodes", "at most 1000, got 1001"),
     ],
 )
 def test_checks_run_at_load_and_name_the_json_path(entry: dict[str, object], field: str, reason: str) -> None:
