@@ -23,7 +23,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The router's parser with one subcommand; without a command the flags run the router."""
     parser = router_cli.build_parser(dict(env))
     commands = parser.add_subparsers(
-        dest="command", title="commands", metavar="COMMAND", description="without one, the flags run the router"
+        dest="command", title="commands", metavar="COMMAND",
+        description="without one, the flags run the router",
     )
     validate = commands.add_parser(
         "validate-config",
