@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     from stargate.bench.peers.commands import add_parsers
 
     add_parsers(sub, _positive, _positive_float)
-    add_faults_parser(sub)
+    add_faults_parser(sub, _positive)
     return parser
 
 
