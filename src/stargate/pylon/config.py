@@ -72,6 +72,7 @@ class PylonSettings:
     engine_metrics_url: str = ""
     engine_metrics_interval_ms: int = 1000
     min_update_interval_ms: int = 1000
+    stats_update_coalesce_ms: int = 10
     auth_token: str | None = None
     auth_token_file: str | None = None
     metrics_host: str = "0.0.0.0"
@@ -163,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--engine-metrics-path", default="/metrics", help="engine Prometheus path (prometheus source)")
     a("--engine-metrics-interval-ms", type=int, default=1000, help="engine /metrics poll period")
     a("--min-update-interval-ms", type=int, default=1000, help="registration heartbeat period")
+    a(
+        "--stats-update-coalesce-ms",
+        type=int,
+        default=10,
+        help="send the snapshot this long after Pylon's own load changed (0 = heartbeats only)",
+    )
     a("--auth-token", default=None, help="bearer token for Stargate (env STARGATE_AUTH_TOKEN)")
     a("--auth-token-file", default=None, help="token file, re-read per stream (env STARGATE_AUTH_TOKEN_FILE)")
     a("--metrics-host", default="0.0.0.0", help="Prometheus listener IP")
@@ -317,6 +324,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         ("--active-canary-interval-ms", ns.active_canary_interval_ms),
         ("--bringup-canary-timeout-ms", ns.bringup_canary_timeout_ms),
         ("--bringup-calibration-timeout-ms", ns.bringup_calibration_timeout_ms),
+        ("--stats-update-coalesce-ms", ns.stats_update_coalesce_ms),
     ):
         if value < 0:
             raise ConfigError("must be >= 0", path=flag)
@@ -410,6 +418,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         engine_metrics_url=_join(base, ns.engine_metrics_path),
         engine_metrics_interval_ms=ns.engine_metrics_interval_ms,
         min_update_interval_ms=ns.min_update_interval_ms,
+        stats_update_coalesce_ms=ns.stats_update_coalesce_ms,
         auth_token=_str_env(ns.auth_token, env, "STARGATE_AUTH_TOKEN"),
         auth_token_file=_str_env(ns.auth_token_file, env, "STARGATE_AUTH_TOKEN_FILE"),
         metrics_host=ns.metrics_host,
