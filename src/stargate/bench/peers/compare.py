@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import orjson
 
 from stargate.balancer.config import parse_algorithm_name
 from stargate.bench.driver import Driver, make_session
+from stargate.bench.faults import arrival_args
 from stargate.bench.fleet import Fleet, FleetTimeouts
 from stargate.bench.peers.adapters import (
     PACKAGES,
@@ -48,7 +48,9 @@ from stargate.bench.runner import (
     RunOutcome,
     SilentProgress,
     SuiteResult,
+    append_fault_section,
     plan_runs,
+    replay_with_faults,
     summarize_outcome,
     write_records,
     write_run_metadata,
@@ -175,7 +177,8 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
         async with Fleet(scenario, planned.spec, planned.run_dir, timeouts,
                          with_stargate=choice.kind == "stargate", engine_env=env,
                          engine_args=[*engine_args(workload, tokenizer_dir is not None),
-                                      "--request-log", str(truth_path)]) as fleet:
+                                      "--request-log", str(truth_path),
+                                      *arrival_args(scenario, planned.run_dir)]) as fleet:
             try:
                 await adapter.attach(fleet, fleet.log_dir)
                 if choice.kind == "stargate":
@@ -187,9 +190,8 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
                 async with make_session(workload.max_concurrency) as session:
                     driver = Driver(session, adapter.urls, planned.name,
                                     on_record=lambda r: progress.request_done(planned.name, r))
-                    started = time.perf_counter()
-                    outcome.records = await driver.replay(adapted)
-                    outcome.duration_s = time.perf_counter() - started
+                    outcome.records, outcome.duration_s, outcome.faults = await replay_with_faults(
+                        scenario, adapted, fleet, driver, planned.run_dir)
                 if choice.kind == "stargate":
                     await fleet.scrape("after")
             finally:
@@ -232,6 +234,7 @@ async def run_compare(scenario: Scenario, workload: Workload, out_dir: Path,
     summaries = [summarize_outcome(o, scenario, slo_ttft_ms) for o in outcomes]
     records_by_run = {o.planned.name: o.records for o in outcomes}
     report = await asyncio.to_thread(write_report, out_dir, scenario, summaries, records_by_run)
+    append_fault_section(report, outcomes)
     signals = [{"router": c.label, "signal": c.make().signal} for c in choices]
     (out_dir / "routers.json").write_bytes(orjson.dumps(
         {"kv_mode": scenario.mock.kv_mode, "routers": signals}, option=orjson.OPT_INDENT_2))
