@@ -81,6 +81,7 @@ async def test_published_load_tracks_pylon_in_flight_while_engine_lags(
                 "--max-engine-concurrency", "8",
                 "--engine-metrics-interval-ms", "50",
                 "--min-update-interval-ms", str(HEARTBEAT_MS),
+                "--stats-update-coalesce-ms", "10",
                 *source_flags,
             )
         )  # fmt: skip

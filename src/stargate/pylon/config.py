@@ -72,7 +72,7 @@ class PylonSettings:
     engine_metrics_url: str = ""
     engine_metrics_interval_ms: int = 1000
     min_update_interval_ms: int = 1000
-    stats_update_coalesce_ms: int = 10
+    stats_update_coalesce_ms: int = 0
     auth_token: str | None = None
     auth_token_file: str | None = None
     metrics_host: str = "0.0.0.0"
@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--stats-update-coalesce-ms",
         type=int,
-        default=10,
-        help="send the snapshot this long after Pylon's own load changed (0 = heartbeats only)",
+        default=0,
+        help="send the snapshot this long after a load change (0 = heartbeats only; 10 recommended)",
     )
     a("--auth-token", default=None, help="bearer token for Stargate (env STARGATE_AUTH_TOKEN)")
     a("--auth-token-file", default=None, help="token file, re-read per stream (env STARGATE_AUTH_TOKEN_FILE)")

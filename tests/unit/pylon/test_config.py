@@ -148,8 +148,8 @@ def test_max_engine_concurrency_must_be_positive() -> None:
 
 
 def test_stats_update_coalesce() -> None:
-    assert parse().stats_update_coalesce_ms == 10
-    assert parse("--stats-update-coalesce-ms", "0").stats_update_coalesce_ms == 0
+    assert parse().stats_update_coalesce_ms == 0  # the spec's heartbeats only
+    assert parse("--stats-update-coalesce-ms", "10").stats_update_coalesce_ms == 10
     with pytest.raises(ConfigError, match="--stats-update-coalesce-ms"):
         parse("--stats-update-coalesce-ms", "-1")
 
