@@ -1,5 +1,5 @@
-"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, list-scenarios,
-validate.
+"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, serve,
+list-scenarios, validate.
 
 Exit status: 0 every run succeeded, 1 at least one run failed (the report is still written),
 2 bad usage or a bad scenario file, 130 interrupted (every process was stopped first).
@@ -155,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from stargate.bench.fault_suite import add_parser as add_faults_parser
     from stargate.bench.peers.commands import add_parsers
+    from stargate.bench.serve import add_parser as add_serve_parser
 
     add_parsers(sub, _positive, _positive_float)
+    add_serve_parser(sub, _positive)
     add_faults_parser(sub)
     return parser
 
@@ -183,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             handler = commands.compare_command if args.command == "compare" else commands.overhead_command
             return handler(console, args, list(sys.argv if argv is None else argv))
+        if args.command == "serve":
+            from stargate.bench.serve import serve
+
+            return asyncio.run(serve(args))
         from stargate.bench.demo import demo_command
 
         return demo_command(console, args)

@@ -24,6 +24,8 @@ _DELIMS = (b"\r\n\r\n", b"\n\n")
 _TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
 _EMPTY_MARKERS = (b'"content":""', b'"content": ""', b'"delta":""', b'"delta": ""')
 _MARKER_PAIRS = tuple(zip(_TEXT_MARKERS, _EMPTY_MARKERS, strict=True))
+# /v1/completions chunks carry their text in "text" (chat and responses use content/delta).
+_COMPLETION_PAIRS = ((b'"text":"', b'"text":""'), (b'"text": "', b'"text": ""'))
 
 
 class EventTooLarge(Exception):
@@ -35,11 +37,12 @@ def _uint(value: object) -> int | None:
 
 
 def _explicit_counters(data: bytes) -> tuple[int | None, int | None]:
-    """``(output, prompt)`` usage counters of one event.
+    """``(output, prompt)`` usage counters of one event (or of a whole JSON answer).
 
     Output: first of ``usage.completion_tokens``, ``output_tokens_so_far``,
-    ``response.usage.output_tokens``; prompt: ``usage.prompt_tokens`` or
-    ``response.usage.input_tokens`` (the engine's own count, which bounds a client's claim).
+    ``response.usage.output_tokens``, ``usage.output_tokens`` (a ``/v1/responses`` JSON answer);
+    prompt: ``usage.prompt_tokens``, ``response.usage.input_tokens`` or ``usage.input_tokens`` (the
+    engine's own count, which bounds a client's claim).
     """
     try:
         obj = orjson.loads(data)
@@ -59,6 +62,9 @@ def _explicit_counters(data: bytes) -> tuple[int | None, int | None]:
     if isinstance(response_usage, dict):
         outputs.append(response_usage.get("output_tokens"))
         prompt = prompt if prompt is not None else _uint(response_usage.get("input_tokens"))
+    if isinstance(usage, dict):
+        outputs.append(usage.get("output_tokens"))
+        prompt = prompt if prompt is not None else _uint(usage.get("input_tokens"))
     output = next((v for value in outputs if (v := _uint(value)) is not None), None)
     return output, prompt
 
@@ -88,8 +94,14 @@ def is_output(raw: bytes) -> bool:
     return True
 
 
+def json_usage(body: bytes) -> tuple[int | None, int | None]:
+    """``(output, prompt)`` tokens of a whole JSON answer (non-streaming chat, completions, responses)."""
+    return _explicit_counters(body)
+
+
 class SseScanner:
-    def __init__(self) -> None:
+    def __init__(self, *, completions: bool = False) -> None:
+        self._pairs = _COMPLETION_PAIRS if completions else _MARKER_PAIRS
         self._tail = b""
         self.output_seen = False
         self.estimated_tokens = 0
@@ -139,13 +151,13 @@ class SseScanner:
                 self.explicit_tokens = max(value, self.explicit_tokens or 0)
                 return
         if self.explicit_tokens is None:
-            self.estimated_tokens += max(_pieces(raw), 0)
+            self.estimated_tokens += max(_pieces(raw, self._pairs), 0)
 
 
-def _pieces(raw: bytes) -> int:
+def _pieces(raw: bytes, pairs: tuple[tuple[bytes, bytes], ...]) -> int:
     """Non-empty text markers; an empty marker is only looked for where its text marker occurs."""
     pieces = 0
-    for text, empty in _MARKER_PAIRS:
+    for text, empty in pairs:
         found = raw.count(text)
         if found:
             pieces += found - raw.count(empty)
@@ -203,6 +215,7 @@ class RequestObserver:
         self.output_tokens = 0
         self.from_chunk_usage = False
         self.embedding_items: int | None = None  # set by the relay from an embeddings body
+        self.streamed = True  # the relay clears it for a JSON answer
         self.reported_input_tokens: int | None = None  # the engine's usage.prompt_tokens, if seen
         self._last_progress = 0.0
         self._emit()
@@ -227,6 +240,7 @@ class RequestObserver:
                 calibration=self._calibration,
                 upstream_status=self.status,
                 embedding_items=self.embedding_items,
+                streamed=self.streamed,
                 reported_input_tokens=self.reported_input_tokens,
             )
         )

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -29,6 +29,7 @@ from stargate.router.headers import (
     valid_header_value,
 )
 from stargate.router.metrics import RouterMetrics
+from stargate.router.plain_client import PlainClients
 from stargate.router.replay import ReplayBody
 from stargate.router.retries import AttemptRunner, LocalFailure, Passthrough
 
@@ -71,8 +72,10 @@ class ProxyHandler:
         settings: ProxySettings,
         *,
         clock: Callable[[], float] = time.monotonic,
+        plain: PlainClients | None = None,
     ) -> None:
         self._runner = runner
+        self._plain = plain
         self._metrics = metrics
         self._resolve = resolve
         self._settings = settings
@@ -92,9 +95,13 @@ class ProxyHandler:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
+        headers: Mapping[str, str] = request.headers
+        body: bytes | None = None
         try:
+            if self._plain is not None and self._plain.incomplete(headers):
+                headers, body = await self._plain.complete(request)
             parsed = parse_request(
-                request.headers,
+                headers,
                 resolve=self._resolve,
                 retry_budget_header=self._settings.retry_budget_header,
                 max_replay_body_bytes=self._settings.max_replay_body_bytes,
@@ -107,11 +114,13 @@ class ProxyHandler:
         self.in_flight += 1
         self._idle.clear()
         try:
-            source = request.content.iter_any() if request.body_exists else None
+            source: AsyncIterable[bytes] | None = request.content.iter_any() if request.body_exists else None
+            if body is not None:
+                source = _once(body)
             replay = ReplayBody(source, self._settings.max_replay_body_bytes)
-            headers = filter_headers(request.headers.items(), REQUEST_DROPPED)
+            forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
             try:
-                outcome = await self._runner.run(parsed, request.method, request.path_qs, headers, replay)
+                outcome = await self._runner.run(parsed, request.method, request.path_qs, forwarded, replay)
             except Exception:
                 log.exception(
                     "request %s for model %s failed inside the proxy",
@@ -176,3 +185,8 @@ class ProxyHandler:
             self._runner.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    """A body already read (plain-client mode) as the one-chunk stream the replay buffer expects."""
+    yield body

@@ -216,7 +216,7 @@ class StatsHub:
             if obs.endpoint is Endpoint.EMBEDDINGS:
                 base = obs.time_to_response_headers or obs.elapsed
                 tp.add_input_sample(obs.learnable_input_tokens, max(base, agg.DURATION_FLOOR_S))
-            else:
+            elif obs.streamed:  # a JSON answer's times include the decode: no TTFO, no rate
                 sample = agg.fallback_input_tps(obs.learnable_input_tokens, obs.time_to_first_output)
                 if sample is not None:
                     tp.add_input_sample(*sample)

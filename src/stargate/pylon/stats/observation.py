@@ -13,6 +13,7 @@ class Endpoint(StrEnum):
     CHAT = "chat"
     RESPONSES = "responses"
     EMBEDDINGS = "embeddings"
+    COMPLETIONS = "completions"
 
 
 class State(StrEnum):
@@ -46,6 +47,7 @@ class Observation:
     calibration: bool = False
     upstream_status: int | None = None
     embedding_items: int | None = None
+    streamed: bool = True  # False for a JSON answer: its times are the whole request, not TTFO/TTFT
     reported_input_tokens: int | None = None
 
     @property
