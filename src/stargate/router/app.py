@@ -20,6 +20,7 @@ from stargate.balancer.config import LbConfig
 from stargate.errors import ConfigError
 from stargate.router.attempt import AttemptMachine, RetrySettings
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
+from stargate.router.discovery import DiscoverySettings
 from stargate.router.driver import AttemptDriver
 from stargate.router.endpoints import Endpoints
 from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
@@ -53,6 +54,8 @@ class StargateSettings:
     backend_connection_limit: int = 1024
     stargate_discovery_dns_name: str | None = None
     disable_dns_discovery: bool = False
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    """Peer lookup; its ``dns_name`` is set only when discovery is enabled."""
     grpc_pylon_dial_addr: str | None = None
     remote_stargate_urls: tuple[str, ...] = ()
     watch_heartbeat_ms: int = 5_000
@@ -212,6 +215,7 @@ class StargateServer:
             grpc_pylon_dial_addr=s.grpc_pylon_dial_addr,
             remote_stargate_urls=s.remote_stargate_urls,
             discovery_dns_name=None if s.disable_dns_discovery else s.stargate_discovery_dns_name,
+            discovery=s.discovery,
             watch_heartbeat_ms=s.watch_heartbeat_ms,
             idle_timeout_floor_ms=s.registration_idle_timeout_ms,
             idle_timeout_cap_ms=s.registration_max_idle_timeout_ms,
