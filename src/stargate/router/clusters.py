@@ -43,6 +43,27 @@ class Reservation:
     input_tokens: int
     priority: int
     prefilling: bool = True
+    counted: bool = False  # running when its backend last published: part of that heartbeat's counts
+    counted_prefilling: bool = False  # ... and still waiting for its first byte then
+
+
+@dataclass(slots=True)
+class Departures:
+    """What left a backend since its last heartbeat that the heartbeat still counts."""
+
+    requests: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0
+    tokens: int = 0
+
+    def adjust(self, stats: ModelStats) -> ModelStats:
+        return replace(
+            stats,
+            num_running_queries=max(0, stats.num_running_queries - self.requests),
+            queue_size=max(0, stats.queue_size - self.waiting),
+            queued_input_size=max(0, stats.queued_input_size - self.waiting_tokens),
+            total_query_input_size=max(0, stats.total_query_input_size - self.tokens),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +148,7 @@ class ClusterState:
     __slots__ = (
         "_base",
         "_counter",
+        "_departed",
         "_in_flight",
         "candidate",
         "cluster_id",
@@ -144,6 +166,7 @@ class ClusterState:
         self.members: dict[str, Member] = {}
         self.reservations: dict[Reservation, None] = {}
         self.running: dict[Reservation, None] = {}
+        self._departed: dict[str, Departures] = {}
         self._in_flight = NO_IN_FLIGHT
         self.source_id: str | None = None
         self._counter = RoundRobin()
@@ -152,12 +175,22 @@ class ClusterState:
         self.picker = BackendPicker((), self._counter)
 
     def upsert(self, member: Member) -> None:
-        """The member just published: it becomes the source and its own reservations end."""
+        """The member just published: it becomes the source and its own reservations end.
+
+        Its stats count what ran there when it published; this router's attempts running there now
+        are marked counted, so that when they end (or reach their first byte) before the next
+        heartbeat the stale counts shrink with them (``Departures``) instead of lagging a period.
+        """
         backend_id = member.backend.inference_server_id
         joined = backend_id not in self.members
         self.members[backend_id] = member
         self.source_id = backend_id
         self._drop_reservations_of(backend_id)
+        self._departed.pop(backend_id, None)
+        for attempt in self.running:
+            if attempt.backend_id == backend_id:
+                attempt.counted = True
+                attempt.counted_prefilling = attempt.prefilling
         self._recompute(membership_changed=joined)
 
     def remove(self, backend_id: str) -> bool:
@@ -167,6 +200,7 @@ class ClusterState:
             self.source_id = None
         self._drop_reservations_of(backend_id)
         self._forget_running_of(backend_id)
+        self._departed.pop(backend_id, None)
         self._recompute(membership_changed=True)
         return True
 
@@ -201,6 +235,12 @@ class ClusterState:
         self._count(reservation, -1)
         reservation.prefilling = False
         self._count(reservation, +1)
+        if reservation.counted and reservation.counted_prefilling:
+            reservation.counted_prefilling = False
+            departed = self._departed.setdefault(reservation.backend_id, Departures())
+            departed.waiting += 1
+            departed.waiting_tokens += reservation.input_tokens
+            self._recompute(membership_changed=False)
         return True
 
     def finish(self, reservation: Reservation) -> bool:
@@ -217,6 +257,15 @@ class ClusterState:
             return False
         del self.running[reservation]
         self._count(reservation, -1)
+        if reservation.counted and reservation.backend_id in self.members:
+            reservation.counted = False
+            departed = self._departed.setdefault(reservation.backend_id, Departures())
+            departed.requests += 1
+            departed.tokens += reservation.input_tokens
+            if reservation.counted_prefilling:
+                departed.waiting += 1
+                departed.waiting_tokens += reservation.input_tokens
+            self._recompute(membership_changed=False)
         return True
 
     def _count(self, reservation: Reservation, sign: int) -> None:
@@ -251,7 +300,11 @@ class ClusterState:
             return
         if self.source_id is None:
             self.source_id = max(ordered, key=lambda m: m.updated_at).backend.inference_server_id
-        source = self.members[self.source_id]
+        if self._departed:
+            ordered = [self._net(m) for m in ordered]
+            source = next(m for m in ordered if m.backend.inference_server_id == self.source_id)
+        else:
+            source = self.members[self.source_id]
         rtt_ns = sum(m.rtt_ns for m in ordered) // len(ordered)
         self._base = Candidate(
             cluster_id=self.cluster_id,
@@ -262,6 +315,10 @@ class ClusterState:
             in_flight=self._in_flight,
         )
         self._refold()
+
+    def _net(self, member: Member) -> Member:
+        departed = self._departed.get(member.backend.inference_server_id)
+        return member if departed is None else replace(member, stats=departed.adjust(member.stats))
 
     def _refold(self) -> None:
         stats = self._base.stats

@@ -347,3 +347,43 @@ def test_release_ends_only_the_reservation_and_leaving_ends_the_in_flight_record
     assert only_candidate(state).in_flight.prefill_tokens == 20
     state.finish(on_a)  # already gone with its backend: no effect
     assert only_candidate(state).in_flight.requests == 1
+
+
+def test_requests_that_end_after_a_heartbeat_counted_them_leave_its_stale_counts() -> None:
+    """A heartbeat counts what ran when the backend published; a request of ours it counted that
+    has ended since is subtracted until the next heartbeat (no lagging 'full' cluster)."""
+    state, _ = make_state()
+    a = join(state, "a")
+    idle = ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=2)
+    publish(state, a, idle)
+    first = state.reserve(T, "a", 30, 0)
+    second = state.reserve(T, "a", 20, 0)
+    busy = ModelStats(
+        last_mean_input_tps=100.0,
+        max_engine_concurrency=2,
+        num_running_queries=2,
+        queue_size=2,
+        queued_input_size=50,
+        total_query_input_size=50,
+    )
+    publish(state, a, busy)
+    state.first_byte(first)
+    stats = only_candidate(state).stats
+    assert (stats.num_running_queries, stats.queue_size, stats.queued_input_size) == (2, 1, 20)
+    state.finish(first)
+    state.finish(second)
+    stats = only_candidate(state).stats
+    assert (stats.num_running_queries, stats.queue_size, stats.queued_input_size) == (0, 0, 0)
+    assert stats.total_query_input_size == 0
+    publish(state, a, busy)  # the next heartbeat is taken as published again
+    assert only_candidate(state).stats.num_running_queries == 2
+
+
+def test_requests_started_after_the_heartbeat_are_not_subtracted_when_they_end() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=4, num_running_queries=3))
+    late = state.reserve(T, "a", 10, 0)
+    assert only_candidate(state).stats.num_running_queries == 4  # 3 published + 1 reservation
+    state.finish(late)
+    assert only_candidate(state).stats.num_running_queries == 3
