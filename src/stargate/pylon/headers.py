@@ -1,5 +1,5 @@
 """Header contracts of the relay: required request headers (§7 step 2), upstream request headers
-and priority mapping (§8.4), response headers and retry metadata (§8.5), problem JSON (§11).
+and priority mapping (§8.4), response headers and retry metadata (§8.5).
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-import orjson
-from aiohttp import web
 from multidict import CIMultiDict
 
 from stargate.errors import RequestError
@@ -46,7 +44,6 @@ PRIORITY_MAX = 2**31 - 1
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 
-REASONS = {400: "Bad Request", 413: "Content Too Large", 429: "Too Many Requests", 503: "Service Unavailable"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,22 +65,22 @@ def _ascii_trimmed(value: str | None) -> str | None:
 def parse_request_meta(headers: Mapping[str, str]) -> RequestMeta:
     request_id = _ascii_trimmed(headers.get("x-request-id"))
     if request_id is None:
-        raise RequestError(400, "missing required x-request-id header")
+        raise RequestError("missing required x-request-id header")
     model = _ascii_trimmed(headers.get("x-model"))
     if model is None:
-        raise RequestError(400, "missing required x-model header")
+        raise RequestError("missing required x-model header")
     raw_tokens = headers.get("x-input-tokens")
     if raw_tokens is None:
-        raise RequestError(400, "missing required x-input-tokens header")
+        raise RequestError("missing required x-input-tokens header")
     tokens = raw_tokens.strip()
     if not (tokens.isascii() and tokens.isdigit()) or int(tokens) > U64_MAX:
-        raise RequestError(400, "invalid x-input-tokens header")
+        raise RequestError("invalid x-input-tokens header")
     priority: int | None = None
     raw_priority = headers.get("x-priority")
     if raw_priority is not None:
         p = raw_priority.strip()
         if not (p.isascii() and p.isdigit()) or int(p) > U32_MAX:
-            raise RequestError(400, "invalid x-priority header")
+            raise RequestError("invalid x-priority header")
         priority = int(p)
     routing_key = (headers.get("x-routing-key") or "").strip() or None
     return RequestMeta(request_id, model, int(tokens), priority, routing_key)
@@ -163,14 +160,4 @@ def response_headers(
         return out, None
     return out, (
         "missing_upstream_retry_header" if status in policy.statuses else "upstream_nonretryable_status"
-    )
-
-
-def problem(
-    status: int, detail: str, *, headers: Mapping[str, str] | None = None, **extra: object
-) -> web.Response:
-    body = {"type": "about:blank", "title": REASONS.get(status, "Error"), "status": status, "detail": detail}
-    body.update(extra)
-    return web.Response(
-        status=status, body=orjson.dumps(body), content_type="application/problem+json", headers=headers
     )

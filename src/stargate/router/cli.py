@@ -22,6 +22,7 @@ from typing import Any
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
 from stargate.router.app import StargateServer, StargateSettings
+from stargate.router.attempt import RetrySettings
 from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, MAX_WAIT_CAP_MS, valid_header_name
 from stargate.router.metrics import DEFAULT_PREFIX
 from stargate.router.plain_client import (
@@ -31,7 +32,6 @@ from stargate.router.plain_client import (
     PlainClientSettings,
 )
 from stargate.router.proxy import ProxySettings
-from stargate.router.retries import RetrySettings
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 TUNNEL_PROTOCOLS = {

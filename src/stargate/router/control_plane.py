@@ -203,7 +203,7 @@ class ControlPlane:
         try:
             identity = admit_first(first, reverse_listener=False)
         except RegistrationRejected as exc:
-            await _abort(context, exc.code, exc.message)
+            await _abort(context, exc.grpc_code, exc.message)
         if self._state.registration_count() >= self._settings.max_registrations:
             await _abort(
                 context,
@@ -251,7 +251,7 @@ class ControlPlane:
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
-            await _abort(context, exc.code, exc.message)
+            await _abort(context, exc.grpc_code, exc.message)
         finally:
             self._end(prober, handle)
 
