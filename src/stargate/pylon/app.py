@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -22,6 +22,7 @@ from stargate.pylon.clock import Clock, SystemClock
 from stargate.pylon.config import PylonSettings, StatsSource, StatsStreamMode
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import RequestIds
+from stargate.pylon.live_metrics import LiveLoadCollector
 from stargate.pylon.load import LiveLoad
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import ModelRegistry
@@ -32,6 +33,10 @@ from stargate.pylon.stats.engine_stream import EngineStatsStream
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
+from stargate.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from stargate.otel import Tracing
 
 log = logging.getLogger("stargate.pylon")
 SWEEP_INTERVAL_S = 1.0
@@ -46,8 +51,11 @@ class PylonApp:
         clock: Clock | None = None,
         out: IO[str] | None = None,
         relay_timeouts: RelayTimeouts | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.s = settings
+        self.tracing = tracing
         self.clock = clock or SystemClock()
         self._out = out
         self._relay_timeouts = relay_timeouts or RelayTimeouts()
@@ -66,6 +74,13 @@ class PylonApp:
             max_engine_concurrency=settings.max_engine_concurrency,
             fallback_enabled=settings.fallback_stats_at_start,
         )
+        self.metrics.add_collector(
+            LiveLoadCollector(
+                self.load, self.hub.counter_entries, self.hub.model_states, lambda: self.hub.counter_source
+            )
+        )
+        self._advertised: dict[str, str] = {}
+        self._routers_up: set[str] = set()
         self.http_url = ""
         self.metrics_port = 0
         self._session: aiohttp.ClientSession | None = None
@@ -84,7 +99,8 @@ class PylonApp:
             self._optional.append(task)
 
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # Bodies pass through as received: no decompression of request bodies (bytes in, bytes out).
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
@@ -103,17 +119,34 @@ class PylonApp:
             reverse_tunnel=False,
             cluster_id=self.s.cluster_id,
         )
+        advertised: dict[str, str] = {}
         for gen, status in self.registry.published():
+            advertised[gen.model_id] = status.name.lower()
             stats = self.hub.snapshot(gen)
             self.metrics.publish_model(gen.model_id, stats)
             self.metrics.publish_embedding_items(gen.model_id, *self.hub.embedding_item_tps(gen))
             msg.models[gen.model_id].CopyFrom(
                 stargate_pb2.InferenceServerModelRegistration(stats=stats_to_proto(stats), status=int(status))  # type: ignore[arg-type]
             )
+        self._advertised = advertised
+        for router in self._routers_up:
+            self.metrics.advertise(router, advertised)
         return msg
+
+    def _on_router(self, router: str, up: bool) -> None:
+        """Registration stream acknowledged (``up``) or lost: connection and advertised-status gauges."""
+        self.metrics.registration_connected.labels(router).set(int(up))
+        if up:
+            self._routers_up.add(router)
+            self.metrics.advertise(router, self._advertised)
+        else:
+            self._routers_up.discard(router)
+            self.metrics.router_lost(router)
 
     async def start(self) -> None:
         s = self.s
+        if self.tracing is None:
+            self.tracing = setup_tracing(s.otel_endpoint, s.otel_service_name)
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
@@ -155,6 +188,7 @@ class PylonApp:
             clock=self.clock,
             prober=prober,
             timeouts=self._relay_timeouts,
+            tracing=self.tracing,
         )
         port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port)
         self.http_url = "http://" + (s.http_advertise_addr or f"{s.http_listen_host}:{port}")
@@ -200,7 +234,7 @@ class PylonApp:
             snapshot=self.registration_message,
             interval_ms=s.min_update_interval_ms,
             token=token_source(s.auth_token, s.auth_token_file),
-            on_connected=lambda router, up: self.metrics.registration_connected.labels(router).set(int(up)),
+            on_connected=self._on_router,
         )
         discovery = StargateDiscovery([s.stargate_address], self.registration.update_routers)
         self._spawn(discovery.run(), "stargate-discovery")
@@ -245,5 +279,7 @@ class PylonApp:
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+        if self.tracing is not None:
+            self.tracing.shutdown()
         if self._session is not None:
             await self._session.close()

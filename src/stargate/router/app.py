@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -20,13 +21,19 @@ from stargate.balancer.config import LbConfig
 from stargate.errors import ConfigError
 from stargate.router.attempt import AttemptMachine, RetrySettings
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
+from stargate.router.discovery import DiscoverySettings
 from stargate.router.driver import AttemptDriver
 from stargate.router.endpoints import Endpoints
+from stargate.router.health import HealthSettings
 from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
 from stargate.router.plain_client import PlainClients, PlainClientSettings
 from stargate.router.proxy import ProxyHandler, ProxySettings
 from stargate.router.state import RoutingState
 from stargate.router.transport import HttpTransport, make_session
+from stargate.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from stargate.otel import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +60,16 @@ class StargateSettings:
     backend_connection_limit: int = 1024
     stargate_discovery_dns_name: str | None = None
     disable_dns_discovery: bool = False
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    otel_endpoint: str | None = None
+    otel_service_name: str = "stargate"
+    """Peer lookup; its ``dns_name`` is set only when discovery is enabled."""
     grpc_pylon_dial_addr: str | None = None
     remote_stargate_urls: tuple[str, ...] = ()
     watch_heartbeat_ms: int = 5_000
     registration_idle_timeout_ms: int = 60_000
     registration_max_idle_timeout_ms: int = 300_000
-    health_interval_s: float = 1.0
+    health: HealthSettings = field(default_factory=HealthSettings)
     tunnel_protocol: str = "raw-quic"
     direct_quic_connections: int = 1
     plain_clients: PlainClientSettings | None = None  # None = the spec's header contract only
@@ -91,8 +102,16 @@ def _join(host: str, port: int) -> str:
 
 
 class StargateServer:
-    def __init__(self, settings: StargateSettings, *, metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: StargateSettings,
+        *,
+        metrics: RouterMetrics | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.settings = settings
+        self.tracing = tracing
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
         self.state = RoutingState(on_active_count=self.metrics.set_active)
         self.endpoints = Endpoints(
@@ -115,6 +134,8 @@ class StargateServer:
         split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
         advertise_host, _ = split_host_port(s.advertise_addr, "--advertise-addr")
         plain = PlainClients(s.plain_clients) if s.plain_clients is not None else None  # may load a tokenizer
+        if self.tracing is None:
+            self.tracing = setup_tracing(s.otel_endpoint, s.otel_service_name)
         self._session = make_session(s.connect_timeout_ms / 1000.0, s.backend_connection_limit)
         transport = HttpTransport(
             self._session,
@@ -124,7 +145,7 @@ class StargateServer:
         machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=effective_queue_ms)
         driver = AttemptDriver(self.state, machine, transport, self.metrics)
         self.proxy = proxy = ProxyHandler(
-            driver, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain
+            driver, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain, tracing=self.tracing
         )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
@@ -173,9 +194,12 @@ class StargateServer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     async def _serve(self, app: web.Application, host: str, port: int, flag: str) -> tuple[str, int]:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # Request bodies are forwarded as received, Content-Encoding included: never decompressed here.
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, auto_decompress=False)
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -212,11 +236,11 @@ class StargateServer:
             grpc_pylon_dial_addr=s.grpc_pylon_dial_addr,
             remote_stargate_urls=s.remote_stargate_urls,
             discovery_dns_name=None if s.disable_dns_discovery else s.stargate_discovery_dns_name,
+            discovery=s.discovery,
             watch_heartbeat_ms=s.watch_heartbeat_ms,
             idle_timeout_floor_ms=s.registration_idle_timeout_ms,
             idle_timeout_cap_ms=s.registration_max_idle_timeout_ms,
-            health_interval_s=s.health_interval_s,
-            health_timeout_s=s.connect_timeout_ms / 1000.0 + 1.0,
+            health=s.health,
         )
 
     def _debug_config(self) -> Mapping[str, object]:

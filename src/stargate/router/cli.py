@@ -23,6 +23,7 @@ from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
 from stargate.router.app import StargateServer, StargateSettings
 from stargate.router.attempt import RetrySettings
+from stargate.router.discovery_cli import add_discovery_flags, discovery_settings
 from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, MAX_WAIT_CAP_MS, valid_header_name
 from stargate.router.metrics import DEFAULT_PREFIX
 from stargate.router.plain_client import (
@@ -179,6 +180,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     )
     add("--grpc-pylon-dial-addr", default=None, help="written into every StargateInfo")
     add("--dns-poll-ms", type=_positive, default=1000, help="peer discovery interval")
+    add_discovery_flags(add)
     add("--watch-heartbeat-ms", type=_positive, default=5000, help="WatchStargates resend interval")
     add(
         "--backend-connectivity",
@@ -206,9 +208,9 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "--otel-endpoint",
         env_var="OTEL_EXPORTER_OTLP_ENDPOINT",
         default=None,
-        help="accepted; tracing is off",
+        help="OTLP/HTTP base URL: export one span per request to URL/v1/traces (needs the otel extra)",
     )
-    add("--otel-service-name", default="stargate", help="accepted; tracing is off")
+    add("--otel-service-name", default="stargate", help="service.name of exported spans")
     add("--secrets-path", env_var="SECRETS_PATH", default=None, help="accepted; unused without worker auth")
     add("--secrets-json-path", env_var="SECRETS_JSON_PATH", default="authToken", help="accepted; unused")
     add("--worker-auth-endpoint", default=None, help="not supported: registrations use open authentication")
@@ -302,6 +304,9 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         request_timeout_ms=options.quic_request_timeout_ms,
         stargate_discovery_dns_name=options.stargate_discovery_dns_name,
         disable_dns_discovery=options.disable_dns_discovery,
+        discovery=discovery_settings(options),
+        otel_endpoint=options.otel_endpoint,
+        otel_service_name=options.otel_service_name,
         grpc_pylon_dial_addr=options.grpc_pylon_dial_addr,
         remote_stargate_urls=urls,
         watch_heartbeat_ms=options.watch_heartbeat_ms,
@@ -333,8 +338,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"stargate: {exc.describe()}", file=sys.stderr)
         return EXIT_USAGE
-    if options.otel_endpoint:
-        log.warning("--otel-endpoint is accepted but tracing export is not available; continuing without it")
     return _run(serve(settings))
 
 

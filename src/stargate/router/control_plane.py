@@ -5,6 +5,8 @@ on every end the backend's probing stops and ``RoutingState.remove`` drops its r
 id and retires its cluster generation, in that order. Every applied update is acknowledged, also
 when the health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the
 original skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
+Between updates the backend's health prober ejects it from routing after consecutive failed probes
+and re-applies its latest update when a probe succeeds again (``router/health.py``).
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import aiohttp
 import grpc
 from grpc import aio
 
+from stargate.balancer.types import ModelStats
 from stargate.errors import ConfigError, RequestError
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.router import watch
-from stargate.router.health import HealthProber, wait_stopped
+from stargate.router.discovery import DiscoveryFailed, DiscoverySettings, PeerDiscovery, with_self
+from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.registration import (
     HEARTBEAT_METADATA_KEY,
     Identity,
@@ -57,11 +61,11 @@ class ControlPlaneSettings:
     grpc_pylon_dial_addr: str | None = None
     remote_stargate_urls: tuple[str, ...] = ()
     discovery_dns_name: str | None = None
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     watch_heartbeat_ms: int = 5000
     idle_timeout_floor_ms: int = 60000
     idle_timeout_cap_ms: int = 300000
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 2.0
+    health: HealthSettings = field(default_factory=HealthSettings)
     auth_timeout_s: float = 10.0
     max_registrations: int = 10_000
     max_models_per_registration: int = 4096
@@ -117,7 +121,10 @@ class ControlPlane:
         self._servers: list[aio.Server] = []
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        self._watch_snapshot = stargate_pb2.WatchStargatesResponse()
+        self._publisher: watch.WatchPublisher | None = None
+        self._discovery: PeerDiscovery | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._control_port = 0
         self.advertise_addr = settings.advertise_addr
 
     async def start(self, listen_addr: str, model_discovery_listen_addr: str) -> tuple[int, int]:
@@ -136,14 +143,23 @@ class ControlPlane:
         self._servers = [control] if shared else [control, discovery]
         if _port_of(self._settings.advertise_addr) == _port_of(listen_addr):
             self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
-        self._watch_snapshot = self._build_watch_snapshot(control_port)
+        self._control_port = control_port
+        self._discovery = PeerDiscovery(self._settings.discovery, control_port)
+        self._publisher = watch.WatchPublisher(
+            self._build_watch_snapshot(await self._poll_peers()), self.watch_heartbeat_s
+        )
         for server in self._servers:
             await server.start()
+        self._poller = asyncio.get_running_loop().create_task(self._poll_discovery(self._publisher))
         return control_port, discovery_port
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving; open streams end as a shutdown and clean their registrations up."""
         self._stopping.set()
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
         await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
         self._servers = []
         await wait_stopped(list(self._probe_tasks))
@@ -169,12 +185,26 @@ class ControlPlane:
             raise ConfigError(f"cannot listen on {addr}", path=flag)
         return port
 
-    def _build_watch_snapshot(self, control_port: int) -> stargate_pb2.WatchStargatesResponse:
-        settings = self._settings
-        entries = watch.normalize_stargates(
-            [watch.StargateEntry(settings.stargate_id, self.advertise_addr, settings.http_advertise_addr)],
-            settings.grpc_pylon_dial_addr,
-        )
+    async def _poll_peers(self) -> list[watch.StargateEntry]:
+        """One discovery poll; a failure is logged and yields no peers (self only)."""
+        assert self._discovery is not None
+        try:
+            return await self._discovery.peers()
+        except DiscoveryFailed as exc:
+            log.warning("stargate discovery failed, publishing self only: %s", exc)
+            return []
+
+    async def _poll_discovery(self, publisher: watch.WatchPublisher) -> None:
+        """Poll every ``--dns-poll-ms`` (the first poll ran at start) and publish what changed."""
+        poll_s = self._settings.discovery.poll_ms / 1000.0
+        while True:
+            await asyncio.sleep(poll_s)
+            publisher.offer(self._build_watch_snapshot(await self._poll_peers()))
+
+    def _build_watch_snapshot(self, peers: list[watch.StargateEntry]) -> stargate_pb2.WatchStargatesResponse:
+        settings, control_port = self._settings, self._control_port
+        own = watch.StargateEntry(settings.stargate_id, self.advertise_addr, settings.http_advertise_addr)
+        entries = watch.normalize_stargates(with_self(own, peers), settings.grpc_pylon_dial_addr)
         exclude = watch.self_endpoint_keys(self.advertise_addr, settings.discovery_dns_name, control_port)
         exclude |= watch.self_endpoint_keys(settings.advertise_addr, None, control_port)
         urls = watch.normalize_watch_urls(settings.remote_stargate_urls, exclude)
@@ -230,17 +260,33 @@ class ControlPlane:
         idle_s: float | None,
     ) -> None:
         settings = self._settings
+        backend_id = identity.inference_server_id
+        latest: dict[str, ModelStats | None] = {}  # the last update, re-applied when a backend returns
+
+        def eject(failures: int) -> None:
+            log.warning(
+                "backend %s out of routing: %d health probes in a row failed", backend_id, failures
+            )
+            self._state.apply_update(handle, dict.fromkeys(latest), None)
+
+        def restore(rtt_ns: int) -> None:
+            log.warning("backend %s back in routing: its health probe succeeded", backend_id)
+            self._state.apply_update(handle, latest, rtt_ns)
+
         prober = HealthProber(
             self._session,
             identity.inference_server_url,
-            identity.inference_server_id,
-            interval_s=settings.health_interval_s,
-            timeout_s=settings.health_timeout_s,
+            backend_id,
+            settings=settings.health,
+            on_eject=eject,
+            on_restore=restore,
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
         try:
             while message is not None:
                 updates = model_updates(message, max_models=settings.max_models_per_registration)
+                latest.clear()
+                latest.update(updates)
                 rtt_ns = await prober.rtt_for_update()
                 if self._stopping.is_set():
                     await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
@@ -287,8 +333,9 @@ class ControlPlane:
         assert isinstance(message, stargate_pb2.InferenceServerRegistration)
         return message
 
-    def watch_snapshot(self) -> stargate_pb2.WatchStargatesResponse:
-        return self._watch_snapshot
+    def watch_stream(self) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
+        assert self._publisher is not None
+        return self._publisher.stream(self._stopping)
 
     @property
     def watch_heartbeat_s(self) -> float:
@@ -306,8 +353,7 @@ class _ControlPlaneServicer(stargate_pb2_grpc.StargateControlPlaneServicer):
     async def WatchStargates(
         self, request: stargate_pb2.WatchStargatesRequest, context: aio.ServicerContext[object, object]
     ) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
-        plane = self._plane
-        async for snapshot in watch.publish(plane.watch_snapshot(), plane.watch_heartbeat_s, plane.stopping):
+        async for snapshot in self._plane.watch_stream():
             yield snapshot
 
     async def RegisterInferenceServer(
