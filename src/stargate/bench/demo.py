@@ -2,8 +2,8 @@
 
 Runs ``benches/demo.yaml`` (1 Stargate, 4 Pylons, 4 mock engines, a mixed workload) for
 ``--duration`` seconds per algorithm and prints the results table and the report path. With
-``--serve`` it then starts a fresh fleet and keeps it up until Ctrl-C, printing a ``curl`` command
-that sends one streaming request through it.
+``--serve`` it then starts a fresh fleet in plain-client mode and keeps it up until Ctrl-C,
+printing its ``OPENAI_BASE_URL`` and a ``curl`` command that streams one request through it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -28,6 +29,7 @@ from stargate.bench.console import (
 from stargate.bench.fleet import Fleet
 from stargate.bench.runner import run_suite
 from stargate.bench.schema import Scenario, load_scenario
+from stargate.bench.serve import PLAIN_PYLON_ARGS, PLAIN_STARGATE_ARGS
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError
 
@@ -48,29 +50,28 @@ def demo_scenario(value: str | None, duration_s: float) -> Scenario:
     return sc
 
 
-def curl_command(url: str, model: str) -> str:
-    """A copy-pasteable streaming request with the headers Stargate requires."""
-    body = orjson.dumps({"model": model, "stream": True, "max_tokens": 8,
+def curl_command(base_url: str, model: str) -> str:
+    """A copy-pasteable streaming request as any OpenAI client sends it (plain-client mode)."""
+    body = orjson.dumps({"model": model, "stream": True, "max_tokens": 8, "user": "demo-session",
                          "messages": [{"role": "user", "content": "Hello from the demo"}]}).decode()
-    headers = {"content-type": "application/json", "x-request-id": "demo-curl-1", "x-model": model,
-               "x-input-tokens": "16", "x-output-tokens": "8", "x-cache-affinity-key": "demo-session"}
-    parts = ["curl", "-sN", "-i", url]
-    for name, value in headers.items():
-        parts += ["-H", f"{name}: {value}"]
-    parts += ["-d", body]
+    parts = ["curl", "-sN", "-i", f"{base_url}/chat/completions", "-H", "content-type: application/json",
+             "-d", body]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 async def serve(console: Console, sc: Scenario, out_dir: Path) -> None:
-    """Keep one fleet (the first algorithm's) up until cancelled; fails if a process dies."""
+    """Keep one fleet (the first algorithm's) up in plain-client mode until cancelled."""
     run = plan.runs(sc)[0]
+    run = replace(run, pylon_args=[*run.pylon_args, *PLAIN_PYLON_ARGS])
     console.print(f"starting a fleet for [bold]{run.name}[/bold] ...", highlight=False)
-    async with Fleet(sc, run, out_dir / "serve") as fleet:
-        url = fleet.stargate_urls[0]
+    async with Fleet(sc, run, out_dir / "serve", stargate_args=PLAIN_STARGATE_ARGS) as fleet:
+        base_url = f"http://{fleet.stargates[0].http}/v1"
         console.print(f"fleet ready: {len(fleet.stargates)} Stargate, {len(fleet.pylons)} Pylons, "
                       f"{len(fleet.engines)} mock engines; logs in {fleet.log_dir}", highlight=False)
+        console.print(f"OPENAI_BASE_URL={base_url}  (model {sc.model}; any OpenAI client, no extra headers)",
+                      highlight=False, soft_wrap=True)
         console.print("try it (Ctrl-C stops the fleet):", highlight=False)
-        console.print(curl_command(url, sc.model), highlight=False, soft_wrap=True)
+        console.print(curl_command(base_url, sc.model), highlight=False, soft_wrap=True)
         while True:
             fleet.check_alive()
             await asyncio.sleep(1.0)
