@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any, NoReturn, TypeVar
 
 from stargate.errors import ConfigError
-from stargate.flags import FlagSet, parse_bool
+from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -141,11 +141,8 @@ def _checked(convert: Callable[[str], T], check: Callable[[T], bool], expected: 
     return parse
 
 
-_positive = _checked(int, lambda v: v > 0, "> 0")
-_non_negative = _checked(int, lambda v: v >= 0, ">= 0")
 _finite_positive = _checked(float, lambda v: math.isfinite(v) and v > 0, "finite and > 0")
 _ip = _checked(str, _is_ip, "an IP address")
-_port = _checked(int, lambda v: 0 <= v <= 65535, "a port number")
 _non_blank = _checked(str, bool, "not blank")
 _backend = _checked(lambda v: UpstreamBackend(v.lower()), bool, "dynamo or passthrough")
 
@@ -211,27 +208,28 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
       help="static model (repeatable); none = discovery")
     a("--model-discovery-provider", choices=["dynamo"], default="dynamo",
       help="model discovery provider (only dynamo)")
-    a("--model-discovery-poll-interval-ms", type=_positive, default=5000, help="discovery poll period")
-    a("--model-discovery-request-timeout-ms", type=_positive, default=5000, help="discovery poll timeout")
+    a("--model-discovery-poll-interval-ms", type=positive_int, default=5000, help="discovery poll period")
+    a("--model-discovery-request-timeout-ms", type=positive_int, default=5000, help="discovery poll timeout")
     a("--stargate-address", type=_stargate_url, default="127.0.0.1:50071",
       help="seed Stargate for WatchStargates")
     a("--inference-server-id", default="pylon", help="backend identity registered with Stargate")
     a("--cluster-id", default=None, help="cluster identity (default: the inference server id)")
     a("--disable-bringup", action="store_true", help="no canaries and no startup health probe")
     a("--upstream-health-path", action="append", default=[], help="health path tried first (repeatable)")
-    a("--upstream-health-wait-ms", type=_non_negative, default=60000,
+    a("--upstream-health-wait-ms", type=non_negative_int, default=60000,
       help="startup health re-probing; 0 = once")
     a("--do-calibration", action="store_true", help="run the input-TPS calibration ramp before registering")
     a("--initial-input-tps", type=_finite_positive, default=None, help="bootstrap input TPS of every model")
     a("--benchmark-pin-input-tps", action="store_true", help=argparse.SUPPRESS)
-    a("--active-canary-interval-ms", type=_non_negative, default=5000,
+    a("--active-canary-interval-ms", type=non_negative_int, default=5000,
       help="canary period; 0 disables canaries")
     a("--canary-max-generation-threshold", type=int, default=237, help="canary max_tokens; reached = runaway")
     a("--calibration-requests", type=int, default=5, help="requests of the first calibration step")
     a("--calibration-prompt-units", type=int, default=4096, help="largest calibration prompt (chars, >= 256)")
     a("--calibration-max-concurrency", type=int, default=4, help="calibration requests in flight")
-    a("--bringup-canary-timeout-ms", type=_non_negative, default=5000, help="canary and health probe timeout")
-    a("--bringup-calibration-timeout-ms", type=_non_negative, default=30000,
+    a("--bringup-canary-timeout-ms", type=non_negative_int, default=5000,
+      help="canary and health probe timeout")
+    a("--bringup-calibration-timeout-ms", type=non_negative_int, default=30000,
       help="timeout of one calibration step")
     a("--kv-cache-stats-path", default=None, help="engine path of JSON KV-cache stats, polled every 1 s")
     a("--engine-stats-stream", type=StatsStreamMode, choices=list(StatsStreamMode), default="auto",
@@ -240,9 +238,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--engine-stats-source", type=StatsSource, choices=list(StatsSource), default="stream",
       help="stream (NDJSON) or prometheus (engine /metrics)")
     a("--engine-metrics-path", default="/metrics", help="engine Prometheus path (prometheus source)")
-    a("--engine-metrics-interval-ms", type=_positive, default=1000, help="engine /metrics poll period")
-    a("--min-update-interval-ms", type=_positive, default=1000, help="registration heartbeat period")
-    a("--stats-update-coalesce-ms", type=_non_negative, default=0,
+    a("--engine-metrics-interval-ms", type=positive_int, default=1000, help="engine /metrics poll period")
+    a("--min-update-interval-ms", type=positive_int, default=1000, help="registration heartbeat period")
+    a("--stats-update-coalesce-ms", type=non_negative_int, default=0,
       help="send the snapshot this long after a load change (0 = heartbeats only; 10 recommended)")
     a("--auth-token", env_var="STARGATE_AUTH_TOKEN", default=None, help="bearer token for Stargate")
     a("--auth-token-file", env_var="STARGATE_AUTH_TOKEN_FILE", default=None,
@@ -252,7 +250,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--otel-service-name", env_var="OTEL_SERVICE_NAME", default="pylon",
       help="service.name of exported spans")
     a("--metrics-host", type=_ip, default="0.0.0.0", help="Prometheus listener IP")
-    a("--metrics-port", type=_port, default=9089, help="Prometheus listener port (0 = any)")
+    a("--metrics-port", type=port, default=9089, help="Prometheus listener port (0 = any)")
     pylon("--pylon-retryable-upstream-status-codes", type=parse_status_codes, default="429,503",
           help="engine statuses that may be retried")
     pylon("--pylon-require-upstream-retry-header", type=parse_bool, default=True, metavar="BOOL",
@@ -268,16 +266,17 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
           "as the spec says")
     pylon("--pylon-queue-mismatch-retry-enabled", type=parse_bool, default=True, metavar="BOOL",
           help="local queue admission (429 queue_estimate_mismatch)")
-    pylon("--pylon-queue-mismatch-min-delta-ms", type=_non_negative, default=25,
+    pylon("--pylon-queue-mismatch-min-delta-ms", type=non_negative_int, default=25,
           help="additive admission tolerance in ms")
     pylon("--pylon-queue-mismatch-tolerance-factor", type=_finite_positive, default=1.25,
           help="multiplicative admission tolerance")
-    pylon("--pylon-queue-mismatch-retry-after-ms", type=_non_negative, default=None,
+    pylon("--pylon-queue-mismatch-retry-after-ms", type=non_negative_int, default=None,
           help="x-stargate-retry-after-ms on admission rejections; unset = no header")
     pylon("--pylon-upstream-backend", type=_backend, default="dynamo",
           help="dynamo (priority headers) or passthrough")
-    pylon("--pylon-priority-ceiling", type=_non_negative, default=3600, help="dynamo priority band ceiling")
-    a("--max-engine-concurrency", type=_positive, default=None,
+    pylon("--pylon-priority-ceiling", type=non_negative_int, default=3600,
+          help="dynamo priority band ceiling")
+    a("--max-engine-concurrency", type=positive_int, default=None,
       help="engine slots per model until the engine reports its own")
     return p
 
