@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -62,6 +63,17 @@ def _bool_header(value: str | None) -> bool | None:
     if lowered in ("false", "0"):
         return False
     return None
+
+
+@dataclass(slots=True)
+class _Attempt:
+    headers_s: float | None
+    first_token_s: float | None
+    last_token_s: float | None
+    status: int | None
+    error: str | None
+    chunks: int
+    got: dict[str, str]
 
 
 class Driver:
@@ -152,9 +164,53 @@ class Driver:
         return records
 
     async def send(self, req: PlannedRequest, scheduled_s: float, timeout_s: float) -> RequestRecord:
-        """Send one request and classify its outcome; never raises for a request failure."""
-        url = self._urls[req.index % len(self._urls)]
+        """Send one request and classify its outcome; never raises for a request failure.
+
+        With several Stargates, a request whose connection failed before any answer (refused, or
+        closed before response headers: a replica went away) is sent again to the next one, as a
+        client behind a Service would; ``retries_seen`` counts those resends.
+        """
         dispatch_s = self._now()
+        deadline = self._clock() + timeout_s
+        retries = 0
+        while True:
+            url = self._urls[(req.index + retries) % len(self._urls)]
+            attempt = await self._attempt(url, req, max(0.0, deadline - self._clock()))
+            if attempt.error not in ("connect", "disconnected") or retries + 1 >= len(self._urls):
+                break
+            retries += 1
+        record = RequestRecord(
+            index=req.index,
+            request_id=req.request_id,
+            run=self._run,
+            scheduled_s=scheduled_s,
+            dispatch_s=dispatch_s,
+            headers_s=attempt.headers_s,
+            first_token_s=attempt.first_token_s,
+            last_token_s=attempt.last_token_s,
+            status=attempt.status,
+            error_class=attempt.error,
+            backend_id=attempt.got.get("x-inference-server-id"),
+            cluster_id=attempt.got.get("x-stargate-cluster-id"),
+            engine_id=attempt.got.get("x-mock-backend-id"),
+            cache_hit=_bool_header(attempt.got.get("x-kv-cache-hit")),
+            cache_hit_tokens=_int_header(attempt.got.get("x-kv-cache-reused-input-tokens")),
+            input_tokens=req.input_tokens,
+            output_tokens=req.output_tokens,
+            chunks=attempt.chunks,
+            retries_seen=retries,
+            end_s=self._now(),
+            cache_affinity_key=req.cache_affinity_key,
+            session=req.session,
+            evicted_entries=_int_header(attempt.got.get("x-kv-cache-evicted-entries")),
+            evicted_tokens=_int_header(attempt.got.get("x-kv-cache-evicted-tokens")),
+        )
+        self.records.append(record)
+        if self._on_record is not None:
+            self._on_record(record)
+        return record
+
+    async def _attempt(self, url: str, req: PlannedRequest, timeout_s: float) -> _Attempt:
         headers_s: float | None = None
         first_token_s: float | None = None
         last_token_s: float | None = None
@@ -192,40 +248,13 @@ class Driver:
             error = "connect"
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
             error = "stream_cut" if status is not None else "disconnected"
+        except aiohttp.ClientOSError:  # e.g. reset while sending: the replica went away
+            error = "stream_cut" if status is not None else "disconnected"
         except (aiohttp.ClientError, ValueError):
             error = "client_error"
         except OSError:
             error = "connect" if status is None else "stream_cut"
-        record = RequestRecord(
-            index=req.index,
-            request_id=req.request_id,
-            run=self._run,
-            scheduled_s=scheduled_s,
-            dispatch_s=dispatch_s,
-            headers_s=headers_s,
-            first_token_s=first_token_s,
-            last_token_s=last_token_s,
-            status=status,
-            error_class=error,
-            backend_id=got.get("x-inference-server-id"),
-            cluster_id=got.get("x-stargate-cluster-id"),
-            engine_id=got.get("x-mock-backend-id"),
-            cache_hit=_bool_header(got.get("x-kv-cache-hit")),
-            cache_hit_tokens=_int_header(got.get("x-kv-cache-reused-input-tokens")),
-            input_tokens=req.input_tokens,
-            output_tokens=req.output_tokens,
-            chunks=chunks,
-            retries_seen=0,
-            end_s=self._now(),
-            cache_affinity_key=req.cache_affinity_key,
-            session=req.session,
-            evicted_entries=_int_header(got.get("x-kv-cache-evicted-entries")),
-            evicted_tokens=_int_header(got.get("x-kv-cache-evicted-tokens")),
-        )
-        self.records.append(record)
-        if self._on_record is not None:
-            self._on_record(record)
-        return record
+        return _Attempt(headers_s, first_token_s, last_token_s, status, error, chunks, got)
 
 
 def make_session(concurrency: int, connect_timeout_s: float = 10.0) -> aiohttp.ClientSession:

@@ -7,7 +7,9 @@ loop, once that many requests have finished) against the live loopback fleet:
   again (new ports, empty cache), as the Deployment of the original would;
 - ``scale_backend``: ``replicas: 0`` stops them (SIGTERM, a drain), more starts them again if stopped;
 - ``kill_engine`` / ``kill_pylon``: SIGKILL the engine (its cluster's Pylons become faulty) or one Pylon;
-- ``freeze_engine`` / ``freeze_pylon``: SIGSTOP, then SIGCONT after ``resume_after_ms`` (else at the end).
+- ``freeze_engine`` / ``freeze_pylon``: SIGSTOP, then SIGCONT after ``resume_after_ms`` (else at the end);
+- ``kill_stargate``: SIGKILL Stargate replica ``sg-<backend_index>``; the driver retries a request whose
+  connection to it failed on the next replica (no backend becomes faulty, so no routable time).
 
 What a run with faults reports (``faults.json`` and a section of ``report.md``):
 
@@ -174,6 +176,8 @@ class FaultInjector:
 
     def _report_of(self, action: DegradationAction) -> ActionReport:
         index = action.backend_index
+        if action.action == "kill_stargate":
+            return ActionReport(action.action, index, [])
         cluster = self.scenario.backends.cluster_of(index)
         members = [f"backend-{i}" for i in self.scenario.cluster_members()[cluster]]
         faulty = [f"backend-{index}"] if action.action in ("kill_pylon", "freeze_pylon") else members
@@ -216,6 +220,13 @@ class FaultInjector:
 
     async def _fire(self, action: DegradationAction, report: ActionReport) -> None:
         fleet = self.fleet
+        if action.action == "kill_stargate":
+            stargate = fleet.stargate_process(action.backend_index)
+            if stargate is None:
+                raise ValueError(f"no Stargate sg-{action.backend_index} in this fleet")
+            fleet.retire(stargate)
+            stargate.signal(signal.SIGKILL)
+            return
         cluster = self.scenario.backends.cluster_of(action.backend_index)
         engine_id = "engine-" + str(min(self.scenario.cluster_members()[cluster]))
         kind = action.action
@@ -261,7 +272,7 @@ class FaultInjector:
         lost = failed_before_engine(records, read_arrivals(run_dir / ARRIVAL_FILE))
         stargates = len(self.sampler.urls)
         for report in self.actions:
-            if report.at_s is None or report.error is not None or not stargates:
+            if report.at_s is None or report.error is not None or not stargates or not report.backends:
                 continue  # no Stargate (a peer router's run): no routing table to watch
             until = report.resumed_s if report.resumed_s is not None else self.end_s
             report.routable_s, report.left_routing = routable_time(
@@ -282,9 +293,13 @@ def routable_cell(action: ActionReport) -> str:
     return f"{action.routable_s:.1f}" if action.left_routing else f">= {action.routable_s:.1f}"
 
 
+def _target_kind(action: str) -> str:
+    return "sg" if action == "kill_stargate" else "backend"
+
+
 def markdown_section(reports: Sequence[tuple[str, FaultReport]]) -> str:
     """The ``## Faults`` section of ``report.md``."""
-    rows = [[run, action.action, f"backend-{action.backend_index}",
+    rows = [[run, action.action, f"{_target_kind(action.action)}-{action.backend_index}",
              "-" if action.at_s is None else f"{action.at_s:.1f}", str(fr.sent), str(fr.failed),
              str(fr.failed_before_engine), routable_cell(action)]
             for run, fr in reports for action in fr.actions]

@@ -167,10 +167,13 @@ class Fleet:
         # Pylons seed their discovery at sg-0, which announces the others as remote watch URLs;
         # so the others start first and sg-0 is given their bound gRPC addresses.
         count = max(1, self.scenario.stargates.count)
-        others = await self._launch([self._stargate_proc(i, lb_path, []) for i in range(1, count)])
+        other_procs = [self._stargate_proc(i, lb_path, []) for i in range(1, count)]
+        others = await self._launch(other_procs)
         seeds = [f"http://{sg.grpc}" for sg in others]
-        first = await self._launch([self._stargate_proc(0, lb_path, seeds)])
+        first_proc = self._stargate_proc(0, lb_path, seeds)
+        first = await self._launch([first_proc])
         self.stargates = [*first, *others]
+        self._by_role.update({f"sg-{i}": p for i, p in enumerate([first_proc, *other_procs])})
 
         backends = plan.backend_specs(self.scenario)
         await self._start_pylons(backends)
@@ -187,6 +190,9 @@ class Fleet:
 
     def pylon_process(self, backend_id: str) -> ManagedProcess[Any] | None:
         return self._by_role.get(backend_id)
+
+    def stargate_process(self, index: int) -> ManagedProcess[Any] | None:
+        return self._by_role.get(f"sg-{index}")
 
     def retire(self, proc: ManagedProcess[Any]) -> None:
         """``proc`` is meant to exit (killed or stopped on purpose); teardown still reaps it."""

@@ -122,12 +122,13 @@ class Metadata(Strict):
 
 
 class DegradationAction(Strict):
-    """The original's two actions plus ours: kill (SIGKILL) or freeze (SIGSTOP) an engine or a Pylon."""
+    """The original's two actions plus ours: kill (SIGKILL) or freeze (SIGSTOP) an engine or a Pylon, or
+    kill a Stargate replica (``kill_stargate``: ``backend_index`` is then the replica's index, sg-N)."""
 
     at_request: U64
     backend_index: U64
     action: Literal["delete_backend_pod", "scale_backend", "kill_engine", "kill_pylon", "freeze_engine",
-                    "freeze_pylon"]
+                    "freeze_pylon", "kill_stargate"]
     replicas: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     resume_after_ms: U64 | None = None
 

@@ -149,6 +149,18 @@ async def test_connection_refused_is_a_connect_error() -> None:
     assert (record.status, record.error_class) == (None, "connect")
 
 
+async def test_a_refused_stargate_is_skipped_for_the_next_one(engine: tuple[FakeEngine, str]) -> None:
+    fake, url = engine
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
+    records = await replay([gone, url], open_loop(*(planned(i) for i in range(4))))
+    assert [(r.ok, r.retries_seen) for r in records] == [(True, 1), (True, 0), (True, 1), (True, 0)]
+    assert sorted(rid for kind, rid, _ in fake.events if kind == "start") == [f"req-{i}" for i in range(4)]
+    (alone,) = await replay([gone], open_loop(planned(0)))
+    assert (alone.error_class, alone.retries_seen) == ("connect", 0)
+
+
 async def test_open_loop_respects_schedule_and_concurrency(engine: tuple[FakeEngine, str]) -> None:
     fake, url = engine
     requests = [planned(i, mode="pause") for i in range(6)] + [planned(6, at_ms=150.0)]

@@ -81,3 +81,10 @@ def test_goals_and_the_tables() -> None:
     assert rows[1] == ["freeze", "10", "3", "2", ">= 8.0", "no"]
     assert rows[2][-1] == "run failed: boom"
     assert "| r | freeze_pylon | backend-0 | 5.0 | 10 | 3 | 2 | >= 8.0 |" in markdown_section([("r", bad)])
+
+
+def test_a_killed_stargate_is_named_as_a_replica_and_has_no_routable_time() -> None:
+    DegradationAction(at_request=150, backend_index=1, action="kill_stargate")
+    killed = ActionReport("kill_stargate", 1, [], at_s=5.8)
+    table = markdown_section([("r", FaultReport(400, 4, 0, actions=[killed]))])
+    assert "| r | kill_stargate | sg-1 | 5.8 | 400 | 4 | 0 | - |" in table
