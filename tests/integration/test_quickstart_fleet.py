@@ -36,7 +36,9 @@ READY_TIMEOUT_S = 20.0
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "lb-config"
 
 
-async def _fleet(tmp_path: Path, lb_config: Path) -> tuple[StargateAddrs, list[ManagedProcess[Any]]]:
+async def _fleet(
+    tmp_path: Path, lb_config: Path, *router_flags: str
+) -> tuple[StargateAddrs, list[ManagedProcess[Any]]]:
     procs: list[ManagedProcess[Any]] = []
 
     async def launch(proc: ManagedProcess[Any]) -> Any:
@@ -54,7 +56,7 @@ async def _fleet(tmp_path: Path, lb_config: Path) -> tuple[StargateAddrs, list[M
                      "--advertise-addr", "127.0.0.1:0", "--model-discovery-listen-addr", "127.0.0.1:0",
                      "--http-listen-addr", "127.0.0.1:0", "--metrics-host", "127.0.0.1",
                      "--metrics-port", "0", "--disable-dns-discovery",
-                     "--lb-config-path", str(lb_config)]  # fmt: skip
+                     "--lb-config-path", str(lb_config), *router_flags]  # fmt: skip
     try:
         stargate, engine_a, engine_b = await asyncio.gather(
             launch(ManagedProcess("stargate", stargate_argv, tmp_path, parse_stargate_ready)),
@@ -81,9 +83,12 @@ async def _fleet(tmp_path: Path, lb_config: Path) -> tuple[StargateAddrs, list[M
     return stargate, procs
 
 
-@pytest.fixture(params=["seed-waw.json", "recommended.json"])
+# The seed's example alone (the spec's immediate 503 when nothing is selectable), and the README
+# quickstart's router exactly: the recommended config with a default routing wait.
+@pytest.fixture(params=[("seed-waw.json",), ("recommended.json", "--default-max-wait-ms", "10000")])
 async def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StargateAddrs]:
-    stargate, procs = await _fleet(tmp_path, EXAMPLES / request.param)
+    config, *flags = request.param
+    stargate, procs = await _fleet(tmp_path, EXAMPLES / config, *flags)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             await _wait_routable(http, stargate)

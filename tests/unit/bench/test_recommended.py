@@ -48,3 +48,9 @@ def test_compare_runs_recommended_with_its_router_flag() -> None:
     (choice,) = resolve_routers(demo, "stargate:recommended", PeerOptions())
     assert choice.spec.lb_config == recommended_lb_config(demo.model)
     assert choice.spec.stargate_args == RECOMMENDED_STARGATE_ARGS == ("--default-max-wait-ms", "60000")
+
+
+def test_the_demo_entry_named_recommended_also_runs_with_the_router_flag() -> None:
+    demo = load_scenario(ROOT / "benches" / "demo.yaml")
+    (choice,) = resolve_routers(demo, "stargate:recommended", PeerOptions())
+    assert choice.spec.stargate_args == RECOMMENDED_STARGATE_ARGS

@@ -93,8 +93,8 @@ RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config
 
 def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
     """``examples/lb-config/recommended.json`` with its one model entry renamed to ``model``: what
-    ``stargate:recommended`` runs (with ``RECOMMENDED_STARGATE_ARGS``) unless the scenario defines an
-    algorithm of that name."""
+    ``stargate:recommended`` runs (with ``RECOMMENDED_STARGATE_ARGS``) unless the scenario has its own
+    ``recommended`` entry."""
     try:
         config = orjson.loads(path.read_bytes())
         (settings,) = config["models"].values()
@@ -116,8 +116,10 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
         kind, name = parse_router_label(label)
         if kind == "stargate":
             spec = entries.get(name)
-            if spec is None and name == RECOMMENDED:
-                spec = RunSpec(name, recommended_lb_config(scenario.model), [], RECOMMENDED_STARGATE_ARGS)
+            if name == RECOMMENDED:
+                # The scenario's own "recommended" entry (the demo's) or the file, as deployed.
+                spec = spec or RunSpec(name, recommended_lb_config(scenario.model), [])
+                spec = dataclasses.replace(spec, stargate_args=RECOMMENDED_STARGATE_ARGS)
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])
