@@ -18,7 +18,6 @@ from aiohttp import web
 from stargate.proto import stargate_pb2
 from stargate.pylon.calibration import Calibrator
 from stargate.pylon.canary import CanaryRunner
-from stargate.pylon.clock import Clock, SystemClock
 from stargate.pylon.config import PylonSettings, StatsSource, StatsStreamMode
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import RequestIds
@@ -32,6 +31,7 @@ from stargate.pylon.stats.engine_stream import EngineStatsStream
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
+from stargate.wire.clock import Clock, SystemClock
 
 log = logging.getLogger("stargate.pylon")
 SWEEP_INTERVAL_S = 1.0

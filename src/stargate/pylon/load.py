@@ -14,8 +14,7 @@ from enum import IntEnum
 
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
-
-U64_MAX = 2**64 - 1
+from stargate.wire.limits import U64_MAX
 
 
 class Phase(IntEnum):

@@ -20,9 +20,10 @@ import grpc
 
 from stargate.balancer.types import ModelStats
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
+from stargate.wire import headers as h
 
 log = logging.getLogger("stargate.pylon.registration")
-HEARTBEAT_METADATA = "x-stargate-registration-heartbeat-ms"
+HEARTBEAT_METADATA = h.HEARTBEAT_METADATA
 RETRY_S = 1.0
 INITIAL_DISCOVERY_TIMEOUT_S = 5.0
 

@@ -17,7 +17,6 @@ from multidict import CIMultiDict
 
 from stargate.errors import RequestError
 from stargate.pylon import admission
-from stargate.pylon.clock import Clock
 from stargate.pylon.config import PylonSettings, UpstreamBackend
 from stargate.pylon.headers import (
     RetryPolicy,
@@ -33,6 +32,8 @@ from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
+from stargate.wire import headers as h
+from stargate.wire.clock import Clock
 
 MAX_BODY = 64 * 1024 * 1024
 ENDPOINTS = {
@@ -121,8 +122,8 @@ class Relay:
                 503,
                 _NOT_ADMITTED,
                 headers={
-                    "x-stargate-retryable": "true",
-                    "x-stargate-retry-reason": "model_generation_unavailable",
+                    h.RETRYABLE: "true",
+                    h.RETRY_REASON: "model_generation_unavailable",
                 },
             )
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
@@ -193,9 +194,9 @@ class Relay:
             self.metrics.admission_actual.observe(decision.actual_ms)
 
     def _reject(self, decision: admission.Decision) -> web.Response:
-        headers = {"x-stargate-retryable": "true", "x-stargate-retry-reason": "queue_estimate_mismatch"}
+        headers = {h.RETRYABLE: "true", h.RETRY_REASON: "queue_estimate_mismatch"}
         if self.admission.retry_after_ms is not None:
-            headers["x-stargate-retry-after-ms"] = str(self.admission.retry_after_ms)
+            headers[h.RETRY_AFTER_MS] = str(self.admission.retry_after_ms)
         self.metrics.retryable.labels(self.s.inference_server_id, "queue_estimate_mismatch", "429").inc()
         return problem(
             429,
@@ -242,8 +243,8 @@ class Relay:
                 503,
                 "local upstream connection failed",
                 headers={
-                    "x-stargate-retryable": retryable,
-                    "x-stargate-retry-reason": "local_connect_failure",
+                    h.RETRYABLE: retryable,
+                    h.RETRY_REASON: "local_connect_failure",
                 },
             )
         async with upstream:

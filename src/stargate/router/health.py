@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import aiohttp
 
+from stargate.wire import headers as h
+
 MAX_HEALTH_BODY_BYTES = 64 * 1024
 
 
@@ -33,9 +35,9 @@ class HealthProber:
         self._session = session
         self._url = url.rstrip("/") + "/health"
         self._headers = {
-            "x-request-id": f"stargate-health-{inference_server_id}",
-            "x-model": "stargate-health",
-            "x-input-tokens": "0",
+            h.REQUEST_ID: f"stargate-health-{inference_server_id}",
+            h.MODEL: "stargate-health",
+            h.INPUT_TOKENS: "0",
         }
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)

@@ -6,7 +6,6 @@ an IP host; see docs/compat.md). Messages are the original's, in the original's 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -18,11 +17,11 @@ import grpc
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
 from stargate.errors import StargateError
 from stargate.proto import stargate_pb2
+from stargate.wire import headers as h
+from stargate.wire.limits import U64_MAX
 
-HEARTBEAT_METADATA_KEY = "x-stargate-registration-heartbeat-ms"
-U64_MAX = 2**64 - 1
+HEARTBEAT_METADATA_KEY = h.HEARTBEAT_METADATA
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-_U64_TEXT = re.compile(r"\+?[0-9]+")
 _ACTIVE = stargate_pb2.INFERENCE_SERVER_STATUS_ACTIVE
 
 
@@ -77,11 +76,9 @@ def idle_timeout_ms(heartbeat: str | bytes | None, floor_ms: int, cap_ms: int) -
     """Negotiated idle timeout (§5.6); ``None`` means no timeout."""
     if floor_ms == 0 or cap_ms == 0:
         return None
-    if not isinstance(heartbeat, str) or not heartbeat.isascii():
+    beat = h.optional_unsigned(heartbeat, U64_MAX) if isinstance(heartbeat, str) else None
+    if beat is None:
         return cap_ms
-    if not _U64_TEXT.fullmatch(heartbeat) or int(heartbeat) > U64_MAX:
-        return cap_ms
-    beat = int(heartbeat)
     return min(max(min(3 * beat, U64_MAX), floor_ms), cap_ms)
 
 

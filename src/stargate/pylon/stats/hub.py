@@ -13,7 +13,6 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
-from stargate.pylon.clock import Clock
 from stargate.pylon.ids import CALIBRATION, RequestIds
 from stargate.pylon.load import LiveLoad
 from stargate.pylon.metrics import PylonMetrics
@@ -22,6 +21,7 @@ from stargate.pylon.stats import aggregate as agg
 from stargate.pylon.stats.counters import CounterTracker, Outcome
 from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
+from stargate.wire.clock import Clock
 
 
 class LimitSource(StrEnum):
