@@ -28,6 +28,21 @@ DEFINITIONS = {
     "wait-and-widen affinity (X=200)": AlgorithmDefinition(
         Algorithm.WAIT_AND_WIDEN, comparator=Comparator.TTFT, selection_count=2, cache_affinity_wait_ms=200
     ),
+    "power-of-n load-aware": AlgorithmDefinition(
+        Algorithm.POWER_OF_N, comparator=Comparator.TTFT, load_aware=True
+    ),
+    "wait-and-widen load-aware": AlgorithmDefinition(
+        Algorithm.WAIT_AND_WIDEN, comparator=Comparator.TTFT, load_aware=True
+    ),
+    "recommended (load-aware, yield)": AlgorithmDefinition(
+        Algorithm.WAIT_AND_WIDEN,
+        comparator=Comparator.TTFT,
+        selection_count=1,
+        cache_affinity_wait_ms=200,
+        cache_affinity_input_tokens_scale=0.2,
+        cache_affinity_yield_margin_ms=250,
+        load_aware=True,
+    ),
     "pulsar": AlgorithmDefinition(Algorithm.PULSAR),
     "pulsar-wait-and-widen (slo)": AlgorithmDefinition(
         Algorithm.PULSAR_WAIT_AND_WIDEN, queue_slo_ms=(50, 500)

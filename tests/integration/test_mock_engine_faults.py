@@ -148,6 +148,27 @@ async def test_request_log_records_ground_truth(tmp_path: Path) -> None:
     assert first["arrival"] <= first["first_token"] <= first["finish"]
 
 
+async def test_arrival_log_names_a_request_before_it_finishes(tmp_path: Path) -> None:
+    log = tmp_path / "arrivals.jsonl"
+    async with running(arrival_log=str(log), backend_id="b0") as (url, _, session):
+        async with session.post(url + "/test-control/pause") as r:
+            assert r.status == 200
+        held = asyncio.create_task(
+            session.post(url + "/v1/chat/completions", json=chat(), headers={"x-request-id": "held"})
+        )
+        deadline = time.monotonic() + 5.0
+        while not log.exists() or not log.read_bytes():
+            assert time.monotonic() < deadline, "no arrival line while the request was held"
+            await asyncio.sleep(0.01)
+        assert not held.done()
+        (row,) = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+        assert (row["request_id"], row["backend_id"]) == ("held", "b0") and row["arrival"] > 0
+        async with session.post(url + "/test-control/resume") as r:
+            assert r.status == 200
+        async with await held as response:
+            assert response.status == 200
+
+
 async def test_prefix_mode_concurrent_same_prefix_then_hit() -> None:
     timing = TimingConfig(num_tokens=1, token_delay_ms=0, prefill_tokens_per_s=2000)
     prompt = "x" * 800  # 200 tokens at 4 bytes per token

@@ -367,3 +367,34 @@ async def test_b107_embeddings_item_count_reaches_model_gauges(
         assert tps <= 3 / 0.010  # three items over at least the 10 ms floor
     finally:
         await app.close()
+
+
+async def test_relay_non_streaming_relays_json_and_counts_its_usage(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine, "--engine-stats-stream", "off", "--pylon-relay-non-streaming", "true")
+    try:
+        body = orjson.dumps({"model": "llama", "messages": [], "stream": False})
+        async with client.post(app.http_url + "/v1/chat/completions", data=body, headers=HEADERS) as resp:
+            assert resp.status == 200 and resp.content_type == "application/json"
+            assert (await resp.json())["usage"]["completion_tokens"] == 1
+        assert engine.hits("/v1/chat/completions") == 1
+        text = app.metrics.render().decode()
+        assert 'pylon_requests_total{model="llama",routing_key="",status="complete"} 1.0' in text
+        assert 'pylon_request_output_tokens_total{model="llama",routing_key=""} 1.0' in text
+        assert len(app.load) == 0
+    finally:
+        await app.close()
+
+
+async def test_non_streaming_refusal_says_how_to_relay(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine)
+    try:
+        body = orjson.dumps({"model": "llama", "messages": []})
+        async with client.post(app.http_url + "/v1/chat/completions", data=body, headers=HEADERS) as resp:
+            assert resp.status == 400
+            assert "--pylon-relay-non-streaming" in (await resp.json(content_type=None))["hint"]
+    finally:
+        await app.close()

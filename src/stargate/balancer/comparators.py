@@ -2,13 +2,22 @@
 
 Each score reads the candidate snapshot as-is (reservations included, no staleness filter). The
 queue-based scores use the effective queue delay (free-slot rule); the others use raw stats.
+With ``load_aware`` every score reads the load-aware estimates instead (``estimates.load_*``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from stargate.balancer.estimates import prefill_ms, queue_ms, usable_tps, work
+from stargate.balancer.estimates import (
+    load_queue_ms,
+    load_running,
+    load_ttft_ms,
+    prefill_ms,
+    queue_ms,
+    usable_tps,
+    work,
+)
 from stargate.balancer.settings import Comparator
 from stargate.balancer.types import Candidate
 
@@ -48,6 +57,39 @@ SCORES: dict[Comparator, Score] = {
 }
 
 
-def score_for(comparator: Comparator | None) -> Score:
+def load_ttft_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    return load_ttft_ms(candidate, input_tokens, priority)
+
+
+def load_queue_time_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    return load_queue_ms(candidate, priority)
+
+
+def load_input_work_seconds_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    stats = candidate.stats
+    backlog = max(stats.queued_input_size, candidate.in_flight.prefill_tokens)
+    return work(backlog + input_tokens, usable_tps(stats))
+
+
+def load_utilization_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    return load_running(candidate) / max(candidate.stats.max_engine_concurrency, 1)
+
+
+def load_num_requests_queued_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
+    return float(max(candidate.stats.queue_size, candidate.in_flight.prefilling))
+
+
+LOAD_SCORES: dict[Comparator, Score] = {
+    Comparator.TTFT: load_ttft_score,
+    Comparator.QUEUE_TIME: load_queue_time_score,
+    Comparator.INPUT_WORK_SECONDS: load_input_work_seconds_score,
+    Comparator.UTILIZATION: load_utilization_score,
+    Comparator.NUM_REQUESTS_QUEUED: load_num_requests_queued_score,
+}
+"""The same comparators over the load-aware estimates: published stats merged with the router's own
+in-flight count (max, never sum), no free-slot shortcut in the ranking."""
+
+
+def score_for(comparator: Comparator | None, load_aware: bool = False) -> Score:
     """The score function of a comparator; an unset comparator means ``ttft`` (§2.7)."""
-    return SCORES[comparator or Comparator.TTFT]
+    return (LOAD_SCORES if load_aware else SCORES)[comparator or Comparator.TTFT]

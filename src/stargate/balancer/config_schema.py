@@ -85,6 +85,7 @@ class RandomFields(_Fields):
 
 class PowerOfNFields(_ComparatorFields):
     sample_count: int = 2
+    load_aware: bool = False
 
 
 class PulsarFields(_Fields):
@@ -111,7 +112,8 @@ class _WaitAndWidenFamilyFields(_ComparatorFields):
 
 
 class WaitAndWidenFields(_WaitAndWidenFamilyFields):
-    pass
+    load_aware: bool = False
+    cache_affinity_yield_margin_ms: U64 | None = None
 
 
 class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
@@ -204,6 +206,7 @@ def normalise(algorithm: Algorithm, fields: AnyFields, path: str) -> AlgorithmDe
                 path=child_path(path, "sample_count"),
             )
         settings["sample_count"] = fields.sample_count
+        settings["load_aware"] = fields.load_aware
         if fields.comparator is not None:
             settings["comparator"] = Comparator(fields.comparator)
     elif isinstance(fields, PulsarFields):
@@ -264,4 +267,7 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields, path: str) -> di
     }
     if isinstance(fields, PulsarWaitAndWidenFields):
         settings["consider_kv_free_tokens"] = fields.consider_kv_free_tokens
+    if isinstance(fields, WaitAndWidenFields):
+        settings["load_aware"] = fields.load_aware
+        settings["cache_affinity_yield_margin_ms"] = fields.cache_affinity_yield_margin_ms
     return settings

@@ -5,6 +5,10 @@ published stats say is waiting). ``effective_queue_ms`` applies the free-slot ru
 known concurrency limit and a free slot starts the request at once, so its effective queue delay is
 0. Every queue-based routing estimate and the ``x-stargate-expected-queue-ms`` header use the
 effective value; input-work scores, utilization, capacity checks and admission use the raw stats.
+
+The load-aware estimates (lb-config ``load_aware``) rank with the work in progress instead, merging
+the published stats with the router's own in-flight count (``Candidate.in_flight``); the free-slot
+rule stays the rule for admission, the queue-SLO filter and the expected-queue header.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats, valid_tps
+from stargate.balancer.types import EMPTY_PRIORITY_MAP, Candidate, ModelStats, valid_tps
 from stargate.wire.limits import U64_MAX, saturating_add
 
 INF = math.inf
@@ -83,6 +87,11 @@ def queue_ms(stats: ModelStats, priority: int) -> float:
     limit = stats.max_engine_concurrency
     if limit > 0 and stats.num_running_queries < limit:
         return 0.0
+    return raw_queue_ms(stats, priority)
+
+
+def raw_queue_ms(stats: ModelStats, priority: int) -> float:
+    """The §3.1 queue delay before the free-slot rule."""
     estimates = stats.queue_time_estimate_ms_by_priority
     if estimates:
         value = estimates.get(priority)
@@ -98,6 +107,61 @@ def queue_ms(stats: ModelStats, priority: int) -> float:
     millis = queued / tps * 1000.0
     # Past u64 the shared estimate is unknown and the raw work quotient is used instead.
     return float(math.ceil(millis)) if millis <= U64_MAX else millis
+
+
+# ---- load-aware estimates (lb-config ``load_aware``) --------------------------------------------
+
+
+def load_running(candidate: Candidate) -> int:
+    """Requests running on the cluster: the published count (with reservations) or this router's
+    own in-flight count, whichever is larger. A max, never a sum: a request both reserved and
+    counted by the engine is counted once."""
+    published = candidate.stats.num_running_queries
+    own = candidate.in_flight.requests
+    return published if published >= own else own
+
+
+def load_queue_ms(candidate: Candidate, priority: int) -> float:
+    """Queue delay that sees work in progress below the slot limit.
+
+    A free slot is not a free engine: on a continuous-batching engine every request prefilling at
+    once shares the prefill throughput, so a new request waits roughly for the prompt tokens ahead
+    of it. Those are the published pending prompt tokens (reservations included) or this router's
+    own tokens still before their first byte, whichever is larger. With no free slot the §3.1
+    estimate (which may come from the engine's priority map) also applies; the larger wins.
+    """
+    stats = candidate.stats
+    backlog = stats.queued_input_size
+    own = candidate.in_flight.prefill_tokens
+    if own > backlog:
+        backlog = own
+    if backlog == 0:
+        load = 0.0
+    else:
+        tps = stats.last_mean_input_tps
+        load = backlog * 1000.0 / tps if 0.0 < tps < INF else INF
+    limit = stats.max_engine_concurrency
+    if limit > 0 and load_running(candidate) < limit:
+        return load
+    spec = raw_queue_ms(stats, priority)
+    return spec if spec > load else load
+
+
+def load_ttft_ms(candidate: Candidate, input_tokens: int, priority: int, scale: float = 1.0) -> float:
+    """rtt + load-aware queue + the request's own (optionally cache-discounted) prefill."""
+    return (
+        candidate.rtt_s * 1000.0
+        + load_queue_ms(candidate, priority)
+        + prefill_ms(candidate.stats, input_tokens, scale)
+    )
+
+
+def load_tie_key(score_ms: float, running: int, resolution_ms: float) -> tuple[float, int, float]:
+    """Ranking key of the load-aware policies: estimates within ``resolution_ms`` are ties (RTT
+    noise must not decide), broken by fewer requests running (decode load), then by the estimate."""
+    if resolution_ms > 0.0 and score_ms < INF:
+        return (score_ms // resolution_ms, running, score_ms)
+    return (score_ms, running, score_ms)
 
 
 def prefill_ms(stats: ModelStats, input_tokens: int, scale: float = 1.0) -> float:

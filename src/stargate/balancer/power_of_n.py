@@ -1,11 +1,16 @@
-"""``power-of-n`` (spec §3.3): sample ``k`` clusters uniformly, keep the best by the comparator."""
+"""``power-of-n`` (spec §3.3): sample ``k`` clusters uniformly, keep the best by the comparator.
+
+With ``load_aware`` the comparator reads the load-aware estimates and scores within
+``ttft_bucket_size_ms`` of each other tie, broken by fewer requests running, then at random.
+"""
 
 from __future__ import annotations
 
 import random
 
 from stargate.balancer.comparators import score_for
-from stargate.balancer.settings import AlgorithmDefinition
+from stargate.balancer.estimates import load_running, load_tie_key
+from stargate.balancer.settings import AlgorithmDefinition, Comparator
 from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected
 from stargate.errors import ConfigError
 
@@ -17,8 +22,12 @@ class PowerOfN:
                 f"power-of-n sample_count must be between 1 and 64, got {definition.sample_count}"
             )
         self.definition = definition
-        self._score = score_for(definition.comparator)
+        self._score = score_for(definition.comparator, definition.load_aware)
         self._k = definition.sample_count
+        self._load_aware = definition.load_aware
+        # Only the millisecond scores have a resolution below which differences are noise.
+        in_ms = (definition.comparator or Comparator.TTFT) in (Comparator.TTFT, Comparator.QUEUE_TIME)
+        self._resolution = float(definition.ttft_bucket_size_ms) if in_ms else 0.0
 
     def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
         sample = self._sample(candidates, request.excluded, rng)
@@ -26,6 +35,8 @@ class PowerOfN:
             return UNAVAILABLE
         score = self._score
         priority, tokens = request.priority, request.input_tokens
+        if self._load_aware:
+            return Selected(Choice(self._least_loaded(candidates, sample, priority, tokens, rng)))
         best = sample[0]
         best_score = score(candidates[best], priority, tokens)
         ties = 1
@@ -39,6 +50,28 @@ class PowerOfN:
                 if rng.random() * ties < 1.0:
                     best = index
         return Selected(Choice(best))
+
+    def _least_loaded(
+        self,
+        candidates: tuple[Candidate, ...],
+        sample: list[int],
+        priority: int,
+        tokens: int,
+        rng: random.Random,
+    ) -> int:
+        """Best ``load_tie_key``; exact ties fall to a coin (reservoir), never to candidate order."""
+        score, resolution = self._score, self._resolution
+        best, best_key, ties = -1, None, 0
+        for index in sample:
+            candidate = candidates[index]
+            key = load_tie_key(score(candidate, priority, tokens), load_running(candidate), resolution)
+            if best_key is None or key < best_key:
+                best, best_key, ties = index, key, 1
+            elif key == best_key:
+                ties += 1
+                if rng.random() * ties < 1.0:
+                    best = index
+        return best
 
     def _sample(
         self, candidates: tuple[Candidate, ...], excluded: frozenset[str], rng: random.Random

@@ -72,6 +72,9 @@ class AlgorithmDefinition:
     consider_kv_free_tokens: bool = False
     cache_affinity_wait_ms: int = 0
     cache_affinity_input_tokens_scale: float = 1.0
+    # load-aware routing (power-of-n, wait-and-widen): not in the original, off by default
+    load_aware: bool = False
+    cache_affinity_yield_margin_ms: int | None = None  # None: hold the affinity group until X
 
 
 class Policy(Protocol):

@@ -55,10 +55,31 @@ class ModelStats:
 
 
 @dataclass(frozen=True, slots=True)
+class InFlight:
+    """What this router has in flight to one cluster right now, exactly: it proxies every byte.
+
+    A request is prefilling from dispatch until its first response body byte, then decoding until
+    it ends. Published stats lag the engine by up to a heartbeat; this does not.
+    """
+
+    requests: int = 0
+    prefilling: int = 0
+    prefill_tokens: int = 0
+
+    @property
+    def decoding(self) -> int:
+        return self.requests - self.prefilling
+
+
+NO_IN_FLIGHT = InFlight()
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """A routed cluster snapshot: what a load balancer chooses between (never a single backend).
 
-    ``stats`` already includes pending routing reservations.
+    ``stats`` already includes pending routing reservations; ``in_flight`` is this router's own
+    exact count, which the load-aware estimates merge with the stats.
     """
 
     cluster_id: str
@@ -66,6 +87,7 @@ class Candidate:
     rtt_s: float
     updated_at: float = 0.0
     active_backend_count: int = 1
+    in_flight: InFlight = NO_IN_FLIGHT
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from stargate.balancer.comparators import score_for
-from stargate.balancer.estimates import INF, queue_ms
+from stargate.balancer.estimates import INF, load_queue_ms, load_running, load_tie_key, queue_ms
 from stargate.balancer.settings import AlgorithmDefinition, Comparator
 from stargate.balancer.types import (
     UNAVAILABLE,
@@ -39,8 +39,9 @@ PhaseResult = Choice | float | None
 GLOBAL_RANK_DEPTH = 2
 """rank_depth of a global (post-affinity-wait) pick: any value > 1 reports it as a fallback."""
 
-# Entry layout of one evaluated candidate: (bucket ttft, cluster id, index, rank score, has capacity).
-_Entry = tuple[float, str, int, float, bool]
+# Entry layout of one evaluated candidate:
+# (bucket ttft, cluster id, index, rank score, has capacity, requests running).
+_Entry = tuple[float, str, int, float, bool, int]
 
 
 class Ranking(Enum):
@@ -62,7 +63,10 @@ class WawSelector:
 
     def __init__(self, definition: AlgorithmDefinition, ranking: Ranking) -> None:
         self._ranking = ranking
-        self._plain = score_for(definition.comparator)
+        self._load_aware = definition.load_aware
+        self._plain = score_for(definition.comparator, definition.load_aware)
+        # Load-aware ranks within this many ms tie (then fewer running wins); 0 for unit-less scores.
+        self._resolution = 0.0 if ranking is Ranking.PLAIN else float(definition.ttft_bucket_size_ms)
         self._bucket = float(definition.ttft_bucket_size_ms)
         self._factor = definition.next_bucket_unlock_factor
         self._n = max(1, definition.n)
@@ -102,14 +106,23 @@ class WawSelector:
         entries: list[_Entry] = []
         low, high, all_finite = INF, -INF, True
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
+        load_aware = self._load_aware
         for index, candidate in pairs:
             cluster_id = candidate.cluster_id
             if excluded and cluster_id in excluded:
                 continue
             stats = candidate.stats
-            queue = queue_ms(stats, priority)
-            if queue_limit is not None and queue > queue_limit:
-                continue
+            if load_aware:
+                # The free-slot rule stays the SLO filter; ranking and buckets see the load.
+                if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
+                    continue
+                queue = load_queue_ms(candidate, priority)
+                running = load_running(candidate)
+            else:
+                queue = queue_ms(stats, priority)
+                if queue_limit is not None and queue > queue_limit:
+                    continue
+                running = stats.num_running_queries
             if tokens == 0:
                 prefill = 0.0
             else:
@@ -134,7 +147,8 @@ class WawSelector:
                     cluster_id,
                     index,
                     rank,
-                    limit == 0 or stats.num_running_queries < limit + max_queued,
+                    limit == 0 or running < limit + max_queued,
+                    running,
                 )
             )
             if bucket_ttft < INF:
@@ -177,6 +191,43 @@ class WawSelector:
             reached += 1
         return entries[:reached], None
 
+    def _load_key(self, entry: _Entry) -> tuple[float, int, float]:
+        return load_tie_key(entry[3], entry[5], self._resolution)
+
+    def best_ttft(
+        self,
+        candidates: tuple[Candidate, ...],
+        indices: Sequence[int] | None,
+        request: LbRequest,
+        scale: float,
+        queue_limit: float | None,
+        *,
+        selectable_only: bool,
+    ) -> float:
+        """Lowest TTFT estimate (the ranking's queue notion, ``scale``d prefill) among ``indices``."""
+        priority, tokens = request.priority, request.input_tokens
+        best = INF
+        pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
+        for _, candidate in pairs:
+            if request.excluded and candidate.cluster_id in request.excluded:
+                continue
+            stats = candidate.stats
+            if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
+                continue
+            if self._load_aware:
+                queue, running = load_queue_ms(candidate, priority), load_running(candidate)
+            else:
+                queue, running = queue_ms(stats, priority), stats.num_running_queries
+            limit = stats.max_engine_concurrency
+            if selectable_only and not (limit == 0 or running < limit + self._max_queued):
+                continue
+            tps = stats.last_mean_input_tps
+            prefill = 0.0 if tokens == 0 else (tokens * scale * 1000.0 / tps if 0.0 < tps < INF else INF)
+            estimate = candidate.rtt_s * 1000.0 + queue + prefill
+            if estimate < best:
+                best = estimate
+        return best
+
     def _pick(self, candidates: tuple[Candidate, ...], available: list[_Entry], rng: random.Random) -> int:
         """Partial Fisher-Yates over the first ``n`` positions, then the first best among them."""
         total = len(available)
@@ -185,6 +236,8 @@ class WawSelector:
             for position in range(sample):
                 other = position + int(rng.random() * (total - position))
                 available[position], available[other] = available[other], available[position]
+        if self._load_aware:
+            return min(available[:sample], key=self._load_key)[2]
         best = available[0]
         least_queue = self._ranking is Ranking.LEAST_QUEUE
         for position in range(1, sample):
@@ -221,6 +274,10 @@ class WaitAndWiden:
     candidate competes at full prefill with buckets widening only by ``elapsed - X``, and a pick
     there is reported with ``rank_depth`` 2. Without a group (no key, or no selection count) the
     plain decision waits for the next bucket unlock when a bucket is locked only by time.
+
+    With ``cache_affinity_yield_margin_ms`` (not in the original) the group yields to load: when
+    its best estimate is worse than the best selectable global one by more than the margin, the
+    request is routed globally at once (``rank_depth`` 2), before or after X.
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
@@ -242,6 +299,8 @@ class WaitAndWiden:
         self._groups = AffinityGroups(definition, count) if count else None
         self._wait_ms = float(definition.cache_affinity_wait_ms)
         self._scale = definition.cache_affinity_input_tokens_scale
+        margin = definition.cache_affinity_yield_margin_ms
+        self._yield_margin = None if margin is None else float(margin)
 
     def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
         if not candidates:
@@ -271,6 +330,11 @@ class WaitAndWiden:
             return UNAVAILABLE
         elapsed = request.elapsed_ms
         selector = self._selector
+        if self._yield_margin is not None and self._affinity_loses(candidates, request, group, queue_limit):
+            slept = max(0.0, elapsed - self._wait_ms)
+            public = selector.phase(candidates, None, request, 1.0, slept, queue_limit, rng)
+            if isinstance(public, Choice):
+                return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
         affine = selector.phase(candidates, group, request, self._scale, elapsed, queue_limit, rng)
         if isinstance(affine, Choice):
             return Selected(affine)
@@ -282,3 +346,17 @@ class WaitAndWiden:
             return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
         hints = [hint for hint in (affine, public) if hint is not None]
         return Wait(min(hints)) if hints else UNAVAILABLE
+
+    def _affinity_loses(
+        self,
+        candidates: tuple[Candidate, ...],
+        request: LbRequest,
+        group: tuple[int, ...],
+        queue_limit: float | None,
+    ) -> bool:
+        """The group's best estimate (cache discount applied, full members included: their queue
+        estimate is the wait) is worse than the best selectable global one by more than the margin."""
+        best, margin = self._selector.best_ttft, self._yield_margin
+        affine = best(candidates, group, request, self._scale, queue_limit, selectable_only=False)
+        public = best(candidates, None, request, 1.0, queue_limit, selectable_only=True)
+        return margin is not None and public < INF and affine > public + margin

@@ -1,4 +1,5 @@
-"""The ``stargate-bench`` console script: run, compare, overhead, summarize, demo, list-scenarios, validate.
+"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, serve,
+list-scenarios, validate.
 
 Exit status: 0 every run succeeded, 1 at least one run failed (the report is still written),
 2 bad usage or a bad scenario file, 130 interrupted (every process was stopped first).
@@ -152,9 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a scenario file without starting anything")
     validate.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
 
+    from stargate.bench.fault_suite import add_parser as add_faults_parser
     from stargate.bench.peers.commands import add_parsers
+    from stargate.bench.serve import add_parser as add_serve_parser
 
     add_parsers(sub, _positive, _positive_float)
+    add_serve_parser(sub, _positive)
+    add_faults_parser(sub)
     return parser
 
 
@@ -171,11 +176,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return summarize_command(console, args.dir)
         if args.command == "run":
             return run_command(console, args, list(sys.argv if argv is None else argv))
+        if args.command == "faults":
+            from stargate.bench.fault_suite import faults_command
+
+            return faults_command(console, args, list(sys.argv if argv is None else argv))
         if args.command in ("compare", "overhead"):
             from stargate.bench.peers import commands
 
             handler = commands.compare_command if args.command == "compare" else commands.overhead_command
             return handler(console, args, list(sys.argv if argv is None else argv))
+        if args.command == "serve":
+            from stargate.bench.serve import serve
+
+            return asyncio.run(serve(args))
         from stargate.bench.demo import demo_command
 
         return demo_command(console, args)

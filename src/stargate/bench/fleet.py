@@ -2,13 +2,16 @@
 
 Every process binds port 0 and announces its addresses on a ready line; the one-line parsers below
 are the only place that knows those formats. ``Fleet`` is an async context manager: leaving it, for
-any reason (failure, Ctrl-C, cancellation), stops every child it started.
+any reason (failure, Ctrl-C, cancellation), stops every child it started. Fault injection reaches the
+processes through ``engine_process``/``pylon_process`` (signals), ``retire`` (a child that is meant to
+be dead no longer fails ``check_alive``) and ``restart_cluster`` (an engine and its Pylons anew).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import itertools
 import os
 import re
 import sys
@@ -103,10 +106,13 @@ class Fleet:
 
     def __init__(self, scenario: Scenario, run: RunSpec, run_dir: Path,
                  timeouts: FleetTimeouts | None = None, *, with_stargate: bool = True,
-                 engine_env: dict[str, str] | None = None, engine_args: Sequence[str] = ()) -> None:
+                 engine_env: dict[str, str] | None = None, engine_args: Sequence[str] = (),
+                 stargate_args: Sequence[str] = ()) -> None:
         """``with_stargate=False`` starts the mock engines only (for routers that front them directly);
-        ``engine_env`` is added to the engines' environment, ``engine_args`` to their command lines."""
+        ``engine_env`` is added to the engines' environment, ``engine_args`` to their command lines,
+        ``stargate_args`` to every Stargate's (later flags win)."""
         self.scenario = scenario
+        self.stargate_args = list(stargate_args)
         self.with_stargate = with_stargate
         self.engine_env = engine_env
         self.engine_args = list(engine_args)
@@ -118,6 +124,9 @@ class Fleet:
         self.pylons: dict[str, PylonAddrs] = {}
         self.engines: dict[str, str] = {}
         self._procs: list[ManagedProcess[Any]] = []
+        self._by_role: dict[str, ManagedProcess[Any]] = {}  # "engine-0" / "backend-0" → current process
+        self._retired: list[ManagedProcess[Any]] = []
+        self._generation = itertools.count(1)
 
     async def __aenter__(self) -> Fleet:
         try:
@@ -146,6 +155,7 @@ class Fleet:
         engines = self.scenario.engines()
         urls = await self._launch([self._engine_proc(e) for e in engines])
         self.engines = {e.engine_id: url for e, url in zip(engines, urls, strict=True)}
+        self._by_role.update({e.engine_id: p for e, p in zip(engines, self._procs, strict=True)})
         if not self.with_stargate:
             return
 
@@ -160,15 +170,50 @@ class Fleet:
         self.stargates = [*first, *others]
 
         backends = self.scenario.backend_specs()
-        addrs = await self._launch([self._pylon_proc(b) for b in backends])
-        self.pylons = {b.backend_id: a for b, a in zip(backends, addrs, strict=True)}
+        await self._start_pylons(backends)
         await self.wait_routable()
 
-    def _engine_proc(self, spec: EngineSpec) -> ManagedProcess[str]:
-        argv = [*command("stargate-mock-engine"), *spec.args, *self.engine_args,
-                "--http-listen-addr", "127.0.0.1:0"]
+    async def _start_pylons(self, backends: Sequence[BackendSpec], suffix: str = "") -> None:
+        procs = [self._pylon_proc(b, suffix) for b in backends]
+        addrs = await self._launch(procs)
+        self.pylons.update({b.backend_id: a for b, a in zip(backends, addrs, strict=True)})
+        self._by_role.update({b.backend_id: p for b, p in zip(backends, procs, strict=True)})
+
+    def engine_process(self, engine_id: str) -> ManagedProcess[Any] | None:
+        return self._by_role.get(engine_id)
+
+    def pylon_process(self, backend_id: str) -> ManagedProcess[Any] | None:
+        return self._by_role.get(backend_id)
+
+    def retire(self, proc: ManagedProcess[Any]) -> None:
+        """``proc`` is meant to exit (killed or stopped on purpose); teardown still reaps it."""
+        self._retired.append(proc)
+
+    async def restart_cluster(self, cluster_id: str) -> None:
+        """Start the cluster's engine and Pylons again (empty cache), as a Deployment would.
+
+        The engine gets its old address back (a Service's address survives its pod, and routers that
+        front the engines directly keep theirs); Pylons get new ports and register anew. The processes
+        they replace must be stopped and retired first; new log files get a suffix.
+        """
+        suffix = f".restart{next(self._generation)}"
+        backends = [b for b in self.scenario.backend_specs() if b.cluster_id == cluster_id]
+        engine_ids = {b.engine_id for b in backends}
+        engines = [e for e in self.scenario.engines() if e.engine_id in engine_ids]
+        procs = [self._engine_proc(e, suffix, self.engines[e.engine_id].removeprefix("http://"))
+                 for e in engines]
+        urls = await self._launch(procs)
+        self.engines.update({e.engine_id: url for e, url in zip(engines, urls, strict=True)})
+        self._by_role.update({e.engine_id: p for e, p in zip(engines, procs, strict=True)})
+        if self.with_stargate:
+            await self._start_pylons(backends, suffix)
+
+    def _engine_proc(self, spec: EngineSpec, suffix: str = "",
+                     addr: str = "127.0.0.1:0") -> ManagedProcess[str]:
+        argv = [*command("stargate-mock-engine"), *spec.args, *self.engine_args, "--http-listen-addr", addr]
         env = {**os.environ, **self.engine_env} if self.engine_env else None
-        return ManagedProcess(f"engine-{spec.engine_id}", argv, self.log_dir, parse_engine_ready, env=env)
+        return ManagedProcess(f"engine-{spec.engine_id}{suffix}", argv, self.log_dir, parse_engine_ready,
+                              env=env)
 
     def _stargate_proc(self, index: int, lb_path: Path, seeds: list[str]) -> ManagedProcess[StargateAddrs]:
         argv = [
@@ -185,9 +230,10 @@ class Fleet:
         ]
         for seed in seeds:
             argv += ["--remote-stargate-url", seed]
+        argv += self.stargate_args
         return ManagedProcess(f"stargate-{index}", argv, self.log_dir, parse_stargate_ready)
 
-    def _pylon_proc(self, spec: BackendSpec) -> ManagedProcess[PylonAddrs]:
+    def _pylon_proc(self, spec: BackendSpec, suffix: str = "") -> ManagedProcess[PylonAddrs]:
         argv = [
             *command("pylon"),
             *spec.pylon_args,
@@ -202,7 +248,7 @@ class Fleet:
             argv += ["--inference-server-id", spec.backend_id]
         if "--cluster-id" not in argv:
             argv += ["--cluster-id", spec.cluster_id]
-        return ManagedProcess(f"pylon-{spec.backend_id}", argv, self.log_dir, parse_pylon_ready)
+        return ManagedProcess(f"pylon-{spec.backend_id}{suffix}", argv, self.log_dir, parse_pylon_ready)
 
     def pids(self) -> dict[str, int]:
         """Live child pids by process name (``engine-…``, ``stargate-…``, ``pylon-…``)."""
@@ -210,7 +256,7 @@ class Fleet:
 
     def check_alive(self) -> None:
         for proc in self._procs:
-            if proc.returncode is not None:
+            if proc.returncode is not None and proc not in self._retired:
                 raise ProcessError(f"{proc.name} exited with code {proc.returncode}\n{proc.log_tail()}")
 
     async def wait_routable(self) -> None:
@@ -278,6 +324,7 @@ class Fleet:
 
     async def stop(self) -> None:
         procs, self._procs = self._procs, []
+        self._by_role.clear()
         await stop_all(procs, self.timeouts.stop_grace_s)
 
 

@@ -78,8 +78,8 @@ def cpu_ms(pid: int) -> float | None:
 class _HopFleet(Fleet):
     """Stargate alone: the Pylon advertises the engine's address, so requests skip its relay."""
 
-    def _pylon_proc(self, spec: BackendSpec) -> ManagedProcess[PylonAddrs]:
-        proc = super()._pylon_proc(spec)
+    def _pylon_proc(self, spec: BackendSpec, suffix: str = "") -> ManagedProcess[PylonAddrs]:
+        proc = super()._pylon_proc(spec, suffix)
         engine = self.engines[spec.engine_id].removeprefix("http://")
         proc.argv += ["--http-advertise-addr", engine]
         return proc

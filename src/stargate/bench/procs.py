@@ -148,6 +148,11 @@ class ManagedProcess(Generic[T]):
                 parts.extend(text)
         return "\n".join(parts)
 
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the whole group (fault injection: SIGKILL, SIGSTOP, SIGCONT); no-op once reaped."""
+        if self._proc is not None and self._proc.returncode is None:
+            _signal_group(self._proc.pid, sig)
+
     async def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the whole group, SIGKILL it after ``grace_s``; idempotent."""
         proc = self._proc
@@ -155,6 +160,7 @@ class ManagedProcess(Generic[T]):
             return
         try:
             if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGCONT)  # a frozen child could not act on SIGTERM
                 _signal_group(proc.pid, signal.SIGTERM)
                 try:
                     await asyncio.wait_for(proc.wait(), grace_s)

@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 import orjson
 
 from stargate.bench.driver import Driver, make_session
+from stargate.bench.faults import FaultInjector, FaultReport, arrival_args, markdown_section
 from stargate.bench.fleet import Fleet, FleetTimeouts
 from stargate.bench.report import write_report
 from stargate.bench.scenario import RunSpec, Scenario
@@ -67,6 +68,7 @@ class RunOutcome:
     records: list[RequestRecord] = field(default_factory=list)
     duration_s: float = 0.0
     error: str | None = None
+    faults: FaultReport | None = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,8 @@ async def execute_run(scenario: Scenario, workload: Workload, planned: PlannedRu
         option=orjson.OPT_INDENT_2))
     driver: Driver | None = None
     try:
-        async with Fleet(scenario, planned.spec, planned.run_dir, timeouts) as fleet:
+        async with Fleet(scenario, planned.spec, planned.run_dir, timeouts,
+                         engine_args=arrival_args(scenario, planned.run_dir)) as fleet:
             await fleet.scrape("before")
             (planned.run_dir / "fleet.json").write_bytes(orjson.dumps(
                 {"stargates": fleet.stargates, "pylons": fleet.pylons, "engines": fleet.engines},
@@ -127,9 +130,8 @@ async def execute_run(scenario: Scenario, workload: Workload, planned: PlannedRu
             async with make_session(workload.max_concurrency) as session:
                 driver = Driver(session, fleet.stargate_urls, planned.name,
                                 on_record=lambda r: progress.request_done(planned.name, r))
-                started = time.perf_counter()
-                outcome.records = await driver.replay(workload)
-                outcome.duration_s = time.perf_counter() - started
+                outcome.records, outcome.duration_s, outcome.faults = await replay_with_faults(
+                    scenario, workload, fleet, driver, planned.run_dir)
             await fleet.scrape("after")
     except Exception as exc:  # one failed run must not end the suite
         outcome.error = f"{type(exc).__name__}: {exc}"
@@ -140,6 +142,25 @@ async def execute_run(scenario: Scenario, workload: Workload, planned: PlannedRu
         write_records(planned.run_dir / "requests.jsonl", outcome.records)
         progress.run_finished(planned.name, outcome.error)
     return outcome
+
+
+async def replay_with_faults(scenario: Scenario, workload: Workload, fleet: Fleet, driver: Driver,
+                             run_dir: Path) -> tuple[list[RequestRecord], float, FaultReport | None]:
+    """The replay, with the scenario's degradation actions fired on ``fleet`` meanwhile."""
+    async with FaultInjector(scenario, workload, fleet, lambda: len(driver.records)) as injector:
+        started = time.perf_counter()
+        records = await driver.replay(workload)
+        duration_s = time.perf_counter() - started
+    faults = injector.report(records, run_dir) if injector.actions else None
+    return records, duration_s, faults
+
+
+def append_fault_section(report: Path, outcomes: Sequence[RunOutcome]) -> None:
+    """The ``## Faults`` section of ``report.md``, when a run injected faults."""
+    rows = [(o.planned.name, o.faults) for o in outcomes if o.faults is not None]
+    if rows:
+        with report.open("a", encoding="utf-8") as sink:
+            sink.write(markdown_section(rows))
 
 
 async def run_suite(scenario: Scenario, workload: Workload, out_dir: Path, *, runs: Sequence[RunSpec],
@@ -160,6 +181,7 @@ async def run_suite(scenario: Scenario, workload: Workload, out_dir: Path, *, ru
     summaries = [summarize_outcome(o, scenario, slo_ttft_ms) for o in outcomes]
     records_by_run = {o.planned.name: o.records for o in outcomes}
     report = await asyncio.to_thread(write_report, out_dir, scenario, summaries, records_by_run)
+    append_fault_section(report, outcomes)
     return SuiteResult(out_dir, tuple(outcomes), tuple(summaries), report)
 
 

@@ -302,15 +302,21 @@ class Metadata(_Strict):
 
 
 class DegradationAction(_Strict):
+    """The original's two actions plus ours: kill (SIGKILL) or freeze (SIGSTOP) an engine or a Pylon."""
+
     at_request: U64
     backend_index: U64
-    action: Literal["delete_backend_pod", "scale_backend"]
+    action: Literal["delete_backend_pod", "scale_backend", "kill_engine", "kill_pylon", "freeze_engine",
+                    "freeze_pylon"]
     replicas: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    resume_after_ms: U64 | None = None
 
     @model_validator(mode="after")
     def _replicas(self) -> DegradationAction:
         if (self.action == "scale_backend") != (self.replicas is not None):
             raise ValueError("replicas is required for and only allowed with scale_backend")
+        if self.resume_after_ms is not None and not self.action.startswith("freeze_"):
+            raise ValueError("resume_after_ms is only allowed with freeze_engine and freeze_pylon")
         return self
 
 

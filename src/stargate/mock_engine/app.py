@@ -112,7 +112,11 @@ def build_app(engine: Engine) -> web.Application:
     async def lifecycle(_: web.Application) -> Any:
         if engine.log is not None:
             await engine.log.start()
+        if engine.arrivals is not None:
+            engine.arrivals.start()
         yield
+        if engine.arrivals is not None:
+            engine.arrivals.stop()
         if engine.log is not None:
             await engine.log.stop()
 
@@ -133,6 +137,8 @@ async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRun
         engine.backend_id = f"{engine.config.model}/{bound[1]}"
         if engine.log is not None:
             engine.log.backend_id = engine.backend_id
+        if engine.arrivals is not None:
+            engine.arrivals.backend_id = engine.backend_id
     url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     return runner, f"http://{url_host}:{bound[1]}"
 

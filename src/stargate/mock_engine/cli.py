@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=16, help="prefix mode: tokens per cached block")
     p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request")
     p.add_argument(
+        "--arrival-log", metavar="FILE", help="append one JSON line per request as it arrives, unbuffered"
+    )
+    p.add_argument(
         "--responses-stream-only", action="store_true", help="answer 400 to non-streaming /v1/responses"
     )
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger bodies get 413")
@@ -164,6 +167,7 @@ def config_from_args(
         kv_cache_mode=args.kv_cache_mode,
         kv_block_size=args.kv_block_size,
         request_log=args.request_log,
+        arrival_log=args.arrival_log,
         responses_stream_only=args.responses_stream_only,
         max_body_bytes=args.max_body_bytes,
     )

@@ -18,7 +18,7 @@ from typing import Literal
 
 from .control import TestControl
 from .kv_cache import AffinityKVCache, KVCache, PrefixKVCache
-from .request_log import RequestLog
+from .request_log import ArrivalLog, RequestLog
 from .scheduler import DecodeScheduler, LoopTimer, Timer
 from .stats_stream import StatsHub
 from .timing import ProcessorSharing, TimingConfig, prefill_seconds
@@ -40,6 +40,7 @@ class EngineConfig:
     kv_cache_mode: KVMode = "affinity"
     kv_block_size: int = 16
     request_log: str | None = None
+    arrival_log: str | None = None
     responses_stream_only: bool = False
     max_body_bytes: int = 64 << 20
 
@@ -165,6 +166,7 @@ class Engine:
         )
         self.stats = StatsHub(config.model, config.max_concurrent_requests, self.control.limit_overrides)
         self.log = RequestLog(config.request_log, config.backend_id) if config.request_log else None
+        self.arrivals = ArrivalLog(config.arrival_log, config.backend_id) if config.arrival_log else None
         continuous = config.timing.batching == "continuous" and config.timing.prefill_enabled
         self._pool = PrefillPool(config.timing.prefill_tokens_per_s) if continuous else None
         self.prefilling = 0

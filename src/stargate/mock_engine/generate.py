@@ -137,6 +137,8 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
     header_id = headers_in.get("x-request-id", "")
     ident = new_id(_ID_PREFIX[kind])
     request_id = header_id or ("" if kind == "responses" else ident)
+    if engine.arrivals is not None:
+        engine.arrivals.add(request_id, engine.to_wall(arrival))
     control = engine.control
     klass = request_class(header_id)
     control.count(_ENDPOINT[kind], model, klass)

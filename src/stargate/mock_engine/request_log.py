@@ -4,12 +4,17 @@ Lines are queued in memory (at most ``MAX_PENDING``; beyond that they are droppe
 and written by one background task in batches, so the request path never touches the file.
 Times are Unix seconds (``arrival``, ``first_token``, ``finish``) and milliseconds for the
 phases (``queue_wait_ms``, ``prefill_ms``).
+
+The arrival log (``--arrival-log FILE``) is the other half for fault runs: one short line per request
+as it arrives, written at once, so an engine killed with SIGKILL still leaves the name of every
+request it had accepted (the request log only knows finished ones, and loses its unflushed batch).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import IO, Any
@@ -109,3 +114,26 @@ class RequestLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class ArrivalLog:
+    """``{"request_id", "backend_id", "arrival"}`` per request, one ``write`` each (O_APPEND)."""
+
+    def __init__(self, path: str, backend_id: str) -> None:
+        self._path = path
+        self.backend_id = backend_id
+        self._fd: int | None = None
+
+    def start(self) -> None:
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def add(self, request_id: str, arrival: float) -> None:
+        if self._fd is None:
+            return
+        row = {"request_id": request_id[:256], "backend_id": self.backend_id, "arrival": round(arrival, 6)}
+        os.write(self._fd, orjson.dumps(row) + b"\n")
+
+    def stop(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

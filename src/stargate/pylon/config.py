@@ -88,6 +88,7 @@ class PylonSettings:
     upstream_backend: UpstreamBackend = UpstreamBackend.DYNAMO
     priority_ceiling: int = 3600
     max_engine_concurrency: int | None = None
+    relay_non_streaming: bool = False
 
     @property
     def discovery_mode(self) -> bool:
@@ -194,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bool,
         default=None,
         help="mark engine connection failures retryable (default: false)",
+    )
+    a(
+        "--pylon-relay-non-streaming",
+        type=_bool,
+        default=None,
+        help="relay chat/responses without stream=true as JSON (OpenAI clients); false = 400 "
+        "as the spec says (default: false)",
     )
     a(
         "--pylon-queue-mismatch-retry-enabled",
@@ -424,6 +432,9 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         ),
         local_connect_failures_retryable=_env_bool(
             ns.pylon_local_connect_failures_retryable, env, "PYLON_LOCAL_CONNECT_FAILURES_RETRYABLE", False
+        ),
+        relay_non_streaming=_env_bool(
+            ns.pylon_relay_non_streaming, env, "PYLON_RELAY_NON_STREAMING", False
         ),
         queue_mismatch_enabled=_env_bool(
             ns.pylon_queue_mismatch_retry_enabled, env, "PYLON_QUEUE_MISMATCH_RETRY_ENABLED", True

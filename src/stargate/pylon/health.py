@@ -8,9 +8,13 @@ the first candidate.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import aiohttp
+
+log = logging.getLogger("stargate.pylon")
+REMIND_EVERY_S = 10.0
 
 
 class HealthProber:
@@ -47,12 +51,30 @@ class HealthProber:
         return False
 
     async def wait_healthy(self, *, timeout_s: float, wait_ms: int, retry_s: float = 0.5) -> bool:
-        """Probe until healthy, every ``retry_s``, for up to ``wait_ms`` (0 = probe once)."""
+        """Probe until healthy, every ``retry_s``, for up to ``wait_ms`` (0 = probe once).
+
+        An engine that is not healthy is said at once and every ``REMIND_EVERY_S``, with the URLs
+        tried and the flags that change them, so a wrong address does not look like a hang.
+        """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_ms / 1000.0
+        start = loop.time()
+        deadline = start + wait_ms / 1000.0
+        next_note = start
         while True:
             if await self.probe(timeout_s):
+                if next_note > start:
+                    log.info("engine at %s is healthy", self._base)
                 return True
-            if loop.time() + retry_s > deadline:
+            now = loop.time()
+            if now >= next_note:
+                next_note = now + REMIND_EVERY_S
+                log.warning(
+                    "engine not healthy at %s (tried %s); waiting up to %.0f s more "
+                    "(--upstream-health-wait-ms); is --upstream-http-base-url right?",
+                    self._base,
+                    ", ".join(self.paths),
+                    max(0.0, deadline - now),
+                )
+            if now + retry_s > deadline:
                 return False
             await asyncio.sleep(retry_s)

@@ -9,12 +9,12 @@ count nothing. Every update is O(1); estimates cost O(distinct priorities).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
-from stargate.wire.limits import U64_MAX
+from stargate.wire.limits import U64_MAX, sat_u64
 
 
 class Phase(IntEnum):
@@ -63,6 +63,24 @@ class LoadSnapshot:
     num_running_queries: int = 0
     total_query_input_size: int = 0
     queued_input_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the engine reports of its own load (Prometheus source): requests holding a slot and
+    requests waiting for one."""
+
+    running: int
+    waiting: int
+
+    def floor(self, own: LoadSnapshot) -> LoadSnapshot:
+        """Per field the larger of Pylon's own exact count and the engine's report, never their sum:
+        a request Pylon relays is also on the engine, so adding them would count it twice."""
+        return replace(
+            own,
+            queue_size=max(own.queue_size, self.waiting),
+            num_running_queries=max(own.num_running_queries, sat_u64(self.running + self.waiting)),
+        )
 
 
 def estimate_ms(tokens: int, tps: float) -> int:
@@ -121,8 +139,8 @@ class LiveLoad:
             input_processing_queries=prefill,
             output_generation_queries=decode,
             num_running_queries=pending + prefill + decode,
-            total_query_input_size=agg.total_input,
-            queued_input_size=sum(agg.work_by_priority.values()),
+            total_query_input_size=sat_u64(agg.total_input),
+            queued_input_size=sat_u64(sum(agg.work_by_priority.values())),
         )
 
     def has_generation(self, generation: Generation) -> bool:

@@ -24,32 +24,49 @@ _DELIMS = (b"\r\n\r\n", b"\n\n")
 _TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
 _EMPTY_MARKERS = (b'"content":""', b'"content": ""', b'"delta":""', b'"delta": ""')
 _MARKER_PAIRS = tuple(zip(_TEXT_MARKERS, _EMPTY_MARKERS, strict=True))
+# /v1/completions chunks carry their text in "text" (chat and responses use content/delta).
+_COMPLETION_PAIRS = ((b'"text":"', b'"text":""'), (b'"text": "', b'"text": ""'))
 
 
 class EventTooLarge(Exception):
     """An unterminated SSE event exceeded the 1 MiB buffer limit."""
 
 
-def _explicit_counter(data: bytes) -> int | None:
-    """First of ``usage.completion_tokens``, ``output_tokens_so_far``, ``response.usage.output_tokens``."""
+def _uint(value: object) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _explicit_counters(data: bytes) -> tuple[int | None, int | None]:
+    """``(output, prompt)`` usage counters of one event (or of a whole JSON answer).
+
+    Output: first of ``usage.completion_tokens``, ``output_tokens_so_far``,
+    ``response.usage.output_tokens``, ``usage.output_tokens`` (a ``/v1/responses`` JSON answer);
+    prompt: ``usage.prompt_tokens``, ``response.usage.input_tokens`` or ``usage.input_tokens`` (the
+    engine's own count, which bounds a client's claim).
+    """
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return None
+        return None, None
     if not isinstance(obj, dict):
-        return None
-    candidates: list[object] = []
+        return None, None
     usage = obj.get("usage")
-    if isinstance(usage, dict):
-        candidates.append(usage.get("completion_tokens"))
-    candidates.append(obj.get("output_tokens_so_far"))
     response = obj.get("response")
-    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
-        candidates.append(response["usage"].get("output_tokens"))
-    for value in candidates:
-        if type(value) is int and value >= 0:
-            return value
-    return None
+    response_usage = response.get("usage") if isinstance(response, dict) else None
+    outputs: list[object] = []
+    prompt: int | None = None
+    if isinstance(usage, dict):
+        outputs.append(usage.get("completion_tokens"))
+        prompt = _uint(usage.get("prompt_tokens"))
+    outputs.append(obj.get("output_tokens_so_far"))
+    if isinstance(response_usage, dict):
+        outputs.append(response_usage.get("output_tokens"))
+        prompt = prompt if prompt is not None else _uint(response_usage.get("input_tokens"))
+    if isinstance(usage, dict):
+        outputs.append(usage.get("output_tokens"))
+        prompt = prompt if prompt is not None else _uint(usage.get("input_tokens"))
+    output = next((v for value in outputs if (v := _uint(value)) is not None), None)
+    return output, prompt
 
 
 def _event_data(raw: bytes) -> tuple[bytes | None, bytes]:
@@ -77,12 +94,19 @@ def is_output(raw: bytes) -> bool:
     return True
 
 
+def json_usage(body: bytes) -> tuple[int | None, int | None]:
+    """``(output, prompt)`` tokens of a whole JSON answer (non-streaming chat, completions, responses)."""
+    return _explicit_counters(body)
+
+
 class SseScanner:
-    def __init__(self) -> None:
+    def __init__(self, *, completions: bool = False) -> None:
+        self._pairs = _COMPLETION_PAIRS if completions else _MARKER_PAIRS
         self._tail = b""
         self.output_seen = False
         self.estimated_tokens = 0
         self.explicit_tokens: int | None = None
+        self.prompt_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -120,18 +144,20 @@ class SseScanner:
     def _count(self, raw: bytes) -> None:
         if b'_tokens"' in raw or b"_so_far" in raw:
             _, data = _event_data(raw)
-            value = _explicit_counter(data)
+            value, prompt = _explicit_counters(data)
+            if prompt is not None:
+                self.prompt_tokens = prompt
             if value is not None:
                 self.explicit_tokens = max(value, self.explicit_tokens or 0)
                 return
         if self.explicit_tokens is None:
-            self.estimated_tokens += max(_pieces(raw), 0)
+            self.estimated_tokens += max(_pieces(raw, self._pairs), 0)
 
 
-def _pieces(raw: bytes) -> int:
+def _pieces(raw: bytes, pairs: tuple[tuple[bytes, bytes], ...]) -> int:
     """Non-empty text markers; an empty marker is only looked for where its text marker occurs."""
     pieces = 0
-    for text, empty in _MARKER_PAIRS:
+    for text, empty in pairs:
         found = raw.count(text)
         if found:
             pieces += found - raw.count(empty)
@@ -189,6 +215,8 @@ class RequestObserver:
         self.output_tokens = 0
         self.from_chunk_usage = False
         self.embedding_items: int | None = None  # set by the relay from an embeddings body
+        self.streamed = True  # the relay clears it for a JSON answer
+        self.reported_input_tokens: int | None = None  # the engine's usage.prompt_tokens, if seen
         self._last_progress = 0.0
         self._emit()
 
@@ -212,6 +240,8 @@ class RequestObserver:
                 calibration=self._calibration,
                 upstream_status=self.status,
                 embedding_items=self.embedding_items,
+                streamed=self.streamed,
+                reported_input_tokens=self.reported_input_tokens,
             )
         )
 

@@ -29,7 +29,7 @@ from stargate.pylon.health import HealthProber
 from stargate.pylon.load import LiveLoad, Phase
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
-from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner
+from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, json_usage
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.wire import headers as h
@@ -40,7 +40,10 @@ ENDPOINTS = {
     "/v1/chat/completions": Endpoint.CHAT,
     "/v1/responses": Endpoint.RESPONSES,
     "/v1/embeddings": Endpoint.EMBEDDINGS,
+    "/v1/completions": Endpoint.COMPLETIONS,
 }
+MAX_OBSERVED_JSON = 1024 * 1024  # a JSON answer larger than this is relayed without reading its usage
+_RELAY_HINT = "pylon --pylon-relay-non-streaming true relays JSON answers"
 _NOT_ADMITTED = "model generation is not admitted for request routing"
 
 
@@ -160,8 +163,10 @@ class Relay:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return problem(413, f"request body exceeds {MAX_BODY} bytes")
-        error = _body_error(body, endpoint)
+        error = _body_error(body, endpoint, self.s.relay_non_streaming)
         if error is not None:
+            if error.endswith("stream=true"):
+                return problem(400, error, hint=_RELAY_HINT)
             return problem(400, error)
         if endpoint is Endpoint.EMBEDDINGS and observer is not None:
             observer.embedding_items = embedding_item_count(orjson.loads(body))
@@ -261,10 +266,13 @@ class Relay:
                 and observer.endpoint is not Endpoint.EMBEDDINGS
                 and (upstream.headers.get("content-type", "").startswith("text/event-stream"))
             )
+            kept: bytearray | None = None
             if sse and observer is not None:
                 ok, tail = await self._pump_sse(upstream, response, observer)
             else:
-                ok, tail = await self._pump(upstream, response)
+                if observer is not None and observer.endpoint is not Endpoint.EMBEDDINGS:
+                    kept = bytearray()  # a JSON answer: its usage counts the output tokens
+                ok, tail = await self._pump(upstream, response, kept)
             if not ok:
                 if observer is not None:
                     observer.finish(failed=True)
@@ -275,8 +283,11 @@ class Relay:
                     request.transport.close()
                 return response
             if observer is not None:
-                if not sse and 200 <= upstream.status < 300 and observer.endpoint is not Endpoint.EMBEDDINGS:
-                    observer.output(1)
+                if kept is not None and 200 <= upstream.status < 300:
+                    observer.streamed = False
+                    tokens, prompt = json_usage(bytes(kept)) if kept else (None, None)
+                    observer.reported_input_tokens = prompt
+                    observer.output(1 if tokens is None else tokens, explicit=tokens is not None)
                 elif not sse and observer.endpoint is Endpoint.EMBEDDINGS and 200 <= upstream.status < 300:
                     observer.output(0)
                 observer.finish()
@@ -295,10 +306,20 @@ class Relay:
             self.metrics.nonretryable.labels(self.s.inference_server_id, failure).inc()
 
     @staticmethod
-    async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> tuple[bool, bytes]:
-        """Relay the body except its last piece, which is returned for the caller to send with the end."""
+    async def _pump(
+        upstream: aiohttp.ClientResponse, response: web.StreamResponse, kept: bytearray | None = None
+    ) -> tuple[bool, bytes]:
+        """Relay the body except its last piece, which is returned for the caller to send with the end.
+
+        ``kept`` collects a copy of the body up to ``MAX_OBSERVED_JSON`` bytes (cleared beyond it).
+        """
         try:
             async for chunk in upstream.content.iter_any():
+                if kept is not None:
+                    kept.extend(chunk)
+                    if len(kept) > MAX_OBSERVED_JSON:
+                        kept.clear()
+                        kept = None
                 if upstream.content.at_eof():
                     return True, chunk
                 await response.write(chunk)
@@ -310,7 +331,7 @@ class Relay:
         self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, observer: RequestObserver
     ) -> tuple[bool, bytes]:
         """As :meth:`_pump`, observing the stream; not ok when it carried no output."""
-        scanner = SseScanner()
+        scanner = SseScanner(completions=observer.endpoint is Endpoint.COMPLETIONS)
         tail = b""
         try:
             async for chunk in upstream.content.iter_any():
@@ -325,18 +346,19 @@ class Relay:
                     observer.output(scanner.tokens, explicit=explicit is not None)
                     if explicit is not None and explicit != explicit_before:
                         self.hub.on_usage(observer.request_id, observer.generation, explicit)
+                        observer.reported_input_tokens = scanner.prompt_tokens
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
             return False, b""
         return scanner.output_seen, tail
 
 
-def _body_error(body: bytes, endpoint: Endpoint | None) -> str | None:
+def _body_error(body: bytes, endpoint: Endpoint | None, relay_non_streaming: bool) -> str | None:
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return "request body must be valid JSON"
     streaming = isinstance(obj, dict) and obj.get("stream") is True
-    if endpoint in (Endpoint.CHAT, Endpoint.RESPONSES) and not streaming:
+    if endpoint in (Endpoint.CHAT, Endpoint.RESPONSES) and not streaming and not relay_non_streaming:
         path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/responses"
         return f"{path} requests must set stream=true"
     return None

@@ -130,7 +130,12 @@ class ModelLifecycle:
                 timeout_s=self.s.bringup_timeout_ms / 1000.0, wait_ms=self.s.health_wait_ms
             )
             if not healthy:
-                raise StartupError("upstream health check failed during pylon startup")
+                raise StartupError(
+                    f"upstream health check failed during pylon startup: no 2xx from "
+                    f"{self.s.upstream_base_url} on {', '.join(self._prober.paths)} within "
+                    f"{self.s.health_wait_ms} ms (--upstream-http-base-url, --upstream-health-path, "
+                    "--upstream-health-wait-ms)"
+                )
         if self.s.discovery_mode:
             try:
                 models = await self._poll()

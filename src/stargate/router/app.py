@@ -21,6 +21,7 @@ from stargate.errors import ConfigError
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
 from stargate.router.endpoints import Endpoints
 from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
+from stargate.router.plain_client import PlainClients, PlainClientSettings
 from stargate.router.proxy import ProxyHandler, ProxySettings
 from stargate.router.retries import AttemptRunner, RetrySettings
 from stargate.router.routing import Router
@@ -30,6 +31,7 @@ from stargate.router.transport import HttpTransport, make_session
 log = logging.getLogger(__name__)
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+PLAIN_CLIENT_PATHS = ("/v1/completions",)  # proxied only in plain-client mode (docs/compat.md)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class StargateSettings:
     health_interval_s: float = 1.0
     tunnel_protocol: str = "raw-quic"
     direct_quic_connections: int = 1
+    plain_clients: PlainClientSettings | None = None  # None = the spec's header contract only
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,11 @@ class StargateServer:
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
         self.state = RoutingState(on_active_count=self.metrics.set_active)
         self.endpoints = Endpoints(
-            self.state.list_models, self.state.active_model_ids, self._debug_config, self.state.describe
+            self.state.list_models,
+            self.state.active_model_ids,
+            self._debug_config,
+            self.state.describe,
+            openai=settings.plain_clients is not None,
         )
         self.addresses: BoundAddresses | None = None
         self.control_plane: ControlPlane | None = None
@@ -107,6 +114,7 @@ class StargateServer:
         split_host_port(s.listen_addr, "--listen-addr")
         split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
         advertise_host, _ = split_host_port(s.advertise_addr, "--advertise-addr")
+        plain = PlainClients(s.plain_clients) if s.plain_clients is not None else None  # may load a tokenizer
         self._session = make_session(s.connect_timeout_ms / 1000.0, s.backend_connection_limit)
         transport = HttpTransport(
             self._session,
@@ -117,7 +125,9 @@ class StargateServer:
             self.state, self.metrics, admission=check_admission, expected_queue=effective_queue_ms
         )
         runner = AttemptRunner(self.state, router, transport, self.metrics, s.retry)
-        self.proxy = proxy = ProxyHandler(runner, self.metrics, s.lb_config.resolve_algorithm, s.proxy)
+        self.proxy = proxy = ProxyHandler(
+            runner, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain
+        )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
             metrics_bound = await self._serve(
@@ -181,7 +191,8 @@ class StargateServer:
 
     def _http_app(self, proxy: ProxyHandler) -> web.Application:
         app = web.Application()
-        for path in PROXIED_PATHS:
+        paths = PROXIED_PATHS + (PLAIN_CLIENT_PATHS if self.settings.plain_clients is not None else ())
+        for path in paths:
             app.router.add_post(path, proxy.handle)
         self.endpoints.add_routes(app)
         return app

@@ -22,8 +22,14 @@ from typing import Any
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
 from stargate.router.app import StargateServer, StargateSettings
-from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, valid_header_name
+from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, MAX_WAIT_CAP_MS, valid_header_name
 from stargate.router.metrics import DEFAULT_PREFIX
+from stargate.router.plain_client import (
+    DEFAULT_BYTES_PER_TOKEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SESSION_HEADER,
+    PlainClientSettings,
+)
 from stargate.router.proxy import ProxySettings
 from stargate.router.retries import RetrySettings
 
@@ -123,6 +129,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         help="largest request body kept for replay; larger ones get 413",
     )
     add(
+        "--default-max-wait-ms",
+        env_var="STARGATE_DEFAULT_MAX_WAIT_MS",
+        type=_non_negative,
+        default=0,
+        help="routing wait for requests without x-max-wait-ms (capped at 60000); 0 = the spec's "
+        "immediate 503 when nothing is selectable",
+    )
+    add(
         "--proxy-require-pylon-retry-signal",
         env_var="STARGATE_PROXY_REQUIRE_PYLON_RETRY_SIGNAL",
         type=_bool,
@@ -198,6 +212,41 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add("--secrets-path", env_var="SECRETS_PATH", default=None, help="accepted; unused without worker auth")
     add("--secrets-json-path", env_var="SECRETS_JSON_PATH", default="authToken", help="accepted; unused")
     add("--worker-auth-endpoint", default=None, help="not supported: registrations use open authentication")
+    add(
+        "--plain-clients",
+        env_var="STARGATE_PLAIN_CLIENTS",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BOOL",
+        help="serve OpenAI clients without a gateway: fill a missing x-request-id, x-model and "
+        "x-input-tokens from the request, proxy /v1/completions, OpenAI fields in /v1/models, "
+        "/v1/models/{id} and GET /health; off = the spec's header contract exactly",
+    )
+    add(
+        "--plain-client-max-body-bytes",
+        type=_positive,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest body read to fill x-model/x-input-tokens; larger ones get 413",
+    )
+    add(
+        "--plain-client-tokenizer",
+        default=None,
+        help="tokenizer.json (or its directory) counting x-input-tokens; unset = bytes per token",
+    )
+    add(
+        "--plain-client-bytes-per-token",
+        type=_positive,
+        default=DEFAULT_BYTES_PER_TOKEN,
+        help="x-input-tokens estimate without a tokenizer: ceil(prompt UTF-8 bytes / N)",
+    )
+    add(
+        "--plain-client-session-header",
+        default=DEFAULT_SESSION_HEADER,
+        help="header whose value is the cache-affinity key when x-cache-affinity-key is absent; "
+        "empty disables (the body's user field is used when the body is read)",
+    )
     return p
 
 
@@ -217,6 +266,12 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         raise ConfigError(
             f"invalid proxy retry budget header: {options.proxy_retry_budget_header}",
             path="--proxy-retry-budget-header",
+        )
+    session_header = options.plain_client_session_header.strip().lower()
+    if session_header and not valid_header_name(session_header):
+        raise ConfigError(
+            f"invalid header name: {options.plain_client_session_header}",
+            path="--plain-client-session-header",
         )
     lb_config = load_lb_config(options.lb_config_path) if options.lb_config_path else LbConfig.permissive()
     urls = tuple(
@@ -240,6 +295,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         ),
         proxy=ProxySettings(
             max_replay_body_bytes=options.proxy_max_replay_body_bytes,
+            default_max_wait_ms=min(options.default_max_wait_ms, MAX_WAIT_CAP_MS) or None,
             retry_budget_header=budget_header or None,
         ),
         connect_timeout_ms=options.quic_connect_timeout_ms,
@@ -253,6 +309,14 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         registration_max_idle_timeout_ms=options.registration_update_max_idle_timeout_ms,
         tunnel_protocol=protocol,
         direct_quic_connections=options.direct_quic_connections,
+        plain_clients=PlainClientSettings(
+            max_body_bytes=options.plain_client_max_body_bytes,
+            bytes_per_token=options.plain_client_bytes_per_token,
+            session_header=session_header or None,
+            tokenizer_path=options.plain_client_tokenizer,
+        )
+        if options.plain_clients
+        else None,
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Set
 from dataclasses import dataclass, replace
 
 from stargate.balancer import with_reservation
-from stargate.balancer.types import Candidate, ModelStats, Target, valid_tps
+from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
 from stargate.wire.limits import sat_u64
 
 MAX_RESERVATIONS_PER_CLUSTER = 65_536
@@ -31,13 +31,39 @@ class Backend:
 
 @dataclass(eq=False, slots=True)
 class Reservation:
-    """Optimistic load of one proxy attempt on one cluster; compared by identity."""
+    """One proxy attempt on one cluster, from dispatch until it ends; compared by identity.
+
+    It carries two things: the spec's optimistic load (§1.9), pending until the backend's next
+    heartbeat counts it, and the router's own in-flight record, kept until the attempt ends.
+    """
 
     target: Target
     cluster_id: str
     backend_id: str
     input_tokens: int
     priority: int
+    prefilling: bool = True
+    counted: bool = False  # running when its backend last published: part of that heartbeat's counts
+    counted_prefilling: bool = False  # ... and still waiting for its first byte then
+
+
+@dataclass(slots=True)
+class Departures:
+    """What left a backend since its last heartbeat that the heartbeat still counts."""
+
+    requests: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0
+    tokens: int = 0
+
+    def adjust(self, stats: ModelStats) -> ModelStats:
+        return replace(
+            stats,
+            num_running_queries=max(0, stats.num_running_queries - self.requests),
+            queue_size=max(0, stats.queue_size - self.waiting),
+            queued_input_size=max(0, stats.queued_input_size - self.waiting_tokens),
+            total_query_input_size=max(0, stats.total_query_input_size - self.tokens),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +144,15 @@ class ClusterState:
     __slots__ = (
         "_base",
         "_counter",
+        "_departed",
+        "_in_flight",
         "candidate",
         "cluster_id",
         "generation",
         "members",
         "picker",
         "reservations",
+        "running",
         "source_id",
     )
 
@@ -132,6 +161,9 @@ class ClusterState:
         self.generation = generation
         self.members: dict[str, Member] = {}
         self.reservations: dict[Reservation, None] = {}
+        self.running: dict[Reservation, None] = {}
+        self._departed: dict[str, Departures] = {}
+        self._in_flight = NO_IN_FLIGHT
         self.source_id: str | None = None
         self._counter = RoundRobin()
         self._base = Candidate(cluster_id=cluster_id, stats=ModelStats(), rtt_s=0.0, active_backend_count=0)
@@ -139,12 +171,22 @@ class ClusterState:
         self.picker = BackendPicker((), self._counter)
 
     def upsert(self, member: Member) -> None:
-        """The member just published: it becomes the source and its own reservations end."""
+        """The member just published: it becomes the source and its own reservations end.
+
+        Its stats count what ran there when it published; this router's attempts running there now
+        are marked counted, so that when they end (or reach their first byte) before the next
+        heartbeat the stale counts shrink with them (``Departures``) instead of lagging a period.
+        """
         backend_id = member.backend.inference_server_id
         joined = backend_id not in self.members
         self.members[backend_id] = member
         self.source_id = backend_id
         self._drop_reservations_of(backend_id)
+        self._departed.pop(backend_id, None)
+        for attempt in self.running:
+            if attempt.backend_id == backend_id:
+                attempt.counted = True
+                attempt.counted_prefilling = attempt.prefilling
         self._recompute(membership_changed=joined)
 
     def remove(self, backend_id: str) -> bool:
@@ -153,6 +195,8 @@ class ClusterState:
         if self.source_id == backend_id:
             self.source_id = None
         self._drop_reservations_of(backend_id)
+        self._forget_running_of(backend_id)
+        self._departed.pop(backend_id, None)
         self._recompute(membership_changed=True)
         return True
 
@@ -173,9 +217,74 @@ class ClusterState:
         self._refold()
         return True
 
+    def start(self, reservation: Reservation) -> None:
+        """Count a dispatched attempt in flight (prefilling) until ``finish``."""
+        if len(self.running) >= MAX_RESERVATIONS_PER_CLUSTER:
+            self._end(next(iter(self.running)))
+        self.running[reservation] = None
+        self._count(reservation, +1)
+
+    def first_byte(self, reservation: Reservation) -> bool:
+        """The attempt's first response byte arrived: its prefill is over, it is decoding now."""
+        if reservation not in self.running or not reservation.prefilling:
+            return False
+        self._count(reservation, -1)
+        reservation.prefilling = False
+        self._count(reservation, +1)
+        if reservation.counted and reservation.counted_prefilling:
+            reservation.counted_prefilling = False
+            departed = self._departed.setdefault(reservation.backend_id, Departures())
+            departed.waiting += 1
+            departed.waiting_tokens += reservation.input_tokens
+            self._recompute(membership_changed=False)
+        return True
+
+    def finish(self, reservation: Reservation) -> bool:
+        """The attempt ended: it leaves the in-flight count, and its reservation if still pending."""
+        changed = self._end(reservation)
+        if reservation in self.reservations:
+            del self.reservations[reservation]
+            self._refold()
+            changed = True
+        return changed
+
+    def _end(self, reservation: Reservation) -> bool:
+        if reservation not in self.running:
+            return False
+        del self.running[reservation]
+        self._count(reservation, -1)
+        if reservation.counted and reservation.backend_id in self.members:
+            reservation.counted = False
+            departed = self._departed.setdefault(reservation.backend_id, Departures())
+            departed.requests += 1
+            departed.tokens += reservation.input_tokens
+            if reservation.counted_prefilling:
+                departed.waiting += 1
+                departed.waiting_tokens += reservation.input_tokens
+            self._recompute(membership_changed=False)
+        return True
+
+    def _count(self, reservation: Reservation, sign: int) -> None:
+        """Add (+1) or remove (-1) one attempt, in its current phase, from the in-flight count."""
+        current = self._in_flight
+        prefill = sign if reservation.prefilling else 0
+        in_flight = InFlight(
+            current.requests + sign,
+            current.prefilling + prefill,
+            current.prefill_tokens + prefill * reservation.input_tokens,
+        )
+        self._in_flight = in_flight
+        self._base = replace(self._base, in_flight=in_flight)
+        self.candidate = replace(self.candidate, in_flight=in_flight)
+
     def _drop_reservations_of(self, backend_id: str) -> None:
         if self.reservations:
             self.reservations = {r: None for r in self.reservations if r.backend_id != backend_id}
+
+    def _forget_running_of(self, backend_id: str) -> None:
+        """A backend that left takes its in-flight attempts with it: they are no load of the cluster."""
+        for reservation in [r for r in self.running if r.backend_id == backend_id]:
+            self._end(reservation)
 
     def _recompute(self, *, membership_changed: bool) -> None:
         ordered = [self.members[k] for k in sorted(self.members)]
@@ -187,7 +296,11 @@ class ClusterState:
             return
         if self.source_id is None:
             self.source_id = max(ordered, key=lambda m: m.updated_at).backend.inference_server_id
-        source = self.members[self.source_id]
+        if self._departed:
+            ordered = [self._net(m) for m in ordered]
+            source = next(m for m in ordered if m.backend.inference_server_id == self.source_id)
+        else:
+            source = self.members[self.source_id]
         rtt_ns = sum(m.rtt_ns for m in ordered) // len(ordered)
         self._base = Candidate(
             cluster_id=self.cluster_id,
@@ -195,8 +308,13 @@ class ClusterState:
             rtt_s=rtt_ns / 1e9,
             updated_at=source.updated_at,
             active_backend_count=len(ordered),
+            in_flight=self._in_flight,
         )
         self._refold()
+
+    def _net(self, member: Member) -> Member:
+        departed = self._departed.get(member.backend.inference_server_id)
+        return member if departed is None else replace(member, stats=departed.adjust(member.stats))
 
     def _refold(self) -> None:
         stats = self._base.stats

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
@@ -18,6 +19,10 @@ class Endpoints:
 
     ``/debug/routing`` is ours (not in the original): the routing targets with each cluster's
     candidate stats and its backends' latest stats, so an operator can see what the balancer sees.
+
+    ``openai`` (plain-client mode) adds what OpenAI clients and load tools expect beside the spec's
+    surface: the OpenAI list fields in ``/v1/models`` (``model_ids`` kept), ``/v1/models/{id}`` and
+    ``GET /health``. ``created`` of a model is the router's start time (no registration time exists).
     """
 
     list_models: Callable[[str | None, list[str]], list[str]]
@@ -25,6 +30,8 @@ class Endpoints:
     config: Callable[[], Mapping[str, object]]
     routing: Callable[[], object]
     draining: bool = False
+    openai: bool = False
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -42,7 +49,24 @@ class Endpoints:
             model_ids = self.list_models(None, filters)
         except RequestError as exc:
             return error_response(exc.status, exc.message, exc.code)
-        return _json({"model_ids": model_ids})
+        if not self.openai:
+            return _json({"model_ids": model_ids})
+        data = [self._model(model_id) for model_id in model_ids]
+        return _json({"object": "list", "data": data, "model_ids": model_ids})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if not model_id.strip() or model_id not in self.list_models(None, [model_id]):
+            return error_response(
+                404, f"model {model_id!r} is not served by any active backend", "model_not_found"
+            )
+        return _json(self._model(model_id))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    def _model(self, model_id: str) -> dict[str, object]:
+        return {"id": model_id, "object": "model", "created": self.started_at, "owned_by": "stargate"}
 
     async def debug_state(self, request: web.Request) -> web.Response:
         return _json(
@@ -58,6 +82,9 @@ class Endpoints:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/debug/state", self.debug_state)
         app.router.add_get("/debug/routing", self.debug_routing)
+        if self.openai:
+            app.router.add_get("/v1/models/{model_id:.+}", self.model)
+            app.router.add_get("/health", self.health)
 
 
 def _json(payload: object) -> web.Response:

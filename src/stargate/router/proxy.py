@@ -9,9 +9,10 @@ itself carries a short JSON body naming the problem.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -28,6 +29,7 @@ from stargate.router.headers import (
     valid_header_value,
 )
 from stargate.router.metrics import RouterMetrics
+from stargate.router.plain_client import PlainClients
 from stargate.router.replay import ReplayBody
 from stargate.router.retries import AttemptRunner, LocalFailure, Passthrough
 
@@ -49,6 +51,7 @@ FALLBACK_CODES = {
 class ProxySettings:
     max_replay_body_bytes: int = 67_108_864
     retry_budget_header: str | None = "x-stargate-max-wait-ms"
+    default_max_wait_ms: int | None = None  # the routing wait of requests without x-max-wait-ms
 
 
 def error_response(status: int, message: str, code: str | None = None) -> web.Response:
@@ -69,8 +72,10 @@ class ProxyHandler:
         settings: ProxySettings,
         *,
         clock: Callable[[], float] = time.monotonic,
+        plain: PlainClients | None = None,
     ) -> None:
         self._runner = runner
+        self._plain = plain
         self._metrics = metrics
         self._resolve = resolve
         self._settings = settings
@@ -90,9 +95,13 @@ class ProxyHandler:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
+        headers: Mapping[str, str] = request.headers
+        body: bytes | None = None
         try:
+            if self._plain is not None and self._plain.incomplete(headers):
+                headers, body = await self._plain.complete(request)
             parsed = parse_request(
-                request.headers,
+                headers,
                 resolve=self._resolve,
                 retry_budget_header=self._settings.retry_budget_header,
                 max_replay_body_bytes=self._settings.max_replay_body_bytes,
@@ -100,14 +109,18 @@ class ProxyHandler:
             )
         except RequestError as exc:
             return error_response(exc.status, exc.message, exc.code)
+        if parsed.max_wait_ms is None and self._settings.default_max_wait_ms is not None:
+            parsed = dataclasses.replace(parsed, max_wait_ms=self._settings.default_max_wait_ms)
         self.in_flight += 1
         self._idle.clear()
         try:
-            source = request.content.iter_any() if request.body_exists else None
+            source: AsyncIterable[bytes] | None = request.content.iter_any() if request.body_exists else None
+            if body is not None:
+                source = _once(body)
             replay = ReplayBody(source, self._settings.max_replay_body_bytes)
-            headers = filter_headers(request.headers.items(), REQUEST_DROPPED)
+            forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
             try:
-                outcome = await self._runner.run(parsed, request.method, request.path_qs, headers, replay)
+                outcome = await self._runner.run(parsed, request.method, request.path_qs, forwarded, replay)
             except Exception:
                 log.exception(
                     "request %s for model %s failed inside the proxy",
@@ -133,6 +146,7 @@ class ProxyHandler:
             and valid_header_value(backend.cluster_id)
         ):
             upstream.release()
+            self._runner.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, 500)
             return error_response(500, "backend identity cannot be sent as a header value")
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -140,9 +154,13 @@ class ProxyHandler:
         response.headers["x-inference-server-id"] = backend.inference_server_id
         response.headers["x-inference-server-url"] = backend.url
         response.headers["x-stargate-cluster-id"] = backend.cluster_id
+        first = True
         try:
             await response.prepare(request)
             async for chunk in upstream.chunks():
+                if first:
+                    first = False
+                    self._runner.first_byte(outcome)
                 if upstream.complete():
                     # The last piece goes out with the end of the body (and the headers, if still
                     # buffered) in one write: at low concurrency that is a send() saved per request.
@@ -164,5 +182,11 @@ class ProxyHandler:
             pass  # the client went away; nothing left to tell it
         finally:
             upstream.release()
+            self._runner.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    """A body already read (plain-client mode) as the one-chunk stream the replay buffer expects."""
+    yield body

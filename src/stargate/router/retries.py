@@ -60,14 +60,18 @@ def retry_signal(status: int, header: Callable[[str], str | None], require_signa
 class Reserving(StateView, Protocol):
     def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Any: ...
     def release(self, reservation: Any) -> None: ...
+    def first_byte(self, reservation: Any) -> None: ...
+    def finish(self, reservation: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Passthrough:
-    """Final: stream this upstream response to the client."""
+    """Final: stream this upstream response to the client; the relay reports its first body byte
+    and its end through ``AttemptRunner.first_byte`` / ``finish`` (the in-flight count)."""
 
     response: UpstreamResponse
     backend: BackendRef
+    reservation: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +146,7 @@ class AttemptRunner:
                     backend, method, path_qs, attempt_headers, replay.body()
                 )
             except UpstreamError:
+                self._state.finish(reservation)
                 metrics.attempt(target, backend_id, "proxy_502")
                 metrics.replay_buffer(target, replay.buffered)
                 if retry_deadline is not None and self._clock() >= retry_deadline:
@@ -171,18 +176,20 @@ class AttemptRunner:
             signal = retry_signal(response.status, response.header, settings.require_pylon_retry_signal)
             if signal.release_reservation:
                 self._state.release(reservation)
+            final = Passthrough(response, backend, reservation)
             if not signal.retryable:
-                return Passthrough(response, backend)
+                return final
             if retry_deadline is not None and self._clock() >= retry_deadline:
                 metrics.retry_exhausted(target, "retry_budget_exhausted")
-                return Passthrough(response, backend)
+                return final
             if request_retries >= settings.max_request_retries:
                 metrics.retry_exhausted(target, signal.reason)
-                return Passthrough(response, backend)
+                return final
             readiness = replay.readiness()
             if readiness is Readiness.INCOMPLETE:
-                return Passthrough(response, backend)
+                return final
             response.release()
+            self._state.finish(reservation)
             if readiness is Readiness.PAYLOAD_TOO_LARGE:
                 return _too_large(backend_id)
             request_retries += 1
@@ -192,6 +199,12 @@ class AttemptRunner:
             else:
                 progress.failed_cluster_ids.add(backend.cluster_id)
                 backend = None
+
+    def first_byte(self, outcome: Passthrough) -> None:
+        self._state.first_byte(outcome.reservation)
+
+    def finish(self, outcome: Passthrough) -> None:
+        self._state.finish(outcome.reservation)
 
     def _sibling(self, target: Target, failed: BackendRef, progress: RequestProgress) -> BackendRef | None:
         """Mark ``failed`` and pick another backend of its cluster; None → re-route without the cluster."""

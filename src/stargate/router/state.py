@@ -178,6 +178,11 @@ class RoutingState:
                         "stats": _stats_json(cluster.candidate.stats),
                         "rtt_ms": round(cluster.candidate.rtt_s * 1000.0, 3),
                         "pending_reservations": len(cluster.reservations),
+                        "in_flight": {
+                            "requests": cluster.candidate.in_flight.requests,
+                            "prefilling": cluster.candidate.in_flight.prefilling,
+                            "prefill_tokens": cluster.candidate.in_flight.prefill_tokens,
+                        },
                         "backends": [
                             {
                                 "inference_server_id": backend_id,
@@ -205,10 +210,11 @@ class RoutingState:
     def is_registered(self, inference_server_id: str) -> bool:
         return inference_server_id in self._live
 
-    # ---- reservations (§1.9) -------------------------------------------------------------------
+    # ---- reservations (§1.9) and the router's own in-flight count --------------------------------
 
     def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Reservation:
-        """Add one attempt's optimistic load to the backend's cluster; inert if the backend left."""
+        """Add one attempt's optimistic load and in-flight record to its cluster; inert if the backend
+        left. The attempt's driver must end it with ``finish``."""
         registration = self._live.get(backend_id)
         cluster_id = registration.handle.backend.cluster_id if registration else ""
         reservation = Reservation(target, cluster_id, backend_id, max(0, input_tokens), priority)
@@ -216,13 +222,27 @@ class RoutingState:
         cluster = state.clusters.get(cluster_id) if state is not None else None
         if state is not None and cluster is not None and backend_id in cluster.members:
             cluster.add_reservation(reservation)
+            cluster.start(reservation)
             state.rebuild(target, membership_changed=False)
         return reservation
 
     def release(self, reservation: Reservation) -> None:
+        """End only the optimistic load (the backend refused the attempt: §1.9 (c))."""
+        self._change(reservation, ClusterState.release)
+
+    def first_byte(self, reservation: Reservation) -> None:
+        """The attempt's first response byte arrived: it no longer counts as prefill work."""
+        self._change(reservation, ClusterState.first_byte)
+
+    def finish(self, reservation: Reservation) -> None:
+        """The attempt ended (any outcome): a pending reservation ends with it (not in the original,
+        whose reservations wait for the next heartbeat even when the request is long over)."""
+        self._change(reservation, ClusterState.finish)
+
+    def _change(self, reservation: Reservation, change: Callable[[ClusterState, Reservation], bool]) -> None:
         state = self._targets.get(reservation.target)
         cluster = state.clusters.get(reservation.cluster_id) if state is not None else None
-        if state is not None and cluster is not None and cluster.release(reservation):
+        if state is not None and cluster is not None and change(cluster, reservation):
             state.rebuild(reservation.target, membership_changed=False)
 
     # ---- registrations (control plane side) ----------------------------------------------------

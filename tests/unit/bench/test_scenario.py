@@ -91,7 +91,7 @@ def test_seed_scenario_matches_the_seed_workload() -> None:
     assert (sc.client.timeout_s, sc.client.request_slo_ms, sc.client.max_wait_ms) == (90, 60000, 60000)
     models = [run.lb_config.get("models", {}) for run in sc.runs()]
     waits = [m["dummy-model"].get("cache_affinity_wait_ms") for m in models if m]  # type: ignore[index]
-    assert waits == [0, 200]
+    assert waits == [0, 200, 200]  # the last one with the load-aware fields
 
 
 def test_grouped_cluster_shares_one_engine_with_multiplied_capacity() -> None:

@@ -3,7 +3,13 @@ from __future__ import annotations
 import pytest
 
 from stargate.pylon.models import Generation
-from stargate.pylon.observer import MAX_PENDING_EVENT, EventTooLarge, RequestObserver, SseScanner
+from stargate.pylon.observer import (
+    MAX_PENDING_EVENT,
+    EventTooLarge,
+    RequestObserver,
+    SseScanner,
+    json_usage,
+)
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.wire.clock import ManualClock
 
@@ -128,3 +134,17 @@ def test_b106_embeddings_terminal_states() -> None:
 )
 def test_b107_embedding_item_counts(body: object, items: int | None) -> None:
     assert embedding_item_count(body) == items
+
+
+def test_completions_chunks_count_their_text_pieces() -> None:
+    s = SseScanner(completions=True)
+    s.feed(b'data: {"choices":[{"text":"Hel"}]}\n\ndata: {"choices":[{"text":""}]}\n\n')
+    s.feed(b'data: {"choices":[{"text": "lo"}]}\n\ndata: [DONE]\n\n')
+    assert s.output_seen and s.tokens == 2
+
+
+def test_json_answers_report_their_output_tokens() -> None:
+    assert json_usage(b'{"usage":{"prompt_tokens":3,"completion_tokens":7}}') == (7, 3)
+    assert json_usage(b'{"object":"response","usage":{"input_tokens":4,"output_tokens":5}}') == (5, 4)
+    assert json_usage(b'{"choices":[]}') == (None, None)
+    assert json_usage(b"not json") == (None, None)

@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+from stargate.mock_engine.engine import Engine, EngineConfig
+from stargate.mock_engine.metrics import render
+from stargate.pylon.admission import AdmissionConfig, Result, decide
+from stargate.pylon.load import U64_MAX, Phase
+from stargate.pylon.registration import stats_to_proto
 from stargate.pylon.stats.prometheus import apply_engine_metrics, parse_engine_metrics
 
 from .helpers import make_rig
@@ -52,3 +57,109 @@ def test_own_tracking_wins_when_larger() -> None:
         rig.load.track(f"r{i}", rig.gen, 0, 1)
     apply_engine_metrics(rig.hub, parse_engine_metrics(SGLANG))
     assert rig.hub.snapshot(rig.gen).queue_size == 7
+
+
+def test_mock_engine_metrics_counted_once() -> None:
+    """The mock exports vLLM's and SGLang's names for one engine: 8 running is 8, not 16."""
+    engine = Engine(EngineConfig(model="llama", max_concurrent_requests=8, kv_cache_capacity_tokens=1000))
+    engine.slots.running = 8
+    rig = make_rig()
+    apply_engine_metrics(rig.hub, parse_engine_metrics(render(engine)))
+    snap = rig.hub.snapshot(rig.gen)
+    assert (snap.num_running_queries, snap.queue_size) == (8, 0)
+    assert snap.kv_cache_capacity_tokens == 1000
+
+
+def test_aliases_take_the_largest_never_the_sum() -> None:
+    both = VLLM + SGLANG  # running 3 vs 1, waiting 2 vs 4
+    rig = make_rig()
+    apply_engine_metrics(rig.hub, parse_engine_metrics(both))
+    snap = rig.hub.snapshot(rig.gen)
+    assert (snap.num_running_queries, snap.queue_size) == (3 + 4, 4)
+
+
+def test_series_of_one_name_are_summed_across_ranks() -> None:
+    ranks = """vllm:num_requests_running{model_name="llama",engine="0"} 2
+vllm:num_requests_running{model_name="llama",engine="1"} 3
+vllm:kv_cache_usage_perc{model_name="llama",engine="0"} 0.2
+vllm:kv_cache_usage_perc{model_name="llama",engine="1"} 0.4
+vllm:cache_config_info{block_size="10",num_gpu_blocks="100",model_name="llama",engine="0"} 1
+vllm:cache_config_info{block_size="10",num_gpu_blocks="100",model_name="llama",engine="1"} 1
+"""
+    rig = make_rig()
+    apply_engine_metrics(rig.hub, parse_engine_metrics(ranks))
+    snap = rig.hub.snapshot(rig.gen)
+    assert snap.num_running_queries == 5
+    assert (snap.kv_cache_capacity_tokens, snap.kv_cache_used_tokens) == (2000, 600)
+
+
+def test_sglang_used_tokens_and_old_name_label() -> None:
+    old = """sglang:num_running_reqs{name="llama"} 2
+sglang:num_used_tokens{name="llama"} 700
+sglang:max_total_num_tokens{name="llama"} 1000
+sglang:token_usage{name="llama"} 0.1
+"""
+    rig = make_rig()
+    apply_engine_metrics(rig.hub, parse_engine_metrics(old))
+    snap = rig.hub.snapshot(rig.gen)
+    assert snap.num_running_queries == 2
+    assert (snap.kv_cache_used_tokens, snap.kv_cache_free_tokens) == (700, 300)
+
+
+def test_unlabelled_series_fill_what_the_model_lacks() -> None:
+    mixed = 'vllm:num_requests_running{model_name="llama"} 2\nvllm:num_requests_waiting 5\n'
+    rig = make_rig()
+    apply_engine_metrics(rig.hub, parse_engine_metrics(mixed))
+    assert rig.hub.snapshot(rig.gen).num_running_queries == 7
+
+
+def test_absurd_engine_values_are_bounded() -> None:
+    absurd = """vllm:num_requests_running{model_name="llama"} 1e30
+vllm:num_requests_waiting{model_name="llama"} -4
+vllm:kv_cache_usage_perc{model_name="llama"} NaN
+sglang:max_total_num_tokens{model_name="llama"} +Inf
+vllm:cache_config_info{block_size="1%s",num_gpu_blocks="1",model_name="llama"} 1
+""" % ("0" * 5000)
+    rig = make_rig()
+    apply_engine_metrics(rig.hub, parse_engine_metrics(absurd))
+    snap = rig.hub.snapshot(rig.gen)
+    assert (snap.num_running_queries, snap.queue_size) == (U64_MAX, 0)
+    stats_to_proto(snap)  # every field fits its protobuf type
+
+
+def test_every_published_load_field_is_at_least_pylons_own_count() -> None:
+    """The engine's report lags (0 running) while Pylon relays 3: Pylon's counts are published."""
+    rig = make_rig()
+    rig.load.track("a", rig.gen, 0, 100)
+    rig.load.track("b", rig.gen, 0, 50)
+    rig.load.advance("b", Phase.INPUT_PROCESSING)
+    rig.load.track("c", rig.gen, 0, 10)
+    rig.load.advance("c", Phase.OUTPUT_GENERATION)
+    idle = 'vllm:num_requests_running{model_name="llama"} 0\nsglang:num_queue_reqs{model_name="llama"} 0\n'
+    apply_engine_metrics(rig.hub, parse_engine_metrics(idle))
+    snap = rig.hub.snapshot(rig.gen)
+    assert (snap.num_running_queries, snap.queue_size, snap.queued_input_size) == (3, 2, 150)
+    assert (snap.input_processing_queries, snap.output_generation_queries) == (1, 1)
+    assert snap.total_query_input_size == 160
+
+
+def test_engine_load_above_own_count_never_makes_pylon_reject() -> None:
+    """Admission counts Pylon's own requests (minus the incoming one): a busier engine report only
+    makes Stargate's view more conservative, so a free slot here still accepts expected 0."""
+    rig = make_rig(initial_input_tps=100, limit=4)
+    for i in range(2):
+        rig.load.track(f"other{i}", rig.gen, 0, 100_000)
+    rig.load.track("new", rig.gen, 0, 10)
+    apply_engine_metrics(rig.hub, parse_engine_metrics(VLLM))  # 3 running + 2 waiting
+    assert rig.hub.snapshot(rig.gen).num_running_queries == 5
+    d = decide(
+        AdmissionConfig(),
+        "0",
+        load=rig.load,
+        gen=rig.gen,
+        request_id="new",
+        priority=0,
+        input_tps=rig.hub.input_tps(rig.gen),
+        limit=rig.hub.effective_limit(rig.gen),
+    )
+    assert (d.result, d.actual_ms) == (Result.ACCEPTED, 0)

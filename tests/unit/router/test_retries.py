@@ -67,6 +67,7 @@ class FakeState:
     view_obj: FakeView
     reserved: list[tuple[str, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
 
     def view(self, target: Target) -> FakeView:
         return self.view_obj
@@ -80,6 +81,12 @@ class FakeState:
 
     def release(self, reservation: int) -> None:
         self.released.append(reservation)
+
+    def first_byte(self, reservation: int) -> None:
+        pass
+
+    def finish(self, reservation: int) -> None:
+        self.finished.append(reservation)
 
 
 @dataclass
@@ -397,3 +404,17 @@ async def test_routing_duration_observed_once_per_request_p127() -> None:
     await run(runner)
     assert value(metrics, "stargate_routing_duration_seconds_count") == 1
     assert value(metrics, "stargate_proxy_duration_seconds_count", inference_server_id="b") == 1
+
+
+async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_relay() -> None:
+    """The in-flight count must drop each attempt that ended (refused, unreachable) at once; the
+    attempt whose answer is relayed stays in flight until the relay reports its end."""
+    runner, state, _, _ = make_runner(
+        {"c1": ["a", "b"], "c2": ["r"], "c3": ["ok"]},
+        {"a": [DEAD], "b": [retryable(reason="other")], "r": [retryable()], "ok": [FakeResponse(200)]},
+    )
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.backend.inference_server_id == "ok"
+    assert state.finished == [0, 1, 2]
+    runner.finish(outcome)
+    assert state.finished == [0, 1, 2, 3]

@@ -285,3 +285,105 @@ def test_view_is_shared_until_a_mutation() -> None:
     state.release(reservation)
     released = state.view(T)
     assert released is not None and released.candidates[0].stats.queue_size == 0
+
+
+# ---- the router's own in-flight count and reservation end (load-aware routing) -------------------
+
+
+def test_in_flight_counts_prefill_until_first_byte_and_requests_until_finish() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    first = state.reserve(T, "a", 300, 0)
+    second = state.reserve(T, "a", 200, 0)
+    flight = only_candidate(state).in_flight
+    assert (flight.requests, flight.prefilling, flight.prefill_tokens) == (2, 2, 500)
+    state.first_byte(first)
+    state.first_byte(first)  # a second mark changes nothing
+    flight = only_candidate(state).in_flight
+    assert (flight.requests, flight.prefilling, flight.prefill_tokens, flight.decoding) == (2, 1, 200, 1)
+    state.finish(first)
+    state.finish(second)
+    state.finish(second)
+    flight = only_candidate(state).in_flight
+    assert (flight.requests, flight.prefilling, flight.prefill_tokens) == (0, 0, 0)
+
+
+def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    state.reserve(T, "a", 300, 0)
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8, num_running_queries=1))
+    candidate = only_candidate(state)
+    assert candidate.stats.num_running_queries == 1  # the heartbeat counted it; reservation gone
+    assert candidate.in_flight.requests == 1
+
+
+def test_finishing_a_request_ends_its_pending_reservation() -> None:
+    """Reservations of finished requests must not make a cluster look full until the next heartbeat."""
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    reservation = state.reserve(T, "a", 37, 0)
+    assert only_candidate(state).stats.num_running_queries == 1
+    state.finish(reservation)
+    candidate = only_candidate(state)
+    assert candidate.stats.num_running_queries == 0
+    assert candidate.stats.queued_input_size == 0
+
+
+def test_release_ends_only_the_reservation_and_leaving_ends_the_in_flight_record() -> None:
+    state, _ = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    stats = ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8)
+    publish(state, a, stats)
+    publish(state, b, stats)
+    on_a = state.reserve(T, "a", 10, 0)
+    state.reserve(T, "b", 20, 0)
+    state.release(on_a)
+    assert only_candidate(state).in_flight.requests == 2
+    state.remove(a)
+    assert only_candidate(state).in_flight.prefill_tokens == 20
+    state.finish(on_a)  # already gone with its backend: no effect
+    assert only_candidate(state).in_flight.requests == 1
+
+
+def test_requests_that_end_after_a_heartbeat_counted_them_leave_its_stale_counts() -> None:
+    """A heartbeat counts what ran when the backend published; a request of ours it counted that
+    has ended since is subtracted until the next heartbeat (no lagging 'full' cluster)."""
+    state, _ = make_state()
+    a = join(state, "a")
+    idle = ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=2)
+    publish(state, a, idle)
+    first = state.reserve(T, "a", 30, 0)
+    second = state.reserve(T, "a", 20, 0)
+    busy = ModelStats(
+        last_mean_input_tps=100.0,
+        max_engine_concurrency=2,
+        num_running_queries=2,
+        queue_size=2,
+        queued_input_size=50,
+        total_query_input_size=50,
+    )
+    publish(state, a, busy)
+    state.first_byte(first)
+    stats = only_candidate(state).stats
+    assert (stats.num_running_queries, stats.queue_size, stats.queued_input_size) == (2, 1, 20)
+    state.finish(first)
+    state.finish(second)
+    stats = only_candidate(state).stats
+    assert (stats.num_running_queries, stats.queue_size, stats.queued_input_size) == (0, 0, 0)
+    assert stats.total_query_input_size == 0
+    publish(state, a, busy)  # the next heartbeat is taken as published again
+    assert only_candidate(state).stats.num_running_queries == 2
+
+
+def test_requests_started_after_the_heartbeat_are_not_subtracted_when_they_end() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=4, num_running_queries=3))
+    late = state.reserve(T, "a", 10, 0)
+    assert only_candidate(state).stats.num_running_queries == 4  # 3 published + 1 reservation
+    state.finish(late)
+    assert only_candidate(state).stats.num_running_queries == 3

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import orjson
 
 from stargate.balancer.config import parse_algorithm_name
 from stargate.bench.driver import Driver, make_session
+from stargate.bench.faults import arrival_args
 from stargate.bench.fleet import Fleet, FleetTimeouts
 from stargate.bench.peers.adapters import (
     PACKAGES,
@@ -48,7 +48,9 @@ from stargate.bench.runner import (
     RunOutcome,
     SilentProgress,
     SuiteResult,
+    append_fault_section,
     plan_runs,
+    replay_with_faults,
     summarize_outcome,
     write_records,
     write_run_metadata,
@@ -80,6 +82,21 @@ class RouterChoice:
     make: AdapterFactory
 
 
+RECOMMENDED = "recommended"
+RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
+
+
+def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
+    """``examples/lb-config/recommended.json`` with its one model entry renamed to ``model``: what
+    ``stargate:recommended`` runs unless the scenario defines an algorithm of that name."""
+    try:
+        config = orjson.loads(path.read_bytes())
+        (settings,) = config["models"].values()
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot use {path} as the recommended config: {exc}", path="--routers") from exc
+    return {**config, "models": {model: settings}}
+
+
 def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list[RouterChoice]:
     """Parse ``--routers``; ``stargate:<name>`` is an ``algorithms[]`` entry, else a bare algorithm."""
     labels = [part.strip() for part in text.split(",") if part.strip()]
@@ -93,6 +110,8 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
         kind, name = parse_router_label(label)
         if kind == "stargate":
             spec = entries.get(name)
+            if spec is None and name == RECOMMENDED:
+                spec = RunSpec(name, recommended_lb_config(scenario.model), [])
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])
@@ -158,7 +177,8 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
         async with Fleet(scenario, planned.spec, planned.run_dir, timeouts,
                          with_stargate=choice.kind == "stargate", engine_env=env,
                          engine_args=[*engine_args(workload, tokenizer_dir is not None),
-                                      "--request-log", str(truth_path)]) as fleet:
+                                      "--request-log", str(truth_path),
+                                      *arrival_args(scenario, planned.run_dir)]) as fleet:
             try:
                 await adapter.attach(fleet, fleet.log_dir)
                 if choice.kind == "stargate":
@@ -170,9 +190,8 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
                 async with make_session(workload.max_concurrency) as session:
                     driver = Driver(session, adapter.urls, planned.name,
                                     on_record=lambda r: progress.request_done(planned.name, r))
-                    started = time.perf_counter()
-                    outcome.records = await driver.replay(adapted)
-                    outcome.duration_s = time.perf_counter() - started
+                    outcome.records, outcome.duration_s, outcome.faults = await replay_with_faults(
+                        scenario, adapted, fleet, driver, planned.run_dir)
                 if choice.kind == "stargate":
                     await fleet.scrape("after")
             finally:
@@ -215,6 +234,7 @@ async def run_compare(scenario: Scenario, workload: Workload, out_dir: Path,
     summaries = [summarize_outcome(o, scenario, slo_ttft_ms) for o in outcomes]
     records_by_run = {o.planned.name: o.records for o in outcomes}
     report = await asyncio.to_thread(write_report, out_dir, scenario, summaries, records_by_run)
+    append_fault_section(report, outcomes)
     signals = [{"router": c.label, "signal": c.make().signal} for c in choices]
     (out_dir / "routers.json").write_bytes(orjson.dumps(
         {"kv_mode": scenario.mock.kv_mode, "routers": signals}, option=orjson.OPT_INDENT_2))

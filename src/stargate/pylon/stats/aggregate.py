@@ -8,6 +8,11 @@
 - ``max_output_tps``: the largest output sample ever.
 - embeddings item TPS: mean of the last ≤ 8 samples ``items / max(total - headers, 10 ms)`` and
   its maximum; Pylon's own gauges only, never published to Stargate.
+
+Plausibility (not in the original, which let one absurd ``x-input-tokens`` poison the all-time
+input mean forever): a throughput sample is discarded when it counts more than
+``MAX_PLAUSIBLE_TOKENS`` units or its rate exceeds ``MAX_PLAUSIBLE_TPS``. Such numbers come from a
+client claim or a faulty engine counter, never from a real engine, and carry no information.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ DURATION_FLOOR_S = 0.010
 OUTPUT_WINDOW = 8
 READY_SAMPLES = 5
 OUTPUT_TTL_S = 30.0
+MAX_PLAUSIBLE_TOKENS = 1 << 24  # 16 777 216: above every model's context window
+MAX_PLAUSIBLE_TPS = 1e8  # tokens/s of one engine; prefix-cache hits included
 
 CAP_CHUNK_USAGE = "request.output.chunk_usage"
 CAP_ENGINE_STREAM = "model.throughput.engine_stream"
@@ -77,7 +84,7 @@ class ThroughputAggregate:
         return agg
 
     def add_input_sample(self, units: float, duration_s: float) -> None:
-        if units < 1 or duration_s < DURATION_FLOOR_S - 1e-9:
+        if units < 1 or duration_s < DURATION_FLOOR_S - 1e-9 or not plausible(units, units / duration_s):
             return
         self.input.add(units / duration_s)
         self._refresh_input()
@@ -91,7 +98,7 @@ class ThroughputAggregate:
             self.published_input_tps = mean
 
     def add_output_sample(self, tps: float, *, from_counters: bool) -> None:
-        if not (math.isfinite(tps) and tps > 0):
+        if not (math.isfinite(tps) and 0 < tps <= MAX_PLAUSIBLE_TPS):
             return
         self.output_window.append(tps)
         self.max_output_tps = max(self.max_output_tps, tps)
@@ -111,7 +118,7 @@ class ThroughputAggregate:
         return sum(window) / len(window) if window else 0.0
 
     def set_live_rate(self, request_id: str, rate: float | None) -> None:
-        if rate is None:
+        if rate is None or not plausible(0, rate):
             self.live_decode_rates.pop(request_id, None)
         else:
             self.live_decode_rates[request_id] = rate
@@ -141,6 +148,11 @@ class ThroughputAggregate:
     def add_labels(self, capability: str, source: str) -> None:
         self.labels.add(capability)
         self.labels.add(source)
+
+
+def plausible(units: float, tps: float) -> bool:
+    """A sample a real engine could have produced (see the module docstring)."""
+    return units <= MAX_PLAUSIBLE_TOKENS and math.isfinite(tps) and tps <= MAX_PLAUSIBLE_TPS
 
 
 def fallback_input_tps(input_tokens: int, ttfo_s: float | None) -> tuple[int, float] | None:

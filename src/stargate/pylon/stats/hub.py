@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
 from stargate.pylon.ids import CALIBRATION, RequestIds
-from stargate.pylon.load import LiveLoad
+from stargate.pylon.load import EngineLoad, LiveLoad
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.stats import aggregate as agg
@@ -22,6 +22,7 @@ from stargate.pylon.stats.counters import CounterTracker, Outcome
 from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
+from stargate.wire.limits import sat_u64
 
 
 class LimitSource(StrEnum):
@@ -39,14 +40,6 @@ class ConcurrencyUpdate:
     generation: Generation
     source: LimitSource
     value: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """Engine-reported load (Prometheus source); published as a floor under Pylon's own counts."""
-
-    running: int
-    waiting: int
 
 
 @dataclass(slots=True)
@@ -220,9 +213,9 @@ class StatsHub:
         if obs.state is State.COMPLETE and fallback:
             if obs.endpoint is Endpoint.EMBEDDINGS:
                 base = obs.time_to_response_headers or obs.elapsed
-                tp.add_input_sample(obs.input_tokens, max(base, agg.DURATION_FLOOR_S))
-            else:
-                sample = agg.fallback_input_tps(obs.input_tokens, obs.time_to_first_output)
+                tp.add_input_sample(obs.learnable_input_tokens, max(base, agg.DURATION_FLOOR_S))
+            elif obs.streamed:  # a JSON answer's times include the decode: no TTFO, no rate
+                sample = agg.fallback_input_tps(obs.learnable_input_tokens, obs.time_to_first_output)
                 if sample is not None:
                     tp.add_input_sample(*sample)
                 if self.fallback_enabled and not counted:
@@ -290,22 +283,20 @@ class StatsHub:
         live = self.load.snapshot(gen)
         estimates = self.load.estimates(gen, tp.published_input_tps)
         kv = state.kv or (0, 0, 0)
-        queue_size, running = live.queue_size, live.num_running_queries
         if state.engine_load is not None:
-            queue_size = max(queue_size, state.engine_load.waiting)
-            running = max(running, state.engine_load.running + state.engine_load.waiting)
+            live = state.engine_load.floor(live)
         caps, srcs = tp.ordered_labels()
         return ModelStats(
             last_mean_input_tps=tp.published_input_tps,
             output_tps=tp.output_tps,
-            queue_size=queue_size,
+            queue_size=live.queue_size,
             queued_input_size=live.queued_input_size,
             max_output_tps=tp.max_output_tps,
-            kv_cache_capacity_tokens=kv[0],
-            kv_cache_used_tokens=kv[1],
-            kv_cache_free_tokens=kv[2],
-            num_running_queries=running,
-            max_engine_concurrency=state.effective_limit,
+            kv_cache_capacity_tokens=sat_u64(kv[0]),
+            kv_cache_used_tokens=sat_u64(kv[1]),
+            kv_cache_free_tokens=sat_u64(kv[2]),
+            num_running_queries=live.num_running_queries,
+            max_engine_concurrency=sat_u64(state.effective_limit),
             total_query_input_size=live.total_query_input_size,
             queue_time_estimate_ms_by_priority=MappingProxyType(estimates)
             if estimates

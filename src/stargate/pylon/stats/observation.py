@@ -13,6 +13,7 @@ class Endpoint(StrEnum):
     CHAT = "chat"
     RESPONSES = "responses"
     EMBEDDINGS = "embeddings"
+    COMPLETIONS = "completions"
 
 
 class State(StrEnum):
@@ -46,6 +47,16 @@ class Observation:
     calibration: bool = False
     upstream_status: int | None = None
     embedding_items: int | None = None
+    streamed: bool = True  # False for a JSON answer: its times are the whole request, not TTFO/TTFT
+    reported_input_tokens: int | None = None
+
+    @property
+    def learnable_input_tokens(self) -> int:
+        """The prompt tokens throughput learning may use: the client's claim, bounded by the
+        engine's own count when its usage was seen (a claim can be anything)."""
+        if self.reported_input_tokens is None:
+            return self.input_tokens
+        return min(self.input_tokens, self.reported_input_tokens)
 
 
 def embedding_item_count(body: Any) -> int | None:

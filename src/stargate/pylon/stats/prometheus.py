@@ -2,80 +2,132 @@
 
 With ``--engine-stats-source prometheus`` Pylon works in front of an unmodified engine: the
 engine's running/waiting counts and KV occupancy are polled on an interval; throughput comes
-from OpenAI chunk usage (fallback math). Series carrying a ``model_name`` label update that
-model; unlabelled series update every current model.
+from OpenAI chunk usage (fallback math). Series carrying a ``model_name`` (or older SGLang's
+``name``) label update that model; unlabelled series update every current model.
+
+One quantity may be exported under several names (vLLM's and SGLang's, old and new): the
+series of one name are summed (data-parallel ranks each export their own), and the names of one
+quantity are never added together — the largest wins. An engine that exports both families
+(the mock engine does) is therefore counted once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from stargate.pylon.load import EngineLoad
 from stargate.pylon.stats.aggregate import SRC_PROMETHEUS
-from stargate.pylon.stats.hub import EngineLoad, StatsHub
+from stargate.pylon.stats.hub import StatsHub
+from stargate.wire.limits import U64_MAX
 
 log = logging.getLogger("stargate.pylon.prometheus")
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
-KV_CAPACITY = ("sglang:max_total_num_tokens",)
+KV_USED = ("sglang:num_used_tokens",)
+KV_CAPACITY = ("sglang:max_total_num_tokens", "vllm:cache_config_info")
 CACHE_CONFIG = "vllm:cache_config_info"
+FRACTIONS = frozenset(KV_USAGE)
+KNOWN = frozenset((*RUNNING, *WAITING, *KV_USAGE, *KV_USED, *KV_CAPACITY))
+MODEL_LABELS = ("model_name", "name")
+
+
+def _count(value: float) -> int:
+    """A gauge as a u64: negative → 0, huge or infinite → u64 max (NaN never gets here)."""
+    if value <= 0:
+        return 0
+    return U64_MAX if value >= U64_MAX else int(value)
 
 
 @dataclass(slots=True)
 class EngineMetrics:
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float | None = None
-    kv_capacity: int | None = None
+    """Per metric name: the sum over its series (fractions: the mean), and how many series."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    series: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value
+        self.series[name] = self.series.get(name, 0) + 1
+
+    def value(self, name: str) -> float | None:
+        total = self.sums.get(name)
+        if total is None:
+            return None
+        return total / self.series[name] if name in FRACTIONS else total
+
+    def largest(self, names: tuple[str, ...]) -> float | None:
+        """The largest value among the aliases of one quantity (never their sum)."""
+        found = [v for n in names if (v := self.value(n)) is not None]
+        return max(found) if found else None
+
+    @property
+    def running(self) -> int | None:
+        value = self.largest(RUNNING)
+        return None if value is None else _count(value)
+
+    @property
+    def waiting(self) -> int | None:
+        value = self.largest(WAITING)
+        return None if value is None else _count(value)
 
     @property
     def kv(self) -> tuple[int, int, int] | None:
-        if self.kv_capacity is None or self.kv_usage is None:
+        capacity = self.largest(KV_CAPACITY)
+        if capacity is None:
             return None
-        used = min(self.kv_capacity, max(0, round(self.kv_capacity * self.kv_usage)))
-        return self.kv_capacity, used, self.kv_capacity - used
+        cap = _count(capacity)
+        used_tokens = self.largest(KV_USED)
+        usage = self.largest(KV_USAGE)
+        if used_tokens is not None:
+            used = _count(used_tokens)
+        elif usage is not None:
+            used = _count(round(cap * min(max(usage, 0.0), 1.0)))
+        else:
+            return None
+        used = min(used, cap)
+        return cap, used, cap - used
+
+    def fill_from(self, other: EngineMetrics) -> EngineMetrics:
+        """This model's names, completed by the unlabelled names it lacks."""
+        merged = EngineMetrics(dict(self.sums), dict(self.series))
+        for name, total in other.sums.items():
+            if name not in merged.sums:
+                merged.sums[name] = total
+                merged.series[name] = other.series[name]
+        return merged
+
+
+def _sample_value(name: str, labels: dict[str, str], value: float) -> float | None:
+    if name == CACHE_CONFIG:
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if not all(part.isascii() and part.isdigit() and len(part) <= 20 for part in (blocks, size)):
+            return None
+        return float(int(blocks) * int(size))
+    return value if math.isfinite(value) else None
 
 
 def parse_engine_metrics(text: str) -> dict[str | None, EngineMetrics]:
-    """Per ``model_name`` label (None = unlabelled) engine numbers from Prometheus text."""
+    """Per model label (None = unlabelled) engine numbers from Prometheus text."""
     out: dict[str | None, EngineMetrics] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = sample.name
-            model = sample.labels.get("model_name")
-            m = out.setdefault(model, EngineMetrics())
-            if name in RUNNING:
-                m.running += sample.value
-            elif name in WAITING:
-                m.waiting += sample.value
-            elif name in KV_USAGE:
-                m.kv_usage = sample.value
-            elif name in KV_CAPACITY:
-                m.kv_capacity = int(sample.value)
-            elif name == CACHE_CONFIG:
-                blocks = sample.labels.get("num_gpu_blocks", "")
-                size = sample.labels.get("block_size", "")
-                if blocks.isdigit() and size.isdigit():
-                    m.kv_capacity = int(blocks) * int(size)
+            if sample.name not in KNOWN:
+                continue
+            value = _sample_value(sample.name, sample.labels, sample.value)
+            if value is None:
+                continue
+            model = next((sample.labels[k] for k in MODEL_LABELS if k in sample.labels), None)
+            out.setdefault(model, EngineMetrics()).add(sample.name, value)
     return out
-
-
-def _merge(specific: EngineMetrics, unlabelled: EngineMetrics | None) -> EngineMetrics:
-    if unlabelled is None:
-        return specific
-    return EngineMetrics(
-        specific.running or unlabelled.running,
-        specific.waiting or unlabelled.waiting,
-        specific.kv_usage if specific.kv_usage is not None else unlabelled.kv_usage,
-        specific.kv_capacity if specific.kv_capacity is not None else unlabelled.kv_capacity,
-    )
 
 
 def apply_engine_metrics(hub: StatsHub, parsed: dict[str | None, EngineMetrics]) -> int:
@@ -86,8 +138,12 @@ def apply_engine_metrics(hub: StatsHub, parsed: dict[str | None, EngineMetrics])
         specific = parsed.get(model)
         if specific is None and unlabelled is None:
             continue
-        m = _merge(specific or EngineMetrics(), unlabelled)
-        hub.on_engine_load(model, EngineLoad(int(m.running), int(m.waiting)))
+        m = specific or EngineMetrics()
+        if unlabelled is not None:
+            m = m.fill_from(unlabelled)
+        running, waiting = m.running, m.waiting
+        if running is not None or waiting is not None:
+            hub.on_engine_load(model, EngineLoad(running or 0, waiting or 0))
         kv = m.kv
         if kv is not None:
             hub.on_kv(model, *kv, source=SRC_PROMETHEUS)

@@ -1,0 +1,120 @@
+"""``stargate-bench serve``: a local fleet for any OpenAI client or load tool, up until interrupted.
+
+Starts one Stargate in plain-client mode (``--plain-clients``), one Pylon per mock engine (relaying
+non-streaming requests as JSON) and ``--engines`` mock engines, all on 127.0.0.1, waits until every
+backend is routable, then prints exactly one line on stdout, ``OPENAI_BASE_URL=http://127.0.0.1:PORT/v1``,
+so a script can ``eval`` or grep it. Progress and the log directory go to stderr. SIGINT and SIGTERM
+stop every process of the fleet and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from stargate.balancer.config import load_lb_config
+from stargate.bench.fleet import Fleet
+from stargate.bench.scenario import RunSpec, Scenario, parse_scenario
+
+EXIT_OK = 0
+DEFAULT_MODEL = "mock-model"
+DEFAULT_LB_CONFIG: dict[str, object] = {"default": "power-of-n"}
+CHECK_INTERVAL_S = 1.0
+PLAIN_STARGATE_ARGS = ("--plain-clients",)
+PLAIN_PYLON_ARGS = ("--pylon-relay-non-streaming", "true")
+
+
+def add_parser(sub: Any, positive: Any) -> None:
+    serve = sub.add_parser(
+        "serve", help="a local fleet for OpenAI clients: prints OPENAI_BASE_URL=... once ready, Ctrl-C stops"
+    )
+    serve.add_argument("--engines", type=positive, default=2, help="mock engines, one Pylon each (default 2)")
+    serve.add_argument("--lb-config", type=Path, default=None,
+                       help="lb-config.json for Stargate (default: power-of-n for every model)")
+    serve.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"model the engines serve (default {DEFAULT_MODEL})")
+    serve.add_argument("--max-concurrent-requests", type=positive, default=16,
+                       help="slots per mock engine (default 16)")
+    serve.add_argument("--plain-clients", type=_bool, default=True, metavar="BOOL",
+                       help="plain-client mode on Stargate and Pylon (default true; false = the spec's "
+                            "header contract, for comparisons)")
+    serve.add_argument("--out", type=Path, default=Path(".bench-out") / "serve",
+                       help="directory for the fleet's logs (default .bench-out/serve)")
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
+
+
+def serve_scenario(engines: int, model: str, slots: int) -> Scenario:
+    """A fleet of ``engines`` fast mock engines; the workload fields are unused (nothing is replayed)."""
+    profile = {
+        "name": "serve",
+        "max_concurrent_requests": slots,
+        "kv_cache_capacity_tokens": 200_000,
+        "service_time_ms": {"ttft_mean": 20, "decode_tokens_per_s": 200, "prefill_tokens_per_s": 20_000},
+        "registration": {"last_mean_input_tps": 20_000},
+    }
+    data = {
+        "name": "serve",
+        "model": model,
+        "request_count": 1,
+        "max_concurrency": 1,
+        "backends": {"count": engines, "profile": profile},
+        "traffic_pattern": {
+            "kind": "uniform",
+            "input_tokens": {"distribution": "constant", "value": 16},
+            "output_tokens": {"distribution": "constant", "value": 16},
+            "arrival": {"distribution": "constant", "interval_ms": 1000},
+        },
+    }
+    return parse_scenario(data, file="stargate-bench serve", base_dir=Path.cwd())
+
+
+def lb_config_of(path: Path | None) -> dict[str, object]:
+    """The file's JSON as given (validated first, so errors name the file and the field)."""
+    if path is None:
+        return dict(DEFAULT_LB_CONFIG)
+    load_lb_config(str(path))
+    loaded: dict[str, object] = orjson.loads(path.read_bytes())
+    return loaded
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> int:
+    """Run the fleet until ``stop`` is set or SIGINT/SIGTERM arrives."""
+    scenario = serve_scenario(args.engines, args.model, args.max_concurrent_requests)
+    plain = bool(args.plain_clients)
+    run = RunSpec("serve", lb_config_of(args.lb_config), list(PLAIN_PYLON_ARGS) if plain else [])
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"starting 1 Stargate, {args.engines} Pylons and {args.engines} mock engines "
+          f"(model {args.model}; logs in {args.out / 'logs'}) ...", file=sys.stderr, flush=True)
+    stargate_args = PLAIN_STARGATE_ARGS if plain else ()
+    try:
+        async with Fleet(scenario, run, args.out, stargate_args=stargate_args) as fleet:
+            print(f"OPENAI_BASE_URL=http://{fleet.stargates[0].http}/v1", flush=True)
+            print("ready; Ctrl-C stops the fleet", file=sys.stderr, flush=True)
+            while not stop.is_set():
+                fleet.check_alive()
+                try:
+                    await asyncio.wait_for(stop.wait(), CHECK_INTERVAL_S)
+                except TimeoutError:
+                    continue
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    print("fleet stopped", file=sys.stderr, flush=True)
+    return EXIT_OK

@@ -1,0 +1,195 @@
+"""Plain-client mode: fill the spec's required headers for clients that send only OpenAI requests.
+
+A gateway normally sets ``x-request-id``, ``x-model`` and ``x-input-tokens`` (spec §4.2). Without
+one, ``stargate --plain-clients`` completes a request whose headers are missing: a request id is
+generated, the model comes from the body's ``model``, the input tokens are counted from the prompt
+(with a configured tokenizer, else one token per ``bytes_per_token`` UTF-8 bytes, rounded up), and
+the ``--plain-client-session-header`` value (then the body's ``user``) becomes the cache-affinity
+key. The body is read, with a size cap, only when ``x-model`` or ``x-input-tokens`` is missing: a
+request carrying the headers is forwarded exactly as without the mode and its body is never parsed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from stargate.errors import ConfigError, RequestError
+from stargate.wire.headers import text_value
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_BYTES_PER_TOKEN = 4
+DEFAULT_SESSION_HEADER = "x-session-id"
+REQUEST_ID_PREFIX = "sg-"
+# Body fields that hold the prompt, in the order OpenAI endpoints use them.
+PROMPT_FIELDS = ("messages", "prompt", "input", "instructions")
+# Inside messages/parts, only these keys carry prompt text (roles, types and ids do not).
+TEXT_KEYS = frozenset({"content", "text", "input", "output", "arguments"})
+
+
+class TokenCounter(Protocol):
+    def count(self, text: str) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BytesPerToken:
+    """The documented estimate without a tokenizer: ceil(UTF-8 bytes / ``bytes_per_token``)."""
+
+    bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
+
+    def count(self, text: str) -> int:
+        return -(-len(text.encode()) // self.bytes_per_token)
+
+
+class HuggingFaceTokenizer:
+    """A ``tokenizer.json`` (or a directory holding one) loaded with the ``tokenizers`` package."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise ConfigError(
+                "needs the tokenizers package (pip install 'stargate-router[tokenizer]')",
+                path="--plain-client-tokenizer",
+            ) from exc
+        file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        try:
+            self._tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises its own untyped errors
+            raise ConfigError(f"cannot load {file}: {exc}", path="--plain-client-tokenizer") from exc
+
+    def count(self, text: str) -> int:
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@dataclass(frozen=True, slots=True)
+class PlainClientSettings:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
+    session_header: str | None = DEFAULT_SESSION_HEADER
+    tokenizer_path: str | None = None
+
+    def counter(self) -> TokenCounter:
+        if self.tokenizer_path:
+            return HuggingFaceTokenizer(self.tokenizer_path)
+        return BytesPerToken(self.bytes_per_token)
+
+
+def _too_large(size: int | str, limit: int) -> RequestError:
+    return RequestError(
+        413,
+        f"request body of {size} bytes is over --plain-client-max-body-bytes ({limit}); "
+        "send x-model and x-input-tokens headers to forward it unparsed",
+        code="payload_too_large",
+    )
+
+
+class PlainClients:
+    """The hook of the request-parsing path; built once at startup."""
+
+    def __init__(self, settings: PlainClientSettings, counter: TokenCounter | None = None) -> None:
+        self.settings = settings
+        self._counter = counter or settings.counter()
+        self._session_header = settings.session_header
+
+    def incomplete(self, headers: Mapping[str, str]) -> bool:
+        """True when a header this mode fills is missing (a few dictionary lookups)."""
+        return (
+            headers.get("x-input-tokens") is None
+            or text_value(headers.get("x-model")) is None
+            or text_value(headers.get("x-request-id")) is None
+            or (
+                self._session_header is not None
+                and self._session_header in headers
+                and text_value(headers.get("x-cache-affinity-key")) is None
+            )
+        )
+
+    async def complete(self, request: web.Request) -> tuple[CIMultiDict[str], bytes | None]:
+        """The request's headers with the missing ones filled, and its body when it had to be read."""
+        headers = CIMultiDict(request.headers)
+        if text_value(headers.get("x-request-id")) is None:
+            headers["x-request-id"] = REQUEST_ID_PREFIX + uuid.uuid4().hex
+        if text_value(headers.get("x-cache-affinity-key")) is None and self._session_header is not None:
+            session = text_value(headers.get(self._session_header))
+            if session is not None:
+                headers["x-cache-affinity-key"] = session
+        if headers.get("x-input-tokens") is not None and text_value(headers.get("x-model")) is not None:
+            return headers, None
+        raw = await self._read(request)
+        body = _json_object(raw)
+        if text_value(headers.get("x-model")) is None:
+            model = body.get("model")
+            if not isinstance(model, str) or text_value(model) is None:
+                raise RequestError(
+                    400,
+                    "the request names no model: set the body's model field or an x-model header",
+                    code="invalid_request",
+                )
+            headers["x-model"] = model.strip(" \t")
+        if headers.get("x-input-tokens") is None:
+            headers["x-input-tokens"] = str(self.input_tokens(body))
+        user = body.get("user")
+        if text_value(headers.get("x-cache-affinity-key")) is None and isinstance(user, str):
+            key = text_value(user)
+            if key is not None:
+                headers["x-cache-affinity-key"] = key
+        return headers, raw
+
+    def input_tokens(self, body: Mapping[str, Any]) -> int:
+        """Prompt tokens of an OpenAI request body (at least 1)."""
+        texts: list[str] = []
+        token_ids = 0
+        for name in PROMPT_FIELDS:
+            token_ids += _collect(body.get(name), texts)
+        counted = self._counter.count("\n".join(texts)) if texts else 0
+        return max(1, counted + token_ids)
+
+    async def _read(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise _too_large(declared, limit)
+        buffer = bytearray()
+        async for chunk in request.content.iter_any():
+            buffer.extend(chunk)
+            if len(buffer) > limit:
+                raise _too_large(f"more than {limit}", limit)
+        return bytes(buffer)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        raise RequestError(
+            400,
+            "the request body must be a JSON object (read because x-model or x-input-tokens is missing)",
+            code="invalid_request",
+        )
+    return body
+
+
+def _collect(value: Any, texts: list[str]) -> int:
+    """Append prompt strings under ``value`` to ``texts``; returns the count of literal token ids."""
+    if isinstance(value, str):
+        texts.append(value)
+        return 0
+    if isinstance(value, list):
+        if value and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+            return len(value)  # a pre-tokenized prompt
+        return sum(_collect(item, texts) for item in value)
+    if isinstance(value, dict):
+        return sum(_collect(item, texts) for key, item in value.items() if key in TEXT_KEYS)
+    return 0

@@ -1,0 +1,148 @@
+"""The real ``openai`` SDK against ``stargate-bench serve`` (Stargate + Pylon + mock engine processes).
+
+Plain-client mode on: no extra headers, every endpoint a load tool uses. Mode off: the spec's
+header contract exactly as before (non-streaming chat refused by Pylon, no /v1/completions, the
+``model_ids``-only models mirror).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from stargate.bench.fleet import command
+from stargate.bench.procs import ManagedProcess, stop_all
+
+MODEL = "mock-model"
+READY_TIMEOUT_S = 60.0
+HEADERS = {"x-request-id": "spec-1", "x-model": MODEL, "x-input-tokens": "8"}
+MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
+
+
+def parse_base_url(line: str) -> str | None:
+    return line.removeprefix("OPENAI_BASE_URL=") if line.startswith("OPENAI_BASE_URL=") else None
+
+
+async def start_fleet(tmp_path: Path, *extra: str) -> tuple[ManagedProcess[str], str]:
+    argv = [*command("stargate-bench"), "serve", "--engines", "1", "--out", str(tmp_path / "fleet"), *extra]
+    proc = ManagedProcess("serve", argv, tmp_path, parse_base_url)
+    await proc.start()
+    try:
+        return proc, await proc.wait_ready(READY_TIMEOUT_S)
+    except BaseException:
+        await stop_all([proc])
+        raise
+
+
+@pytest.fixture
+async def plain(tmp_path: Path) -> AsyncIterator[str]:
+    proc, url = await start_fleet(tmp_path)
+    try:
+        yield url
+    finally:
+        await stop_all([proc], grace_s=10.0)
+    assert proc.returncode == 0, proc.log_tail()
+
+
+@pytest.fixture
+async def spec(tmp_path: Path) -> AsyncIterator[str]:
+    proc, url = await start_fleet(tmp_path, "--plain-clients", "false")
+    try:
+        yield url
+    finally:
+        await stop_all([proc], grace_s=10.0)
+
+
+def sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=20)
+
+
+async def test_plain_client_mode_serves_the_openai_sdk_without_headers(plain: str) -> None:
+    async with sdk(plain) as client:
+        chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert chat.choices[0].message.content and chat.usage is not None
+        assert chat.usage.completion_tokens == 4
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(pieces).strip()
+
+        response = await client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+        assert response.output_text.strip()
+        events = await client.responses.create(model=MODEL, input="hi", stream=True)
+        kinds = [event.type async for event in events]
+        assert kinds[-1] == "response.completed"
+
+        completion = await client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+        assert completion.choices[0].text.strip()
+        streamed = await client.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True)
+        texts = [c.choices[0].text async for c in streamed if c.choices]
+        assert "".join(texts).strip()
+
+        embeddings = await client.embeddings.create(model=MODEL, input=["a", "b"])
+        assert [item.index for item in embeddings.data] == [0, 1]
+
+        assert [m.id async for m in client.models.list()] == [MODEL]
+        assert (await client.models.retrieve(MODEL)).id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("no-such-model")
+
+        with pytest.raises(openai.BadRequestError) as missing:
+            await client.chat.completions.create(model="", messages=MESSAGES)
+        assert "names no model" in str(missing.value.body)
+
+
+async def test_plain_client_mode_fills_headers_and_keeps_sent_ones(plain: str) -> None:
+    base = plain.removesuffix("/v1")
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        async with http.get(base + "/health") as resp:
+            assert resp.status == 200
+        # The body's user is the cache-affinity key: the second request hits the engine's KV cache.
+        hits = []
+        for _ in range(2):
+            async with http.post(plain + "/chat/completions", json={**chat, "user": "alice"}) as resp:
+                assert resp.status == 200, await resp.text()
+                hits.append(resp.headers["x-kv-cache-hit"])
+                # 11 prompt bytes at 4 bytes per token.
+                assert resp.headers["x-mock-input-tokens"] == "3"
+        assert hits == ["false", "true"]
+        # A header-complete request is forwarded unparsed: the router does not look at this body.
+        async with http.post(plain + "/chat/completions", data=b"not json", headers=HEADERS) as resp:
+            assert resp.status == 400
+            assert "valid JSON" in (await resp.json(content_type=None))["detail"]
+        # The body is read only up to its bound.
+        big = orjson.dumps({"model": MODEL, "prompt": "x" * (9 * 1024 * 1024)})
+        async with http.post(plain + "/completions", data=io.BytesIO(big)) as resp:
+            assert resp.status == 413
+            assert "--plain-client-max-body-bytes" in await resp.text()
+
+
+async def test_mode_off_keeps_the_spec_contract(spec: str) -> None:
+    base = spec.removesuffix("/v1")
+    async with sdk(spec) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, extra_headers=HEADERS
+        )
+        assert [c async for c in stream]
+        with pytest.raises(openai.BadRequestError):  # Pylon: stream=true required
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers=HEADERS)
+        with pytest.raises(openai.BadRequestError) as missing:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        assert "missing required header x-request-id" in str(missing.value.body)
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model=MODEL, prompt="hello", extra_headers=HEADERS)
+        embeddings = await client.embeddings.create(model=MODEL, input="a", extra_headers=HEADERS)
+        assert len(embeddings.data) == 1
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve(MODEL)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        async with http.get(spec + "/models") as resp:
+            assert await resp.json() == {"model_ids": [MODEL]}
+        async with http.get(base + "/health") as resp:
+            assert resp.status == 404

@@ -1,0 +1,264 @@
+"""Load-aware estimates and options (lb-config ``load_aware``, ``cache_affinity_yield_margin_ms``).
+
+Below the slot limit the seed's free-slot rule gives every backend with a free slot the same queue
+estimate (0); the load-aware estimates must tell the busy one from the idle one, merging the
+published stats with the router's own in-flight count without double counting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+from builders import chosen, chosen_id, make_candidate, make_request, rng, waw
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stargate.balancer import Algorithm, AlgorithmDefinition, Candidate, Comparator, build_policy
+from stargate.balancer.comparators import load_ttft_score, ttft_score
+from stargate.balancer.estimates import (
+    effective_queue_ms,
+    load_queue_ms,
+    load_running,
+    load_tie_key,
+    load_ttft_ms,
+)
+from stargate.balancer.types import InFlight
+
+
+def with_in_flight(candidate: Candidate, requests: int, prefilling: int, tokens: int) -> Candidate:
+    return dataclasses.replace(candidate, in_flight=InFlight(requests, prefilling, tokens))
+
+
+def pon(**settings: Any) -> AlgorithmDefinition:
+    settings.setdefault("comparator", Comparator.TTFT)
+    return AlgorithmDefinition(Algorithm.POWER_OF_N, **settings)
+
+
+# ---- estimates ------------------------------------------------------------------------------------
+
+
+def test_free_slot_hides_prefill_backlog_but_load_estimate_sees_it() -> None:
+    busy = make_candidate("busy", tps=1000.0, queued=2000, running=1, max_concurrency=8)
+    assert effective_queue_ms(busy.stats, 0) == 0  # the seed's rule: a free slot, no queue
+    assert load_queue_ms(busy, 0) == 2000.0  # 2000 tokens ahead at 1000 tok/s
+
+
+def test_own_in_flight_prefill_counts_when_published_stats_lag() -> None:
+    stale = make_candidate("a", tps=1000.0, queued=0, running=0, max_concurrency=8)
+    assert load_queue_ms(with_in_flight(stale, 3, 2, 500), 0) == 500.0
+
+
+def test_published_and_own_counts_merge_by_max_not_sum() -> None:
+    counted = make_candidate("a", tps=1000.0, queued=800, running=3, max_concurrency=8)
+    merged = with_in_flight(counted, 3, 2, 500)
+    assert load_queue_ms(merged, 0) == 800.0
+    assert load_running(merged) == 3
+    assert load_running(with_in_flight(counted, 5, 1, 100)) == 5
+
+
+def test_at_the_slot_limit_the_larger_of_spec_and_load_estimate_applies() -> None:
+    full = make_candidate("a", tps=100.0, queued=10, running=8, max_concurrency=8, queue_map={0: 900})
+    assert load_queue_ms(full, 0) == 900.0  # the engine's priority map says more than the backlog
+    own_full = with_in_flight(make_candidate("b", tps=100.0, running=0, max_concurrency=2), 2, 2, 50)
+    assert load_queue_ms(own_full, 0) == 500.0  # full by the router's own count: backlog estimate
+
+
+def test_unknown_throughput_with_backlog_is_infinite_and_idle_is_zero() -> None:
+    assert load_queue_ms(make_candidate("a", tps=0.0, queued=5), 0) == float("inf")
+    assert load_queue_ms(make_candidate("a", tps=0.0), 0) == 0.0
+
+
+def test_load_ttft_adds_rtt_backlog_and_scaled_prefill() -> None:
+    candidate = make_candidate("a", rtt_ms=3.0, tps=1000.0, queued=1000, running=1, max_concurrency=4)
+    assert load_ttft_ms(candidate, 500, 0) == 3.0 + 1000.0 + 500.0
+    assert load_ttft_ms(candidate, 500, 0, scale=0.2) == 3.0 + 1000.0 + 100.0
+    assert load_ttft_score(candidate, 0, 500) == 1503.0
+    assert ttft_score(candidate, 0, 500) == 503.0  # seed estimate: free slot, no queue
+
+
+def test_tie_key_treats_estimates_within_resolution_as_equal_then_prefers_fewer_running() -> None:
+    assert load_tie_key(3.0, 1, 20.0) < load_tie_key(1.0, 4, 20.0)
+    assert load_tie_key(1.0, 4, 20.0) < load_tie_key(21.0, 0, 20.0)
+    assert load_tie_key(5.0, 1, 0.0) < load_tie_key(6.0, 0, 0.0)
+
+
+# ---- power-of-n -----------------------------------------------------------------------------------
+
+
+def _idle_and_busy(**busy: Any) -> tuple[Candidate, ...]:
+    idle = make_candidate("idle", rtt_ms=1.2, tps=1000.0, running=0, max_concurrency=8)
+    loaded = make_candidate("busy", rtt_ms=1.0, tps=1000.0, max_concurrency=8, **busy)
+    return (idle, loaded)
+
+
+def test_power_of_n_seed_estimate_cannot_see_load_below_the_slot_limit() -> None:
+    candidates = _idle_and_busy(queued=4000, running=4)
+    policy = build_policy(pon())
+    picks = {
+        chosen_id(candidates, policy.decide(candidates, make_request(input_tokens=100), rng(s)))
+        for s in range(20)
+    }
+    assert picks == {"busy"}  # rtt noise decides: the busy one is 0.2 ms closer
+
+
+def test_power_of_n_load_aware_avoids_prefill_backlog() -> None:
+    candidates = _idle_and_busy(queued=4000, running=4)
+    policy = build_policy(pon(load_aware=True))
+    for seed in range(20):
+        assert (
+            chosen_id(candidates, policy.decide(candidates, make_request(input_tokens=100), rng(seed)))
+            == "idle"
+        )
+
+
+def test_power_of_n_load_aware_prefers_fewer_decoding_when_prefill_ties() -> None:
+    candidates = _idle_and_busy(running=6)  # no backlog, six requests decoding
+    policy = build_policy(pon(load_aware=True))
+    for seed in range(20):
+        assert (
+            chosen_id(candidates, policy.decide(candidates, make_request(input_tokens=100), rng(seed)))
+            == "idle"
+        )
+
+
+def test_power_of_n_load_aware_breaks_exact_ties_at_random() -> None:
+    a = make_candidate("a", tps=1000.0, max_concurrency=8)
+    b = make_candidate("b", tps=1000.0, max_concurrency=8)
+    policy = build_policy(pon(load_aware=True))
+    picks = [chosen_id((a, b), policy.decide((a, b), make_request(), random.Random(s))) for s in range(200)]
+    assert 60 < picks.count("a") < 140
+
+
+def test_power_of_n_load_aware_sees_its_own_in_flight_burst() -> None:
+    """Stale stats say both are idle; the router's own in-flight count says one has a burst."""
+    a = make_candidate("a", tps=1000.0, max_concurrency=8)
+    b = make_candidate("b", tps=1000.0, max_concurrency=8)
+    candidates = (with_in_flight(a, 4, 4, 4000), b)
+    policy = build_policy(pon(load_aware=True))
+    for seed in range(20):
+        assert chosen_id(candidates, policy.decide(candidates, make_request(), rng(seed))) == "b"
+
+
+# ---- wait-and-widen -------------------------------------------------------------------------------
+
+
+def test_waw_load_aware_ranks_by_backlog_below_the_slot_limit() -> None:
+    candidates = _idle_and_busy(queued=4000, running=4)
+    seed_policy = build_policy(waw(n=2))
+    load_policy = build_policy(waw(n=2, load_aware=True))
+    request = make_request(input_tokens=100)
+    assert {chosen_id(candidates, seed_policy.decide(candidates, request, rng(s))) for s in range(20)} == {
+        "busy"
+    }
+    for seed in range(20):
+        assert chosen_id(candidates, load_policy.decide(candidates, request, rng(seed))) == "idle"
+
+
+def test_waw_load_aware_capacity_counts_own_in_flight() -> None:
+    """Published stats show a free slot, but the router itself has the engine's limit in flight."""
+    full = with_in_flight(make_candidate("a", tps=1000.0, running=0, max_concurrency=2), 2, 0, 0)
+    other = make_candidate("b", rtt_ms=50.0, tps=1000.0, running=1, max_concurrency=2)
+    policy = build_policy(waw(n=2, load_aware=True, ttft_bucket_size_ms=100))
+    assert chosen_id((full, other), policy.decide((full, other), make_request(), rng())) == "b"
+
+
+def test_waw_load_aware_keeps_free_slot_rule_for_the_queue_slo_filter() -> None:
+    """A busy backend with a free slot passes a 0 ms queue SLO (the seed's rule), and still wins
+    when it is the only one."""
+    busy = make_candidate("busy", tps=1000.0, queued=4000, running=1, max_concurrency=8)
+    policy = build_policy(waw(load_aware=True, queue_slo_ms=(0, 0)))
+    assert chosen_id((busy,), policy.decide((busy,), make_request(), rng())) == "busy"
+
+
+# ---- affinity that yields to load ------------------------------------------------------------------
+
+
+def _affinity_policy(margin: int | None, **settings: Any) -> Any:
+    return build_policy(
+        waw(
+            selection_count=1,
+            virtual_nodes=8,
+            seed="seed-1",
+            cache_affinity_wait_ms=200,
+            cache_affinity_input_tokens_scale=0.2,
+            cache_affinity_yield_margin_ms=margin,
+            load_aware=True,
+            **settings,
+        )
+    )
+
+
+def _ring(c_queued: int) -> tuple[Candidate, ...]:
+    # Key prefix-a maps to affinity-c with a group of one (Appendix A).
+    return (
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-c", tps=1000.0, queued=c_queued, running=2, max_concurrency=8),
+    )
+
+
+def test_affinity_yields_when_its_estimate_is_worse_by_more_than_the_margin() -> None:
+    candidates = _ring(c_queued=3000)  # affine: 3000 + 0.2 x 1000 = 3200 ms; global best 1000 ms
+    decision = _affinity_policy(margin=500).decide(
+        candidates, make_request(input_tokens=1000, key="prefix-a"), rng()
+    )
+    assert chosen_id(candidates, decision) in {"affinity-a", "affinity-b"}
+    assert chosen(decision).rank_depth == 2
+
+
+def test_affinity_holds_within_the_margin() -> None:
+    candidates = _ring(c_queued=1200)  # affine 1400 ms vs global 1000 ms: within a 500 ms margin
+    decision = _affinity_policy(margin=500).decide(
+        candidates, make_request(input_tokens=1000, key="prefix-a"), rng()
+    )
+    assert chosen_id(candidates, decision) == "affinity-c"
+    assert chosen(decision).rank_depth == 1
+
+
+def test_without_a_margin_the_seed_hold_applies() -> None:
+    candidates = _ring(c_queued=3000)
+    decision = _affinity_policy(margin=None).decide(
+        candidates, make_request(input_tokens=1000, key="prefix-a"), rng()
+    )
+    assert chosen_id(candidates, decision) == "affinity-c"  # free slot: the group selects
+
+
+def test_full_affinity_group_yields_before_x_when_the_wait_costs_more_than_the_margin() -> None:
+    candidates = (
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-c", tps=1000.0, queued=5000, running=8, max_concurrency=8),
+    )
+    request = make_request(input_tokens=1000, key="prefix-a", elapsed_ms=10.0)
+    decision = _affinity_policy(margin=500).decide(candidates, request, rng())
+    assert chosen(decision).rank_depth == 2
+
+
+# ---- property: below the slot limit the less-loaded of two equal backends wins more often -----------
+
+loads = st.integers(min_value=0, max_value=20_000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    light=loads,
+    extra=st.integers(min_value=200, max_value=20_000),
+    rtt_a=st.floats(0.5, 2.0),
+    seed=st.integers(0, 2**32),
+)
+def test_less_loaded_of_two_equal_backends_wins_more_often(
+    light: int, extra: int, rtt_a: float, seed: int
+) -> None:
+    heavy = light + extra
+    a = make_candidate("a", rtt_ms=rtt_a, tps=1000.0, queued=light, running=1, max_concurrency=8)
+    b = make_candidate("b", rtt_ms=1.0, tps=1000.0, queued=heavy, running=1, max_concurrency=8)
+    random_source = random.Random(seed)
+    for definition in (pon(load_aware=True), waw(n=2, load_aware=True)):
+        policy = build_policy(definition)
+        wins = sum(
+            chosen_id((a, b), policy.decide((a, b), make_request(input_tokens=500), random_source)) == "a"
+            for _ in range(20)
+        )
+        assert wins > 10

@@ -1,0 +1,36 @@
+"""``examples/lb-config/recommended.json``: valid, one model entry, and what the demo and
+``stargate-bench compare --routers stargate:recommended`` run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from stargate.balancer.config import load_lb_config
+from stargate.bench.peers.compare import RECOMMENDED_FILE, recommended_lb_config
+from stargate.bench.scenario import load_scenario
+from stargate.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_recommended_file_loads_and_enables_the_load_aware_fields() -> None:
+    definition = load_lb_config(str(RECOMMENDED_FILE)).resolve("llama", None)
+    assert definition.load_aware
+    assert definition.cache_affinity_yield_margin_ms is not None
+
+
+def test_demo_runs_the_recommended_config_first() -> None:
+    demo = load_scenario(ROOT / "benches" / "demo.yaml")
+    first = demo.runs()[0]
+    assert first.name == "recommended"
+    assert first.lb_config == recommended_lb_config(demo.model)
+
+
+def test_a_recommended_file_without_exactly_one_model_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "two.json"
+    path.write_bytes(orjson.dumps({"models": {"a": {"algorithm": "random"}, "b": {"algorithm": "random"}}}))
+    with pytest.raises(ConfigError, match="recommended"):
+        recommended_lb_config("m", path)

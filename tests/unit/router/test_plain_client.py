@@ -1,0 +1,78 @@
+"""Plain-client mode: which requests it touches, and the input-token estimate of each OpenAI body."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stargate.bench.peers.tokenizer import write_tokenizer_dir
+from stargate.errors import ConfigError
+from stargate.router.cli import build_parser, settings_from_args
+from stargate.router.plain_client import BytesPerToken, PlainClients, PlainClientSettings
+
+SPEC_HEADERS = {"x-request-id": "r", "x-model": "m", "x-input-tokens": "5"}
+
+
+def plain(**kw: object) -> PlainClients:
+    return PlainClients(PlainClientSettings(**kw))  # type: ignore[arg-type]
+
+
+def test_header_complete_requests_are_left_alone() -> None:
+    clients = plain()
+    assert not clients.incomplete(SPEC_HEADERS)
+    assert not clients.incomplete({**SPEC_HEADERS, "x-session-id": "s", "x-cache-affinity-key": "k"})
+    for name in SPEC_HEADERS:
+        assert clients.incomplete({k: v for k, v in SPEC_HEADERS.items() if k != name})
+    assert clients.incomplete({**SPEC_HEADERS, "x-model": "  "})
+    assert clients.incomplete({**SPEC_HEADERS, "x-session-id": "s"})
+    assert not plain(session_header=None).incomplete({**SPEC_HEADERS, "x-session-id": "s"})
+
+
+def test_bytes_per_token_rounds_up() -> None:
+    assert BytesPerToken(4).count("") == 0
+    assert BytesPerToken(4).count("abcde") == 2
+    assert BytesPerToken(4).count("é") == 1  # 2 UTF-8 bytes
+
+
+def test_input_tokens_of_each_endpoint_body() -> None:
+    clients = plain(bytes_per_token=1)
+    chat = {"messages": [{"role": "system", "content": "abc"},
+                         {"role": "user", "content": [{"type": "text", "text": "de"}]}]}
+    assert clients.input_tokens(chat) == len("abc\nde")
+    assert clients.input_tokens({"prompt": "hello"}) == 5
+    assert clients.input_tokens({"prompt": [1, 2, 3]}) == 3  # pre-tokenized
+    assert clients.input_tokens({"prompt": [[1, 2], [3]]}) == 3
+    assert clients.input_tokens({"input": "abcd", "instructions": "xy"}) == len("abcd\nxy")
+    assert clients.input_tokens({"input": ["a", "b"]}) == len("a\nb")
+    assert clients.input_tokens({"model": "m"}) == 1  # never 0
+
+
+def test_a_configured_tokenizer_counts_the_prompt(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    directory = write_tokenizer_dir(tmp_path / "tok", "m")  # one token per UTF-8 byte
+    clients = plain(tokenizer_path=str(directory))
+    assert clients.input_tokens({"prompt": "hello world"}) == 11
+    assert plain(tokenizer_path=str(directory / "tokenizer.json")).input_tokens({"prompt": "é"}) == 2
+
+
+def test_an_unloadable_tokenizer_names_the_flag(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    with pytest.raises(ConfigError, match="--plain-client-tokenizer"):
+        plain(tokenizer_path=str(tmp_path / "missing.json"))
+
+
+def test_cli_mode_flags() -> None:
+    base = ["--stargate-id", "s", "--advertise-addr", "127.0.0.1:1", "--disable-dns-discovery"]
+    assert settings_from_args(build_parser({}).parse_args(base)).plain_clients is None
+    on = settings_from_args(build_parser({}).parse_args([*base, "--plain-clients"])).plain_clients
+    assert on == PlainClientSettings()
+    from_env = build_parser({"STARGATE_PLAIN_CLIENTS": "true"}).parse_args(base)
+    assert settings_from_args(from_env).plain_clients is not None
+    flags = ["--plain-clients", "true", "--plain-client-session-header", ""]
+    flags += ["--plain-client-bytes-per-token", "3"]
+    tuned = settings_from_args(build_parser({}).parse_args([*base, *flags])).plain_clients
+    assert tuned == PlainClientSettings(bytes_per_token=3, session_header=None)
+    bad = build_parser({}).parse_args([*base, "--plain-clients", "--plain-client-session-header", "a b"])
+    with pytest.raises(ConfigError, match="--plain-client-session-header"):
+        settings_from_args(bad)
