@@ -1,22 +1,72 @@
 """The one exception hierarchy of the project.
 
-StargateError
- ├── ConfigError          bad configuration; names the file, the field (JSON path) and the reason
- ├── RequestError         a client request that breaks the header/body contract (HTTP 4xx)
- └── UpstreamError        a backend or engine could not be reached or answered badly
+StargateError                      status 500 internal_error: anything raised on purpose
+ ├── ConfigError                   bad configuration; names the file, the field (JSON path) and the reason
+ ├── RoutingMethodError            400 invalid_request: an ``x-routing-method`` the balancer cannot use
+ │    │                            (the balancer's own error, not a RequestError subclass)
+ │    ├── UnknownRoutingMethod     blank or names no algorithm
+ │    └── UnavailableRoutingMethod an algorithm the configuration does not offer for the model
+ ├── RequestError                  400 invalid_request: a client request breaks the header/body contract
+ │    ├── PayloadTooLarge          413 payload_too_large: declared or buffered body over a limit
+ │    └── UnsupportedEncoding      415 unsupported_content_encoding: a body Pylon cannot check
+ ├── ModelNotFound                 404 model_not_found: ``GET /v1/models/{id}`` of a model nobody serves
+ ├── RoutingError                  503 no_selectable_backend: no backend could be chosen
+ │    ├── NoEligibleCandidates     404 no_eligible_candidates (spec §4.6 body, error-code header)
+ │    └── InputWorkLimitExceeded   503 input_work_limit_exceeded (spec §4.6 body, error-code header)
+ ├── UpstreamError                 502 upstream_transport_error: a backend could not be reached or broke
+ │    ├── UpstreamNotSent          the request never left (connect refused/failed): safe to resend anywhere
+ │    └── UpstreamTimeout          no response headers in time: the backend may still be executing it
+ ├── BackendRejected               Pylon's own retryable refusals (carry x-stargate-retry-* headers)
+ │    ├── ModelNotAdmitted         503 model_generation_unavailable
+ │    ├── QueueEstimateMismatch    429 queue_estimate_mismatch (extra fields of pylon.md §8.3)
+ │    └── LocalConnectFailure      503 local_connect_failure (the engine could not be reached)
+ └── (outside HTTP) RegistrationRejected (router/registration.py), CalibrationError, StartupError,
+      DiscoveryError (pylon), ProcessError, PeerInstallError (bench): failures that end a stream or
+      a process, never an HTTP response
 
-Library errors (aiohttp, grpc, pydantic) are translated at the boundary with ``raise ... from exc``.
+Every class carries its HTTP ``status``, its error ``code`` (the ``x-stargate-error-code`` value for
+the two codes the spec puts on the wire) and a ``message``; ``stargate.responses.error_response``
+is the one function that turns any of them into an HTTP response. Library errors (aiohttp, grpc,
+pydantic) are translated at the boundary with ``raise ... from exc``.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from stargate.balancer.settings import Algorithm
 
 
 class StargateError(Exception):
     """Base of every error this project raises on purpose."""
 
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    kind: ClassVar[str] = "server_error"
+    """The OpenAI error ``type`` of the response body."""
+    wire_code: ClassVar[bool] = False
+    """True for the codes spec §4.6 sends as ``x-stargate-error-code`` with its fixed body."""
+
+    def __init__(self, message: str = "") -> None:
+        self.message = message
+        super().__init__(message)
+
+    def retry_headers(self) -> Mapping[str, str]:
+        """Headers that tell Stargate whether to retry elsewhere (Pylon's refusals only)."""
+        return {}
+
+    def extra_fields(self) -> Mapping[str, object]:
+        """Spec-fixed fields a problem body carries beside the standard ones."""
+        return {}
+
 
 class ConfigError(StargateError):
     """A configuration value is invalid; ``path`` is the JSON path of the bad field."""
+
+    code = "config_error"
 
     def __init__(self, reason: str, *, path: str = "", file: str = "") -> None:
         self.reason = reason
@@ -32,15 +82,172 @@ class ConfigError(StargateError):
         return ConfigError(self.reason, path=self.path, file=file)
 
 
-class RequestError(StargateError):
-    """A request breaks the contract; carries the HTTP status and an optional error code."""
+class RoutingMethodError(StargateError):
+    """The balancer cannot use the requested routing method; the router answers 400."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None) -> None:
-        self.status = status
-        self.message = message
-        self.code = code
+    status = 400
+    code = "invalid_request"
+    kind = "invalid_request_error"
+
+
+class UnknownRoutingMethod(RoutingMethodError):
+    """`x-routing-method` is blank, not visible ASCII, or names no algorithm."""
+
+    def __init__(self, requested: str) -> None:
+        self.requested = requested
+        super().__init__(f"unknown x-routing-method {json.dumps(requested)}")
+
+
+class UnavailableRoutingMethod(RoutingMethodError):
+    """`x-routing-method` names an algorithm the configuration does not offer for the model."""
+
+    def __init__(self, algorithm: Algorithm, model_id: str) -> None:
+        self.algorithm = algorithm
+        self.model_id = model_id
+        super().__init__(
+            f"x-routing-method {algorithm.value} is not configured for model {json.dumps(model_id)}"
+        )
+
+
+class RequestError(StargateError):
+    """A request breaks the header/body contract; ``hint`` says how to make it work."""
+
+    status = 400
+    code = "invalid_request"
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.hint = hint
         super().__init__(message)
+
+    def extra_fields(self) -> Mapping[str, object]:
+        return {} if self.hint is None else {"hint": self.hint}
+
+
+class PayloadTooLarge(RequestError):
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedEncoding(RequestError):
+    status = 415
+    code = "unsupported_content_encoding"
+
+
+class ModelNotFound(StargateError):
+    """``GET /v1/models/{id}`` for a model no active backend serves."""
+
+    status = 404
+    code = "model_not_found"
+    kind = "not_found_error"
+
+
+class RoutingError(StargateError):
+    """No backend could be chosen for the request (registered but inactive, all clusters failed...)."""
+
+    status = 503
+    code = "no_selectable_backend"
+    kind = "service_unavailable_error"
+
+
+class NoEligibleCandidates(RoutingError):
+    status = 404
+    code = "no_eligible_candidates"
+    kind = "not_found_error"
+    wire_code = True
+
+    def __init__(self) -> None:
+        super().__init__("no eligible candidates")
+
+
+class InputWorkLimitExceeded(RoutingError):
+    """Input-work admission refused the request; ``reason`` is the metric label (spec §3.9)."""
+
+    code = "input_work_limit_exceeded"
+    wire_code = True
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__("input work admission limit exceeded")
 
 
 class UpstreamError(StargateError):
     """A backend could not be reached, or failed before answering."""
+
+    status = 502
+    code = "upstream_transport_error"
+
+
+class UpstreamNotSent(UpstreamError):
+    """The request never reached the backend (connection refused or failed): nothing executed."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No response headers within the request timeout: the backend may still be working on it."""
+
+
+class BackendRejected(StargateError):
+    """A refusal Pylon answers before the engine ran anything, with Stargate's retry headers."""
+
+    status = 503
+    kind = "service_unavailable_error"
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        self.retryable = retryable
+        super().__init__(message)
+
+    def retry_headers(self) -> Mapping[str, str]:
+        return {
+            "x-stargate-retryable": "true" if self.retryable else "false",
+            "x-stargate-retry-reason": self.code,
+        }
+
+
+class ModelNotAdmitted(BackendRejected):
+    code = "model_generation_unavailable"
+
+    def __init__(self) -> None:
+        super().__init__("model generation is not admitted for request routing")
+
+
+class QueueEstimateMismatch(BackendRejected):
+    """Pylon's local queue is longer than Stargate expected (pylon.md §8.3)."""
+
+    status = 429
+    code = "queue_estimate_mismatch"
+    kind = "rate_limit_error"
+
+    def __init__(
+        self,
+        *,
+        expected_ms: int | None,
+        actual_ms: int | None,
+        threshold_ms: int | None,
+        retry_after_ms: int | None = None,
+    ) -> None:
+        self.fields = {
+            "reason": self.code,
+            "expected_queue_ms": expected_ms,
+            "actual_queue_ms": actual_ms,
+            "threshold_ms": threshold_ms,
+        }
+        self.retry_after_ms = retry_after_ms
+        super().__init__("local queue estimate exceeded Stargate routing estimate")
+
+    def retry_headers(self) -> Mapping[str, str]:
+        headers = dict(super().retry_headers())
+        if self.retry_after_ms is not None:
+            headers["x-stargate-retry-after-ms"] = str(self.retry_after_ms)
+        return headers
+
+    def extra_fields(self) -> Mapping[str, object]:
+        return self.fields
+
+
+class LocalConnectFailure(BackendRejected):
+    """Pylon could not connect to its engine, so nothing ran (retryable unless configured off)."""
+
+    code = "local_connect_failure"
+
+    def __init__(self, *, retryable: bool) -> None:
+        super().__init__("local upstream connection failed", retryable=retryable)

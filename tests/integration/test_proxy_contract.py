@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from aiohttp import web
@@ -22,8 +23,8 @@ from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.proto import stargate_pb2_grpc
 from stargate.router.app import StargateServer, StargateSettings
+from stargate.router.attempt import RetrySettings
 from stargate.router.proxy import ProxySettings
-from stargate.router.retries import RetrySettings
 
 MODEL = "m"
 CHAT = "/v1/chat/completions"
@@ -234,7 +235,8 @@ async def test_p98_missing_required_header_is_400_and_backend_not_called(
     async with sg.http.post(sg.base + path, headers=headers, data=b"{}") as resp:
         assert resp.status == 400
         body = orjson.loads(await resp.read())
-    assert body["code"] == "invalid_request" and missing in body["error"]
+    assert body["error"]["code"] == "invalid_request" and missing in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
     assert backend.requests == []
     assert sg.metric("stargate_requests_total", **labels(inference_server_id="", status="400")) == 0
 
@@ -410,7 +412,7 @@ async def test_p127_selection_and_routing_duration_metrics(sg: Harness) -> None:
 async def test_p106_declared_body_over_limit_is_413_before_routing() -> None:
     async with running(proxy=ProxySettings(max_replay_body_bytes=8)) as sg:
         status, _, body = await sg.post({"x-model": "nobody"}, b"x" * 15)
-        assert status == 413 and orjson.loads(body)["code"] == "payload_too_large"
+        assert status == 413 and orjson.loads(body)["error"]["code"] == "payload_too_large"
 
 
 async def chunked(*parts: bytes) -> AsyncIterator[bytes]:
@@ -515,7 +517,7 @@ async def test_p112_single_rejecting_backend_ends_503_no_eligible_backend(sg: Ha
     await sg.backend("r", rejection("upstream_admission_rejected"))
     status, headers, body = await sg.post()
     assert status == 503 and "x-stargate-error-code" not in headers
-    assert orjson.loads(body)["code"] == "no_selectable_backend"
+    assert orjson.loads(body)["error"]["code"] == "no_selectable_backend"
     assert sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="no_eligible_backend")) == 1
     assert sg.metric("stargate_requests_total", **labels(inference_server_id="", status="503")) == 1
 
@@ -554,7 +556,7 @@ async def test_p116_dead_backend_without_connect_retries_is_502() -> None:
         backend = await sg.backend("dead")
         await backend.stop()
         status, _, body = await sg.post()
-        assert status == 502 and orjson.loads(body)["code"] == "upstream_transport_error"
+        assert status == 502 and orjson.loads(body)["error"]["code"] == "upstream_transport_error"
         assert (
             sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="connect_retries_exhausted"))
             == 1
@@ -762,6 +764,18 @@ async def test_openai_client_streams_through_the_proxy(sg: Harness) -> None:
     _, seen, body = backend.requests[0]
     assert seen["x-request-id"] == "oa-1" and seen["authorization"] == "Bearer unused"
     assert orjson.loads(body)["stream"] is True
+
+
+async def test_openai_client_error_names_the_problem(sg: Harness) -> None:
+    client = AsyncOpenAI(base_url=sg.base + "/v1", api_key="unused", max_retries=0, timeout=10.0)
+    async with client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+    assert info.value.status_code == 400
+    assert info.value.code == "invalid_request" and info.value.type == "invalid_request_error"
+    assert "missing required header x-request-id" in str(info.value)
 
 
 async def test_p124_shutdown_drains_in_flight_requests(sg: Harness) -> None:

@@ -135,7 +135,13 @@ async def test_b87_b89_b90_validation(engine: FakeEngine, client: aiohttp.Client
         for path, headers, body, detail in cases:
             async with client.post(app.http_url + path, data=body, headers=headers) as resp:
                 assert resp.status == 400 and resp.content_type == "application/problem+json"
-                assert (await resp.json(content_type=None))["detail"] == detail
+                problem = await resp.json(content_type=None)
+                assert problem["detail"] == detail and problem["title"] == "Bad Request"
+                assert problem["error"] == {
+                    "message": detail,
+                    "type": "invalid_request_error",
+                    "code": "invalid_request",
+                }
         assert engine.requests == []
         async with client.post(
             app.http_url + "/v1/embeddings", data=b'{"input":"x"}', headers=HEADERS

@@ -26,7 +26,7 @@ from stargate.balancer.config_schema import (
     parse_fields,
 )
 from stargate.balancer.settings import ALIASES, Algorithm, AlgorithmDefinition
-from stargate.errors import ConfigError, RequestError
+from stargate.errors import ConfigError, UnavailableRoutingMethod, UnknownRoutingMethod
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 # Entries under `request_algorithms` may nest further maps that are validated and ignored; the cap
@@ -36,25 +36,6 @@ ENTRY_TYPE_ERROR = "load-balancer model config must be an algorithm name or deta
 TOP_LEVEL_KEYS = ("default", "request_algorithms", "models")
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
 _CANONICAL_NAMES = ", ".join(a.value for a in Algorithm)
-
-
-class UnknownRoutingMethod(RequestError):
-    """`x-routing-method` is blank, not visible ASCII, or names no algorithm (HTTP 400)."""
-
-    def __init__(self, requested: str) -> None:
-        self.requested = requested
-        super().__init__(400, f"unknown x-routing-method {json.dumps(requested)}")
-
-
-class UnavailableRoutingMethod(RequestError):
-    """`x-routing-method` names an algorithm the configuration does not offer for the model (HTTP 400)."""
-
-    def __init__(self, algorithm: Algorithm, model_id: str) -> None:
-        self.algorithm = algorithm
-        self.model_id = model_id
-        super().__init__(
-            400, f"x-routing-method {algorithm.value} is not configured for model {json.dumps(model_id)}"
-        )
 
 
 def parse_routing_method(raw: str) -> Algorithm:

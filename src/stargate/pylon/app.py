@@ -21,6 +21,7 @@ from stargate.pylon.canary import CanaryRunner
 from stargate.pylon.config import PylonSettings, StatsSource, StatsStreamMode
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import RequestIds
+from stargate.pylon.live_metrics import LiveLoadCollector
 from stargate.pylon.load import LiveLoad
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import ModelRegistry
@@ -66,6 +67,13 @@ class PylonApp:
             max_engine_concurrency=settings.max_engine_concurrency,
             fallback_enabled=settings.fallback_stats_at_start,
         )
+        self.metrics.add_collector(
+            LiveLoadCollector(
+                self.load, self.hub.counter_entries, self.hub.model_states, lambda: self.hub.counter_source
+            )
+        )
+        self._advertised: dict[str, str] = {}
+        self._routers_up: set[str] = set()
         self.http_url = ""
         self.metrics_port = 0
         self._session: aiohttp.ClientSession | None = None
@@ -103,14 +111,29 @@ class PylonApp:
             reverse_tunnel=False,
             cluster_id=self.s.cluster_id,
         )
+        advertised: dict[str, str] = {}
         for gen, status in self.registry.published():
+            advertised[gen.model_id] = status.name.lower()
             stats = self.hub.snapshot(gen)
             self.metrics.publish_model(gen.model_id, stats)
             self.metrics.publish_embedding_items(gen.model_id, *self.hub.embedding_item_tps(gen))
             msg.models[gen.model_id].CopyFrom(
                 stargate_pb2.InferenceServerModelRegistration(stats=stats_to_proto(stats), status=int(status))  # type: ignore[arg-type]
             )
+        self._advertised = advertised
+        for router in self._routers_up:
+            self.metrics.advertise(router, advertised)
         return msg
+
+    def _on_router(self, router: str, up: bool) -> None:
+        """Registration stream acknowledged (``up``) or lost: connection and advertised-status gauges."""
+        self.metrics.registration_connected.labels(router).set(int(up))
+        if up:
+            self._routers_up.add(router)
+            self.metrics.advertise(router, self._advertised)
+        else:
+            self._routers_up.discard(router)
+            self.metrics.router_lost(router)
 
     async def start(self) -> None:
         s = self.s
@@ -200,7 +223,7 @@ class PylonApp:
             snapshot=self.registration_message,
             interval_ms=s.min_update_interval_ms,
             token=token_source(s.auth_token, s.auth_token_file),
-            on_connected=lambda router, up: self.metrics.registration_connected.labels(router).set(int(up)),
+            on_connected=self._on_router,
         )
         discovery = StargateDiscovery([s.stargate_address], self.registration.update_routers)
         self._spawn(discovery.run(), "stargate-discovery")

@@ -1,5 +1,5 @@
 """Header contracts of the relay: required request headers (§7 step 2), upstream request headers
-and priority mapping (§8.4), response headers and retry metadata (§8.5), problem JSON (§11).
+and priority mapping (§8.4), response headers and retry metadata (§8.5).
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-import orjson
-from aiohttp import web
 from multidict import CIMultiDict
 
 from stargate.errors import RequestError
@@ -39,7 +37,6 @@ _REQUEST_DROP = (
 )
 _RESPONSE_DROP = HOP_BY_HOP | RETRY_CONTROL | {"content-length"}
 
-REASONS = {400: "Bad Request", 413: "Content Too Large", 429: "Too Many Requests", 503: "Service Unavailable"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,20 +55,20 @@ def _number(headers: Mapping[str, str], name: str, limit: int) -> int | None:
     try:
         return parse_unsigned(raw, limit)
     except InvalidNumber:
-        raise RequestError(400, f"invalid {name} header") from None
+        raise RequestError(f"invalid {name} header") from None
 
 
 def parse_request_meta(headers: Mapping[str, str]) -> RequestMeta:
     """Required headers (§7 step 2) with the shared rules of ``stargate.wire.headers``."""
     request_id = text_value(headers.get(h.REQUEST_ID))
     if request_id is None:
-        raise RequestError(400, f"missing required {h.REQUEST_ID} header")
+        raise RequestError(f"missing required {h.REQUEST_ID} header")
     model = text_value(headers.get(h.MODEL))
     if model is None:
-        raise RequestError(400, f"missing required {h.MODEL} header")
+        raise RequestError(f"missing required {h.MODEL} header")
     tokens = _number(headers, h.INPUT_TOKENS, U64_MAX)
     if tokens is None:
-        raise RequestError(400, f"missing required {h.INPUT_TOKENS} header")
+        raise RequestError(f"missing required {h.INPUT_TOKENS} header")
     priority = _number(headers, h.PRIORITY, U32_MAX)
     return RequestMeta(request_id, model, tokens, priority, text_value(headers.get(h.ROUTING_KEY)))
 
@@ -152,14 +149,4 @@ def response_headers(
         return out, None
     return out, (
         "missing_upstream_retry_header" if status in policy.statuses else "upstream_nonretryable_status"
-    )
-
-
-def problem(
-    status: int, detail: str, *, headers: Mapping[str, str] | None = None, **extra: object
-) -> web.Response:
-    body = {"type": "about:blank", "title": REASONS.get(status, "Error"), "status": status, "detail": detail}
-    body.update(extra)
-    return web.Response(
-        status=status, body=orjson.dumps(body), content_type="application/problem+json", headers=headers
     )

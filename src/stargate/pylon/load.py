@@ -9,6 +9,7 @@ count nothing. Every update is O(1); estimates cost O(distinct priorities).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
@@ -40,11 +41,13 @@ class _Tracked:
 @dataclass(slots=True)
 class _GenerationLoad:
     phase_counts: list[int] = field(default_factory=lambda: [0, 0, 0])
+    phase_input: list[int] = field(default_factory=lambda: [0, 0, 0])
     total_input: int = 0
     work_by_priority: dict[int, int] = field(default_factory=dict)
 
     def add(self, t: _Tracked, sign: int) -> None:
         self.phase_counts[t.phase] += sign
+        self.phase_input[t.phase] += sign * t.input_tokens
         self.total_input += sign * t.input_tokens
         p = t.work_priority
         if p is not None:
@@ -142,6 +145,11 @@ class LiveLoad:
             total_query_input_size=sat_u64(agg.total_input),
             queued_input_size=sat_u64(sum(agg.work_by_priority.values())),
         )
+
+    def phase_totals(self) -> Iterator[tuple[Generation, list[int], list[int]]]:
+        """Per generation: request counts and input tokens per phase (for scrape-time gauges)."""
+        for generation, agg in self._generations.items():
+            yield generation, list(agg.phase_counts), list(agg.phase_input)
 
     def has_generation(self, generation: Generation) -> bool:
         return generation in self._generations

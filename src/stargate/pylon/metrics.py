@@ -3,8 +3,8 @@
 Every metric object lives on one ``PylonMetrics`` instance created at startup and passed in, so
 tests get a fresh registry and never share global state. Per-request series are recorded once per
 request: ``request_started`` at acceptance, ``request_finished`` at the terminal observation.
-The token-count histograms of §12 (``pylon_request_input_tokens`` / ``_output_tokens``) are not
-exported: in the Prometheus text format their family names collide with the token counters.
+Gauges of the live load are read at scrape time (``live_metrics``); the token-count histograms
+share their family names with the token counters (``token_histogram``).
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import Collector
 
 from stargate.balancer.types import ModelStats
 from stargate.pylon.stats.observation import Observation
+from stargate.pylon.token_histogram import TokenHistogram
 
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (*TIME_BUCKETS, 60.0)
 TOKEN_BUCKETS = (1, 10, 100, 1000, 10_000, 100_000, 500_000)
+ADVERTISED_STATUSES = ("active", "inactive", "unknown")
 QUEUE_MS_BUCKETS = (0, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000)
 
 
@@ -84,6 +87,20 @@ class PylonMetrics:
             ["model", "routing_key"],
             registry=r,
         )
+        self.input_tokens_hist = TokenHistogram(
+            "pylon_request_input_tokens",
+            "Input tokens per finished request",
+            ["model", "routing_key"],
+            TOKEN_BUCKETS,
+        )
+        self.output_tokens_hist = TokenHistogram(
+            "pylon_request_output_tokens",
+            "Output tokens per finished request",
+            ["model", "routing_key"],
+            TOKEN_BUCKETS,
+        )
+        r.register(self.input_tokens_hist)
+        r.register(self.output_tokens_hist)
         self.stats_sources = Counter(
             "pylon_request_stats_sources",
             "Finished requests by the source of their token counts",
@@ -104,6 +121,12 @@ class PylonMetrics:
         )
         self.stale_cleanups = Counter(
             "pylon_engine_stats_stale_cleanups", "Stale stats cleanups", ["kind"], registry=r
+        )
+        self.dirty_snapshots = Counter(
+            "pylon_engine_stats_dirty_snapshots",
+            "Changes that make the next published snapshot differ",
+            ["source", "reason"],
+            registry=r,
         )
         self.source_transitions = Counter(
             "pylon_engine_stats_source_transitions",
@@ -147,6 +170,18 @@ class PylonMetrics:
         self.admission_actual = Histogram(
             "pylon_queue_admission_actual_ms", "Local queue estimate ms", buckets=QUEUE_MS_BUCKETS, registry=r
         )
+        self.stats_capability = Gauge(
+            "pylon_model_stats_capability",
+            "Stats capabilities in the published snapshot",
+            ["model", "capability"],
+            registry=r,
+        )
+        self.stats_source = Gauge(
+            "pylon_model_stats_source",
+            "Stats sources in the published snapshot",
+            ["model", "source"],
+            registry=r,
+        )
         self._model_gauges = {
             name: Gauge(f"pylon_model_{name}", f"Published {name}", ["model"], registry=r)
             for name in (
@@ -167,6 +202,37 @@ class PylonMetrics:
         self._started: dict[str, Any] = {}
         self._finished: dict[tuple[str, str], _FinishedSeries] = {}
         self._admitted: dict[tuple[str, str, str], Any] = {}
+        self._dirty: dict[tuple[str, str], Any] = {}
+        self._labels_published: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        self._advertised: dict[str, dict[str, str]] = {}
+
+    def add_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def snapshot_dirty(self, source: str, reason: str) -> None:
+        key = (source, reason)
+        child = self._dirty.get(key)
+        if child is None:
+            child = self._dirty[key] = self.dirty_snapshots.labels(*key)
+        child.inc()
+
+    def advertise(self, router: str, statuses: dict[str, str]) -> None:
+        """One-hot ``pylon_model_advertised_status`` of what was sent to ``router``; models no
+        longer advertised lose their series."""
+        previous = self._advertised.get(router, {})
+        for model in previous.keys() - statuses.keys():
+            for status in ADVERTISED_STATUSES:
+                with contextlib.suppress(KeyError):
+                    self.advertised_status.remove(router, model, status)
+        for model, current in statuses.items():
+            if previous.get(model) != current:
+                for status in ADVERTISED_STATUSES:
+                    self.advertised_status.labels(router, model, status).set(int(status == current))
+        self._advertised[router] = dict(statuses)
+
+    def router_lost(self, router: str) -> None:
+        """On stream loss every model last advertised to ``router`` reads inactive."""
+        self.advertise(router, dict.fromkeys(self._advertised.get(router, {}), "inactive"))
 
     def request_started(self, model: str) -> None:
         child = self._started.get(model)
@@ -197,6 +263,8 @@ class PylonMetrics:
         if obs.time_to_first_token is not None:
             series.ttft.observe(obs.time_to_first_token)
         series.input_tokens.inc(obs.input_tokens)
+        self.input_tokens_hist.observe(series.token_labels, obs.input_tokens)
+        self.output_tokens_hist.observe(series.token_labels, obs.output_tokens)
         if obs.output_tokens:
             series.output_tokens.inc(obs.output_tokens)
         if obs.output_tokens_from_chunk_usage:
@@ -216,6 +284,22 @@ class PylonMetrics:
         g["kv_cache_capacity_tokens"].labels(model).set(stats.kv_cache_capacity_tokens)
         g["kv_cache_used_tokens"].labels(model).set(stats.kv_cache_used_tokens)
         g["kv_cache_free_tokens"].labels(model).set(stats.kv_cache_free_tokens)
+        labels = (tuple(stats.stats_capabilities), tuple(stats.stats_sources))
+        if self._labels_published.get(model) != labels:
+            self._set_label_gauges(model, labels)
+
+    def _set_label_gauges(self, model: str, labels: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
+        old_caps, old_srcs = self._labels_published.pop(model, ((), ()))
+        for gauge, old, new in (
+            (self.stats_capability, old_caps, labels[0]),
+            (self.stats_source, old_srcs, labels[1]),
+        ):
+            for value in set(old) - set(new):
+                gauge.remove(model, value)
+            for value in new:
+                gauge.labels(model, value).set(1)
+        if labels != ((), ()):
+            self._labels_published[model] = labels
 
     def publish_embedding_items(self, model: str, tps: float, max_tps: float) -> None:
         """Pylon-only embeddings item throughput (never sent to Stargate)."""
@@ -225,6 +309,8 @@ class PylonMetrics:
 
     def remove_model(self, model: str) -> None:
         """Drop every model-labelled gauge series of a retired generation."""
+        self.input_tokens_hist.remove_model(model)
+        self.output_tokens_hist.remove_model(model)
         if model not in self._models:
             return
         self._models.discard(model)
@@ -233,6 +319,7 @@ class PylonMetrics:
         with contextlib.suppress(KeyError):
             self.requests_inflight.remove(model)
         self._started.pop(model, None)
+        self._set_label_gauges(model, ((), ()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -241,7 +328,17 @@ class PylonMetrics:
 class _FinishedSeries:
     """The label children one (model, terminal state) pair records into."""
 
-    __slots__ = ("chunk_usage", "duration", "input_tokens", "output_tokens", "total", "ttfo", "ttft", "ttrh")
+    __slots__ = (
+        "chunk_usage",
+        "duration",
+        "input_tokens",
+        "output_tokens",
+        "token_labels",
+        "total",
+        "ttfo",
+        "ttft",
+        "ttrh",
+    )
 
     def __init__(self, metrics: PylonMetrics, model: str, state: str) -> None:
         routing_key = ""  # observations do not carry the routing key
@@ -253,3 +350,4 @@ class _FinishedSeries:
         self.input_tokens = metrics.input_tokens.labels(model, routing_key)
         self.output_tokens = metrics.output_tokens.labels(model, routing_key)
         self.chunk_usage = metrics.stats_sources.labels(model, routing_key, "chunk_usage")
+        self.token_labels = (model, routing_key)

@@ -15,13 +15,19 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stargate.errors import RequestError
+from stargate.errors import (
+    LocalConnectFailure,
+    ModelNotAdmitted,
+    PayloadTooLarge,
+    QueueEstimateMismatch,
+    RequestError,
+    StargateError,
+)
 from stargate.pylon import admission
 from stargate.pylon.config import PylonSettings, UpstreamBackend
 from stargate.pylon.headers import (
     RetryPolicy,
     parse_request_meta,
-    problem,
     response_headers,
     upstream_headers,
 )
@@ -32,7 +38,7 @@ from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, json_usage
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
-from stargate.wire import headers as h
+from stargate.responses import error_response
 from stargate.wire.clock import Clock
 
 MAX_BODY = 64 * 1024 * 1024
@@ -44,7 +50,6 @@ ENDPOINTS = {
 }
 MAX_OBSERVED_JSON = 1024 * 1024  # a JSON answer larger than this is relayed without reading its usage
 _RELAY_HINT = "pylon --pylon-relay-non-streaming true relays JSON answers"
-_NOT_ADMITTED = "model generation is not admitted for request routing"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,17 +123,10 @@ class Relay:
         try:
             meta = parse_request_meta(request.headers)
         except RequestError as exc:
-            return problem(exc.status, exc.message)
+            return _problem(exc)
         gen = self.registry.admitted(meta.model)
         if gen is None:
-            return problem(
-                503,
-                _NOT_ADMITTED,
-                headers={
-                    h.RETRYABLE: "true",
-                    h.RETRY_REASON: "model_generation_unavailable",
-                },
-            )
+            return _problem(ModelNotAdmitted())
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
         observer: RequestObserver | None = None
         if endpoint is not None:
@@ -162,12 +160,11 @@ class Relay:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return problem(413, f"request body exceeds {MAX_BODY} bytes")
+            return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
         error = _body_error(body, endpoint, self.s.relay_non_streaming)
         if error is not None:
-            if error.endswith("stream=true"):
-                return problem(400, error, hint=_RELAY_HINT)
-            return problem(400, error)
+            hint = _RELAY_HINT if error.endswith("stream=true") else None
+            return _problem(RequestError(error, hint=hint))
         if endpoint is Endpoint.EMBEDDINGS and observer is not None:
             observer.embedding_items = embedding_item_count(orjson.loads(body))
         decision = admission.decide(
@@ -199,18 +196,14 @@ class Relay:
             self.metrics.admission_actual.observe(decision.actual_ms)
 
     def _reject(self, decision: admission.Decision) -> web.Response:
-        headers = {h.RETRYABLE: "true", h.RETRY_REASON: "queue_estimate_mismatch"}
-        if self.admission.retry_after_ms is not None:
-            headers[h.RETRY_AFTER_MS] = str(self.admission.retry_after_ms)
         self.metrics.retryable.labels(self.s.inference_server_id, "queue_estimate_mismatch", "429").inc()
-        return problem(
-            429,
-            "local queue estimate exceeded Stargate routing estimate",
-            headers=headers,
-            reason="queue_estimate_mismatch",
-            expected_queue_ms=decision.expected_ms,
-            actual_queue_ms=decision.actual_ms,
-            threshold_ms=decision.threshold_ms,
+        return _problem(
+            QueueEstimateMismatch(
+                expected_ms=decision.expected_ms,
+                actual_ms=decision.actual_ms,
+                threshold_ms=decision.threshold_ms,
+                retry_after_ms=self.admission.retry_after_ms,
+            )
         )
 
     async def _forward_health(self, request: web.Request) -> web.StreamResponse:
@@ -243,15 +236,7 @@ class Relay:
                 allow_redirects=False,
             )
         except (TimeoutError, aiohttp.ClientConnectionError):
-            retryable = "true" if self.s.local_connect_failures_retryable else "false"
-            return problem(
-                503,
-                "local upstream connection failed",
-                headers={
-                    h.RETRYABLE: retryable,
-                    h.RETRY_REASON: "local_connect_failure",
-                },
-            )
+            return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy
@@ -350,6 +335,10 @@ class Relay:
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
             return False, b""
         return scanner.output_seen, tail
+
+
+def _problem(exc: StargateError) -> web.Response:
+    return error_response(exc, problem=True)
 
 
 def _body_error(body: bytes, endpoint: Endpoint | None, relay_non_streaming: bool) -> str | None:

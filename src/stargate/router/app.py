@@ -18,13 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from stargate.balancer import check_admission, effective_queue_ms
 from stargate.balancer.config import LbConfig
 from stargate.errors import ConfigError
+from stargate.router.attempt import AttemptMachine, RetrySettings
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
+from stargate.router.discovery import DiscoverySettings
+from stargate.router.driver import AttemptDriver
 from stargate.router.endpoints import Endpoints
 from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
 from stargate.router.plain_client import PlainClients, PlainClientSettings
 from stargate.router.proxy import ProxyHandler, ProxySettings
-from stargate.router.retries import AttemptRunner, RetrySettings
-from stargate.router.routing import Router
 from stargate.router.state import RoutingState
 from stargate.router.transport import HttpTransport, make_session
 
@@ -53,6 +54,8 @@ class StargateSettings:
     backend_connection_limit: int = 1024
     stargate_discovery_dns_name: str | None = None
     disable_dns_discovery: bool = False
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    """Peer lookup; its ``dns_name`` is set only when discovery is enabled."""
     grpc_pylon_dial_addr: str | None = None
     remote_stargate_urls: tuple[str, ...] = ()
     watch_heartbeat_ms: int = 5_000
@@ -121,12 +124,10 @@ class StargateServer:
             connect_timeout_s=s.connect_timeout_ms / 1000.0,
             request_timeout_s=s.request_timeout_ms / 1000.0,
         )
-        router = Router(
-            self.state, self.metrics, admission=check_admission, expected_queue=effective_queue_ms
-        )
-        runner = AttemptRunner(self.state, router, transport, self.metrics, s.retry)
+        machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=effective_queue_ms)
+        driver = AttemptDriver(self.state, machine, transport, self.metrics)
         self.proxy = proxy = ProxyHandler(
-            runner, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain
+            driver, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain
         )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
@@ -214,6 +215,7 @@ class StargateServer:
             grpc_pylon_dial_addr=s.grpc_pylon_dial_addr,
             remote_stargate_urls=s.remote_stargate_urls,
             discovery_dns_name=None if s.disable_dns_discovery else s.stargate_discovery_dns_name,
+            discovery=s.discovery,
             watch_heartbeat_ms=s.watch_heartbeat_ms,
             idle_timeout_floor_ms=s.registration_idle_timeout_ms,
             idle_timeout_cap_ms=s.registration_max_idle_timeout_ms,

@@ -22,6 +22,8 @@ from typing import Any
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
 from stargate.router.app import StargateServer, StargateSettings
+from stargate.router.attempt import RetrySettings
+from stargate.router.discovery_cli import add_discovery_flags, discovery_settings
 from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, MAX_WAIT_CAP_MS, valid_header_name
 from stargate.router.metrics import DEFAULT_PREFIX
 from stargate.router.plain_client import (
@@ -31,7 +33,6 @@ from stargate.router.plain_client import (
     PlainClientSettings,
 )
 from stargate.router.proxy import ProxySettings
-from stargate.router.retries import RetrySettings
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 TUNNEL_PROTOCOLS = {
@@ -179,6 +180,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     )
     add("--grpc-pylon-dial-addr", default=None, help="written into every StargateInfo")
     add("--dns-poll-ms", type=_positive, default=1000, help="peer discovery interval")
+    add_discovery_flags(add)
     add("--watch-heartbeat-ms", type=_positive, default=5000, help="WatchStargates resend interval")
     add(
         "--backend-connectivity",
@@ -302,6 +304,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         request_timeout_ms=options.quic_request_timeout_ms,
         stargate_discovery_dns_name=options.stargate_discovery_dns_name,
         disable_dns_discovery=options.disable_dns_discovery,
+        discovery=discovery_settings(options),
         grpc_pylon_dial_addr=options.grpc_pylon_dial_addr,
         remote_stargate_urls=urls,
         watch_heartbeat_ms=options.watch_heartbeat_ms,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import aiohttp
@@ -22,6 +22,7 @@ from grpc import aio
 from stargate.errors import ConfigError, RequestError
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.router import watch
+from stargate.router.discovery import DiscoveryFailed, DiscoverySettings, PeerDiscovery, with_self
 from stargate.router.health import HealthProber, wait_stopped
 from stargate.router.registration import (
     HEARTBEAT_METADATA_KEY,
@@ -57,6 +58,7 @@ class ControlPlaneSettings:
     grpc_pylon_dial_addr: str | None = None
     remote_stargate_urls: tuple[str, ...] = ()
     discovery_dns_name: str | None = None
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     watch_heartbeat_ms: int = 5000
     idle_timeout_floor_ms: int = 60000
     idle_timeout_cap_ms: int = 300000
@@ -117,7 +119,10 @@ class ControlPlane:
         self._servers: list[aio.Server] = []
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        self._watch_snapshot = stargate_pb2.WatchStargatesResponse()
+        self._publisher: watch.WatchPublisher | None = None
+        self._discovery: PeerDiscovery | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._control_port = 0
         self.advertise_addr = settings.advertise_addr
 
     async def start(self, listen_addr: str, model_discovery_listen_addr: str) -> tuple[int, int]:
@@ -142,14 +147,23 @@ class ControlPlane:
             raise
         if _port_of(self._settings.advertise_addr) == _port_of(listen_addr):
             self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
-        self._watch_snapshot = self._build_watch_snapshot(control_port)
+        self._control_port = control_port
+        self._discovery = PeerDiscovery(self._settings.discovery, control_port)
+        self._publisher = watch.WatchPublisher(
+            self._build_watch_snapshot(await self._poll_peers()), self.watch_heartbeat_s
+        )
         for server in self._servers:
             await server.start()
+        self._poller = asyncio.get_running_loop().create_task(self._poll_discovery(self._publisher))
         return control_port, discovery_port
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving; open streams end as a shutdown and clean their registrations up."""
         self._stopping.set()
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
         await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
         self._servers = []
         await wait_stopped(list(self._probe_tasks))
@@ -175,12 +189,26 @@ class ControlPlane:
             raise ConfigError(f"cannot listen on {addr}", path=flag)
         return port
 
-    def _build_watch_snapshot(self, control_port: int) -> stargate_pb2.WatchStargatesResponse:
-        settings = self._settings
-        entries = watch.normalize_stargates(
-            [watch.StargateEntry(settings.stargate_id, self.advertise_addr, settings.http_advertise_addr)],
-            settings.grpc_pylon_dial_addr,
-        )
+    async def _poll_peers(self) -> list[watch.StargateEntry]:
+        """One discovery poll; a failure is logged and yields no peers (self only)."""
+        assert self._discovery is not None
+        try:
+            return await self._discovery.peers()
+        except DiscoveryFailed as exc:
+            log.warning("stargate discovery failed, publishing self only: %s", exc)
+            return []
+
+    async def _poll_discovery(self, publisher: watch.WatchPublisher) -> None:
+        """Poll every ``--dns-poll-ms`` (the first poll ran at start) and publish what changed."""
+        poll_s = self._settings.discovery.poll_ms / 1000.0
+        while True:
+            await asyncio.sleep(poll_s)
+            publisher.offer(self._build_watch_snapshot(await self._poll_peers()))
+
+    def _build_watch_snapshot(self, peers: list[watch.StargateEntry]) -> stargate_pb2.WatchStargatesResponse:
+        settings, control_port = self._settings, self._control_port
+        own = watch.StargateEntry(settings.stargate_id, self.advertise_addr, settings.http_advertise_addr)
+        entries = watch.normalize_stargates(with_self(own, peers), settings.grpc_pylon_dial_addr)
         exclude = watch.self_endpoint_keys(self.advertise_addr, settings.discovery_dns_name, control_port)
         exclude |= watch.self_endpoint_keys(settings.advertise_addr, None, control_port)
         urls = watch.normalize_watch_urls(settings.remote_stargate_urls, exclude)
@@ -209,7 +237,7 @@ class ControlPlane:
         try:
             identity = admit_first(first, reverse_listener=False)
         except RegistrationRejected as exc:
-            await _abort(context, exc.code, exc.message)
+            await _abort(context, exc.grpc_code, exc.message)
         if self._state.registration_count() >= self._settings.max_registrations:
             await _abort(
                 context,
@@ -257,7 +285,7 @@ class ControlPlane:
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
-            await _abort(context, exc.code, exc.message)
+            await _abort(context, exc.grpc_code, exc.message)
         finally:
             self._end(prober, handle)
 
@@ -293,8 +321,9 @@ class ControlPlane:
         assert isinstance(message, stargate_pb2.InferenceServerRegistration)
         return message
 
-    def watch_snapshot(self) -> stargate_pb2.WatchStargatesResponse:
-        return self._watch_snapshot
+    def watch_stream(self) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
+        assert self._publisher is not None
+        return self._publisher.stream(self._stopping)
 
     @property
     def watch_heartbeat_s(self) -> float:
@@ -312,8 +341,7 @@ class _ControlPlaneServicer(stargate_pb2_grpc.StargateControlPlaneServicer):
     async def WatchStargates(
         self, request: stargate_pb2.WatchStargatesRequest, context: aio.ServicerContext[object, object]
     ) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
-        plane = self._plane
-        async for snapshot in watch.publish(plane.watch_snapshot(), plane.watch_heartbeat_s, plane.stopping):
+        async for snapshot in self._plane.watch_stream():
             yield snapshot
 
     async def RegisterInferenceServer(

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from stargate.errors import RequestError
-from stargate.router.proxy import error_response
+from stargate.errors import ModelNotFound, RequestError
+from stargate.responses import error_response
 
 
 @dataclass
@@ -42,13 +42,10 @@ class Endpoints:
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        filters = [value.strip() for value in request.query.getall("model_ids", [])]
-        if any(not value for value in filters):
-            return error_response(400, "model_ids must not contain empty values")
         try:
-            model_ids = self.list_models(None, filters)
+            model_ids = self.list_models(None, request.query.getall("model_ids", []))
         except RequestError as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            return error_response(exc)
         if not self.openai:
             return _json({"model_ids": model_ids})
         data = [self._model(model_id) for model_id in model_ids]
@@ -57,9 +54,7 @@ class Endpoints:
     async def model(self, request: web.Request) -> web.Response:
         model_id = request.match_info["model_id"]
         if not model_id.strip() or model_id not in self.list_models(None, [model_id]):
-            return error_response(
-                404, f"model {model_id!r} is not served by any active backend", "model_not_found"
-            )
+            return error_response(ModelNotFound(f"model {model_id!r} is not served by any active backend"))
         return _json(self._model(model_id))
 
     async def health(self, request: web.Request) -> web.Response:

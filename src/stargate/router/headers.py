@@ -1,21 +1,22 @@
 """The proxy's header contract: request parsing (spec §4.2) and forwarding filters (§4.3, §4.4).
 
 Parsing follows the spec's validation order exactly (first failure wins). Every failure is a
-``RequestError`` with status 400 (or 413 for a declared body over the replay limit); the proxy turns
-it into a short JSON body.
+``RequestError`` (400; the balancer's ``RoutingMethodError`` is translated here) or ``PayloadTooLarge`` (413);
+``stargate.responses.error_response`` turns it into a short JSON body.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from multidict import CIMultiDict
 
 from stargate.balancer.config import parse_routing_method
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import Target
-from stargate.errors import RequestError
+from stargate.errors import PayloadTooLarge, RequestError, RoutingMethodError
 from stargate.wire import headers as h
 from stargate.wire.headers import HOP_BY_HOP, IDENTITY, RETRY_METADATA, is_visible_ascii, text_value
 from stargate.wire.limits import U32_MAX, U64_MAX
@@ -26,8 +27,9 @@ DEFAULT_RETRY_BUDGET_HEADER = h.RETRY_BUDGET_MS
 REQUEST_DROPPED = HOP_BY_HOP | RETRY_METADATA | IDENTITY | {"host", h.ROUTING_METHOD}
 RESPONSE_DROPPED = HOP_BY_HOP | RETRY_METADATA
 
+_T = TypeVar("_T")
 ResolveAlgorithm = Callable[[str, Algorithm | None], AlgorithmDefinition]
-"""``(model_id, parsed routing method or None) -> definition``; raises ``RequestError`` (400)."""
+"""``(model_id, parsed routing method or None) -> definition``; raises ``RoutingMethodError``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,15 @@ class ProxyRequest:
 
 
 def _invalid(message: str) -> RequestError:
-    return RequestError(400, message, code="invalid_request")
+    return RequestError(message)
+
+
+def _translated(call: Callable[..., _T], *args: object) -> _T:
+    """The balancer's routing-method errors become this request's 400 (the one translation)."""
+    try:
+        return call(*args)
+    except RoutingMethodError as exc:
+        raise RequestError(exc.message) from exc
 
 
 def parse_unsigned(name: str, raw: str, limit: int) -> int:
@@ -88,11 +98,11 @@ def parse_request(
     algorithm: Algorithm | None = None
     if raw_method is not None:
         requested_method = raw_method.strip(" \t")
-        algorithm = parse_routing_method(raw_method)
+        algorithm = _translated(parse_routing_method, raw_method)
     priority = _optional_unsigned(headers, h.PRIORITY, U32_MAX) or 0
     max_wait_ms = _optional_unsigned(headers, h.MAX_WAIT_MS, U64_MAX)
     request_slo_ms = _optional_unsigned(headers, h.REQUEST_SLO_MS, U64_MAX) or None
-    definition = resolve(model_id, algorithm)
+    definition = _translated(resolve, model_id, algorithm)
     cache_affinity_key = text_value(headers.get(h.CACHE_AFFINITY_KEY))
     if definition.require_cache_affinity_key and cache_affinity_key is None:
         raise _invalid("header x-cache-affinity-key is required for this model")
@@ -101,10 +111,8 @@ def parse_request(
     )
     declared = h.optional_unsigned(headers.get("content-length"), U64_MAX)
     if declared is not None and declared > max_replay_body_bytes:
-        raise RequestError(
-            413,
-            f"request body of {declared} bytes exceeds the replay limit of {max_replay_body_bytes} bytes",
-            code="payload_too_large",
+        raise PayloadTooLarge(
+            f"request body of {declared} bytes exceeds the replay limit of {max_replay_body_bytes} bytes"
         )
     return ProxyRequest(
         request_id=request_id,

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stargate.errors import ConfigError, RequestError
+from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.wire.headers import text_value
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -84,12 +84,10 @@ class PlainClientSettings:
         return BytesPerToken(self.bytes_per_token)
 
 
-def _too_large(size: int | str, limit: int) -> RequestError:
-    return RequestError(
-        413,
+def _too_large(size: int | str, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
         f"request body of {size} bytes is over --plain-client-max-body-bytes ({limit}); "
-        "send x-model and x-input-tokens headers to forward it unparsed",
-        code="payload_too_large",
+        "send x-model and x-input-tokens headers to forward it unparsed"
     )
 
 
@@ -131,9 +129,7 @@ class PlainClients:
             model = body.get("model")
             if not isinstance(model, str) or text_value(model) is None:
                 raise RequestError(
-                    400,
-                    "the request names no model: set the body's model field or an x-model header",
-                    code="invalid_request",
+                    "the request names no model: set the body's model field or an x-model header"
                 )
             headers["x-model"] = model.strip(" \t")
         if headers.get("x-input-tokens") is None:
@@ -174,9 +170,7 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         body = None
     if not isinstance(body, dict):
         raise RequestError(
-            400,
-            "the request body must be a JSON object (read because x-model or x-input-tokens is missing)",
-            code="invalid_request",
+            "the request body must be a JSON object (read because x-model or x-input-tokens is missing)"
         )
     return body
 

@@ -15,11 +15,12 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-import orjson
 from aiohttp import web
 
 from stargate.balancer.types import Target
-from stargate.errors import RequestError, UpstreamError
+from stargate.errors import StargateError, UpstreamError
+from stargate.responses import error_response
+from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.headers import (
     REQUEST_DROPPED,
     RESPONSE_DROPPED,
@@ -31,21 +32,8 @@ from stargate.router.headers import (
 from stargate.router.metrics import RouterMetrics
 from stargate.router.plain_client import PlainClients
 from stargate.router.replay import ReplayBody
-from stargate.router.retries import AttemptRunner, LocalFailure, Passthrough
 
 log = logging.getLogger(__name__)
-
-ERROR_CODE_HEADER = "x-stargate-error-code"
-# Codes the spec puts on the wire as x-stargate-error-code; other local errors carry only a JSON body.
-HEADER_ERROR_CODES = frozenset({"no_eligible_candidates", "input_work_limit_exceeded"})
-FALLBACK_CODES = {
-    400: "invalid_request",
-    413: "payload_too_large",
-    500: "internal_error",
-    502: "upstream_transport_error",
-    503: "no_selectable_backend",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
@@ -54,19 +42,10 @@ class ProxySettings:
     default_max_wait_ms: int | None = None  # the routing wait of requests without x-max-wait-ms
 
 
-def error_response(status: int, message: str, code: str | None = None) -> web.Response:
-    code = code or FALLBACK_CODES.get(status, "error")
-    body = orjson.dumps({"error": message, "code": code})
-    response = web.Response(status=status, body=body, content_type="application/json")
-    if code in HEADER_ERROR_CODES:
-        response.headers[ERROR_CODE_HEADER] = code
-    return response
-
-
 class ProxyHandler:
     def __init__(
         self,
-        runner: AttemptRunner,
+        driver: AttemptDriver,
         metrics: RouterMetrics,
         resolve: ResolveAlgorithm,
         settings: ProxySettings,
@@ -74,7 +53,7 @@ class ProxyHandler:
         clock: Callable[[], float] = time.monotonic,
         plain: PlainClients | None = None,
     ) -> None:
-        self._runner = runner
+        self._driver = driver
         self._plain = plain
         self._metrics = metrics
         self._resolve = resolve
@@ -107,8 +86,8 @@ class ProxyHandler:
                 max_replay_body_bytes=self._settings.max_replay_body_bytes,
                 received_at=received_at,
             )
-        except RequestError as exc:
-            return error_response(exc.status, exc.message, exc.code)
+        except StargateError as exc:
+            return error_response(exc)
         if parsed.max_wait_ms is None and self._settings.default_max_wait_ms is not None:
             parsed = dataclasses.replace(parsed, max_wait_ms=self._settings.default_max_wait_ms)
         self.in_flight += 1
@@ -120,7 +99,7 @@ class ProxyHandler:
             replay = ReplayBody(source, self._settings.max_replay_body_bytes)
             forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
             try:
-                outcome = await self._runner.run(parsed, request.method, request.path_qs, forwarded, replay)
+                outcome = await self._driver.run(parsed, request.method, request.path_qs, forwarded, replay)
             except Exception:
                 log.exception(
                     "request %s for model %s failed inside the proxy",
@@ -128,10 +107,10 @@ class ProxyHandler:
                     parsed.target.model_id,
                 )
                 self._metrics.request_finished(parsed.target, "", 500)
-                return error_response(500, "internal proxy error")
+                return error_response(StargateError("internal proxy error"))
             if isinstance(outcome, LocalFailure):
-                self._metrics.request_finished(parsed.target, outcome.backend_id, outcome.status)
-                return error_response(outcome.status, outcome.message, outcome.code)
+                self._metrics.request_finished(parsed.target, outcome.backend_id, outcome.error.status)
+                return error_response(outcome.error)
             return await self._relay(request, outcome, parsed.target)
         finally:
             self.in_flight -= 1
@@ -146,9 +125,9 @@ class ProxyHandler:
             and valid_header_value(backend.cluster_id)
         ):
             upstream.release()
-            self._runner.finish(outcome)
+            self._driver.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, 500)
-            return error_response(500, "backend identity cannot be sent as a header value")
+            return error_response(StargateError("backend identity cannot be sent as a header value"))
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(filter_headers(upstream.headers, RESPONSE_DROPPED))
         response.headers["x-inference-server-id"] = backend.inference_server_id
@@ -160,7 +139,7 @@ class ProxyHandler:
             async for chunk in upstream.chunks():
                 if first:
                     first = False
-                    self._runner.first_byte(outcome)
+                    self._driver.first_byte(outcome)
                 if upstream.complete():
                     # The last piece goes out with the end of the body (and the headers, if still
                     # buffered) in one write: at low concurrency that is a send() saved per request.
@@ -182,7 +161,7 @@ class ProxyHandler:
             pass  # the client went away; nothing left to tell it
         finally:
             upstream.release()
-            self._runner.finish(outcome)
+            self._driver.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response
 

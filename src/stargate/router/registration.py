@@ -26,11 +26,10 @@ _ACTIVE = stargate_pb2.INFERENCE_SERVER_STATUS_ACTIVE
 
 
 class RegistrationRejected(StargateError):
-    """A registration message breaks the contract; the stream ends with ``code`` and ``message``."""
+    """A registration message breaks the contract; the stream ends with ``grpc_code`` and ``message``."""
 
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-        self.message = message
-        self.code = code
+        self.grpc_code = code
         super().__init__(message)
 
 

@@ -152,7 +152,7 @@ class RoutingState:
         key = key or None
         wanted = [m.strip() for m in model_ids]
         if any(not m for m in wanted):
-            raise RequestError(400, BLANK_MODEL_ID_MESSAGE)
+            raise RequestError(BLANK_MODEL_ID_MESSAGE)
         if wanted:
             return sorted({m for m in wanted if Target(key, m) in self._targets})
         return sorted({t.model_id for t in self._targets if t.routing_key == key})

@@ -18,13 +18,23 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from stargate.errors import UpstreamError
-from stargate.router.routing import BackendRef
+from stargate.errors import UpstreamError, UpstreamNotSent, UpstreamTimeout
 
 # aiohttp adds these on its own unless told not to; a proxy must send only what the client sent.
 SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 DEFAULT_LIMIT_PER_HOST = 1024
 KEEPALIVE_TIMEOUT_S = 15.0
+
+
+class BackendRef(Protocol):
+    """One admitted backend as the transport and the proxy need it."""
+
+    @property
+    def inference_server_id(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def cluster_id(self) -> str: ...
 
 
 class UpstreamResponse(Protocol):
@@ -51,7 +61,11 @@ class Transport(Protocol):
         headers: CIMultiDict[str],
         body: bytes | AsyncIterable[bytes],
     ) -> UpstreamResponse:
-        """Send one attempt and return once response headers arrived; raises ``UpstreamError``."""
+        """Send one attempt and return once response headers arrived.
+
+        Raises ``UpstreamNotSent`` when the request never left (nothing executed), ``UpstreamTimeout``
+        when no response headers came in time, ``UpstreamError`` for any other transport failure.
+        """
         ...
 
     async def reconnect(self, backend: BackendRef) -> bool:
@@ -140,10 +154,17 @@ class HttpTransport:
                 resp = await self._session.request(
                     method, url, headers=headers, data=body, allow_redirects=False
                 )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, ConnectionRefusedError) as exc:
+            raise UpstreamNotSent(f"could not connect to backend {backend.inference_server_id}") from exc
         except TimeoutError as exc:
-            raise UpstreamError(f"no response headers from {backend.inference_server_id} in time") from exc
+            raise UpstreamTimeout(
+                f"backend {backend.inference_server_id} sent no response headers within "
+                f"{self._request_timeout_s:g} s"
+            ) from exc
         except (aiohttp.ClientError, OSError, ValueError) as exc:
-            raise UpstreamError(f"transport to {backend.inference_server_id} failed: {exc!r}") from exc
+            raise UpstreamError(
+                f"connection to backend {backend.inference_server_id} failed before a response"
+            ) from exc
         return _AiohttpResponse(resp)
 
     async def reconnect(self, backend: BackendRef) -> bool:

@@ -1,7 +1,8 @@
 """`WatchStargates` content (spec §5.7): the Stargate list and the remote watch URLs, normalised.
 
-Discovery here is self-only (``--disable-dns-discovery``), so the snapshot is fixed once the
-listeners are bound; it is sent at once and re-sent every ``watch_heartbeat_ms``.
+The control plane polls peer discovery (``stargate.router.discovery``) every ``--dns-poll-ms`` and
+offers each result to a ``WatchPublisher``, which streams it to every watcher when it changed or
+``--watch-heartbeat-ms`` passed.
 """
 
 from __future__ import annotations
@@ -99,15 +100,50 @@ def build_response(
     )
 
 
-async def publish(
-    snapshot: stargate_pb2.WatchStargatesResponse, heartbeat_s: float, stopping: asyncio.Event
-) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
-    """The watch stream: the snapshot at once (when non-empty), then again every heartbeat until
-    ``stopping`` is set."""
-    if snapshot.stargates or snapshot.watch_stargate_urls:
-        yield snapshot
-    while not stopping.is_set():
-        try:
-            await asyncio.wait_for(stopping.wait(), heartbeat_s)
-        except TimeoutError:
-            yield snapshot
+class WatchPublisher:
+    """The published snapshot, shared by every open watch stream.
+
+    ``offer`` publishes a snapshot whose content changed and wakes every stream; a stream that saw
+    no publication for ``heartbeat_s`` re-sends the current snapshot (identical heartbeats).
+    """
+
+    def __init__(self, snapshot: stargate_pb2.WatchStargatesResponse, heartbeat_s: float) -> None:
+        self._snapshot = snapshot
+        self._heartbeat_s = heartbeat_s
+        self._version = 0
+        self._published = asyncio.Event()
+
+    @property
+    def snapshot(self) -> stargate_pb2.WatchStargatesResponse:
+        return self._snapshot
+
+    def offer(self, snapshot: stargate_pb2.WatchStargatesResponse) -> bool:
+        if snapshot == self._snapshot:
+            return False
+        self._snapshot = snapshot
+        self._version += 1
+        self._published.set()
+        self._published = asyncio.Event()
+        return True
+
+    async def stream(self, stopping: asyncio.Event) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
+        """The current snapshot at once (when non-empty), then every publication, and the current
+        snapshot again after each ``heartbeat_s`` without one, until ``stopping``."""
+        sent = self._version
+        if self._snapshot.stargates or self._snapshot.watch_stargate_urls:
+            yield self._snapshot
+        while not stopping.is_set():
+            if sent == self._version:
+                published = asyncio.ensure_future(self._published.wait())
+                stop = asyncio.ensure_future(stopping.wait())
+                try:
+                    await asyncio.wait(
+                        (published, stop), timeout=self._heartbeat_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    published.cancel()
+                    stop.cancel()
+                if stopping.is_set():
+                    return
+            sent = self._version
+            yield self._snapshot

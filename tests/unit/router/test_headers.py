@@ -26,7 +26,7 @@ def resolve(model_id: str, requested: Algorithm | None) -> AlgorithmDefinition:
         return NEEDS_KEY if model_id == "keyed" else PLAIN
     if requested is Algorithm.ROUND_ROBIN:
         return AlgorithmDefinition(Algorithm.ROUND_ROBIN)
-    raise RequestError(400, f"routing method {requested} is not available")
+    raise RequestError(f"routing method {requested} is not available")
 
 
 def parse(extra: dict[str, str] | None = None, drop: tuple[str, ...] = (), limit: int = 1000):  # type: ignore[no-untyped-def]

@@ -100,8 +100,20 @@ class StatsHub:
     def _state(self, gen: Generation) -> _GenState | None:
         return self._gens.get(gen) if self.registry.is_current(gen) else None
 
-    def _touch(self, state: _GenState) -> None:
+    def _touch(self, state: _GenState, source: str, reason: str) -> None:
         state.observed_at_ms = self.clock.wall_ms()
+        self.metrics.snapshot_dirty(source, reason)
+
+    @property
+    def counter_source(self) -> str:
+        """Where per-request counters come from: chunk usage in fallback mode, else the engine stream."""
+        return agg.SRC_CHUNK_USAGE if self.fallback_enabled else agg.SRC_ENGINE_STREAM
+
+    def counter_entries(self) -> int:
+        return self._counters.live_count()
+
+    def model_states(self) -> int:
+        return len(self._gens)
 
     # -- concurrency limit ([PR] §6.8) ----------------------------------------------------
     def apply_concurrency(self, update: ConcurrencyUpdate) -> bool:
@@ -112,7 +124,7 @@ class StatsHub:
             state.fallback_limit = update.value
         else:
             state.engine_limit = update.value
-        self._touch(state)
+        self._touch(state, str(update.source), "concurrency_limit")
         return True
 
     # -- engine stats stream ----------------------------------------------------------------
@@ -157,7 +169,7 @@ class StatsHub:
             units, duration = result.output_sample
             tp.add_output_sample(units / duration, from_counters=True)
         tp.last_counter_event_at = now
-        self._touch(state)
+        self._touch(state, agg.SRC_ENGINE_STREAM, "counter_event")
         return None
 
     # -- request observations (fallback math, §6.4) -----------------------------------------
@@ -184,7 +196,7 @@ class StatsHub:
             state.throughput.add_output_sample(units / duration, from_counters=True)
             state.usage_counted.add(request_id)
         state.throughput.last_counter_event_at = now
-        self._touch(state)
+        self._touch(state, agg.SRC_CHUNK_USAGE, "counter_event")
 
     def on_observation(self, obs: Observation) -> None:
         state = self._state(obs.generation)
@@ -224,7 +236,7 @@ class StatsHub:
                     )
                     if rate is not None:
                         tp.add_output_sample(rate, from_counters=False)
-        self._touch(state)
+        self._touch(state, "request_observation", "request_finished")
 
     # -- KV and engine load ------------------------------------------------------------------
     def on_kv(self, model: str, capacity: int, used: int, free: int, *, source: str = agg.SRC_KV) -> bool:
@@ -235,7 +247,7 @@ class StatsHub:
         state.kv = (capacity, used, free)
         cap = agg.CAP_KV_HTTP if source == agg.SRC_KV else agg.CAP_PROMETHEUS
         state.throughput.add_labels(cap, source)
-        self._touch(state)
+        self._touch(state, source, "kv_cache")
         return True
 
     def on_engine_load(self, model: str, load: EngineLoad) -> bool:
@@ -245,7 +257,7 @@ class StatsHub:
             return False
         state.engine_load = load
         state.throughput.add_labels(agg.CAP_PROMETHEUS, agg.SRC_PROMETHEUS)
-        self._touch(state)
+        self._touch(state, agg.SRC_PROMETHEUS, "engine_load")
         return True
 
     # -- staleness ----------------------------------------------------------------------------
@@ -254,7 +266,7 @@ class StatsHub:
         for _gen, state in self._gens.items():
             if state.throughput.sweep(now):
                 self.metrics.stale_cleanups.labels(kind="stats").inc()
-                self._touch(state)
+                self._touch(state, "sweep", "stale")
         finalized = self._counters.sweep(now)
         if finalized:
             self.metrics.stale_cleanups.labels(kind="request").inc(finalized)

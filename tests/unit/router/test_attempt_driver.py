@@ -1,92 +1,31 @@
-"""Attempt execution and retry rules (§4.8) through a fake transport and fake routing state."""
+"""The attempt driver and the retry rules (§4.8) through a fake transport and fake routing state."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Set
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from multidict import CIMultiDict
+from router_fakes import (
+    FakeBackend,
+    FakeState,
+    FakeView,
+    FirstEligible,
+    backend,
+    make_candidate,
+    make_request,
+)
 
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Policy
-from stargate.balancer.types import Candidate, Choice, Decision, LbRequest, ModelStats, Selected, Target
-from stargate.errors import UpstreamError
-from stargate.router.headers import ProxyRequest
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition
+from stargate.errors import UpstreamError, UpstreamNotSent, UpstreamTimeout
+from stargate.router.attempt import AttemptMachine, RetrySettings
+from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.metrics import RouterMetrics
 from stargate.router.replay import Readiness, ReplayBody
-from stargate.router.retries import AttemptRunner, LocalFailure, Passthrough, RetrySettings, retry_signal
-from stargate.router.routing import Router
+from stargate.router.retry_signal import retry_signal
 
-TARGET = Target(None, "m")
 DEFINITION = AlgorithmDefinition(Algorithm.ROUND_ROBIN)
-
-
-@dataclass(frozen=True)
-class FakeBackend:
-    inference_server_id: str
-    url: str
-    cluster_id: str
-
-
-class FirstEligible:
-    """Picks the first non-excluded candidate, like a deterministic balancer."""
-
-    definition = DEFINITION
-
-    def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
-        for i, c in enumerate(candidates):
-            if c.cluster_id not in request.excluded:
-                return Selected(Choice(i))
-        raise AssertionError("the routing loop must not call the policy with everything excluded")
-
-
-@dataclass
-class FakeView:
-    clusters: dict[str, list[str]]
-    expected: dict[str, int | None]
-
-    @property
-    def candidates(self) -> tuple[Candidate, ...]:
-        return tuple(
-            Candidate(c, ModelStats(queue_time_estimate_ms_by_priority={0: self.expected[c] or 0}), 0.001)
-            for c in self.clusters
-        )
-
-    def policy(self, definition: AlgorithmDefinition) -> Policy:
-        return FirstEligible()
-
-    def pick_backend(self, cluster_id: str, failed_backend_ids: Set[str]) -> FakeBackend | None:
-        for b in self.clusters.get(cluster_id, []):
-            if b not in failed_backend_ids:
-                return FakeBackend(b, f"http://{b}", cluster_id)
-        return None
-
-
-@dataclass
-class FakeState:
-    view_obj: FakeView
-    reserved: list[tuple[str, int]] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
-    finished: list[int] = field(default_factory=list)
-
-    def view(self, target: Target) -> FakeView:
-        return self.view_obj
-
-    def is_advertised(self, target: Target) -> bool:
-        return True
-
-    def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> int:
-        self.reserved.append((backend_id, input_tokens))
-        return len(self.reserved) - 1
-
-    def release(self, reservation: int) -> None:
-        self.released.append(reservation)
-
-    def first_byte(self, reservation: int) -> None:
-        pass
-
-    def finish(self, reservation: int) -> None:
-        self.finished.append(reservation)
 
 
 @dataclass
@@ -114,7 +53,8 @@ class FakeResponse:
         self.released = True
 
 
-DEAD = "dead"  # script entry: raise before reading the body
+DEAD = "dead"  # script entry: connection refused, the request never left
+HUNG = "hung"  # script entry: no response headers in time
 HALF = "half"  # script entry: read one chunk of the body, then fail
 
 
@@ -135,7 +75,9 @@ class FakeTransport:
         steps = self.script[backend.inference_server_id]
         step = steps.pop(0) if len(steps) > 1 else steps[0]
         if step == DEAD:
-            raise UpstreamError("connection refused")
+            raise UpstreamNotSent("connection refused")
+        if step == HUNG:
+            raise UpstreamTimeout("no response headers in time")
         data = bytearray()
         if isinstance(body, bytes):
             data.extend(body)
@@ -167,43 +109,35 @@ def make_runner(
     settings: RetrySettings | None = None,
     reconnects: dict[str, bool] | None = None,
     expected: dict[str, int | None] | None = None,
-) -> tuple[AttemptRunner, FakeState, FakeTransport, RouterMetrics]:
-    state = FakeState(FakeView(clusters, expected or dict.fromkeys(clusters, 0)))
+    clock: list[float] | None = None,
+) -> tuple[AttemptDriver, FakeState, FakeTransport, RouterMetrics]:
+    expected = expected or dict.fromkeys(clusters, 0)
+    candidates = tuple(
+        make_candidate(c, queue_time_estimate_ms_by_priority={0: expected[c] or 0})  # type: ignore[arg-type]
+        for c in clusters
+    )
+    view = FakeView(
+        candidates, FirstEligible(), {c: [backend(b, c) for b in ids] for c, ids in clusters.items()}
+    )
+    state = FakeState(view)
     metrics = RouterMetrics()
-    router = Router(
-        state,
-        metrics,
+    machine = AttemptMachine(
+        settings or RetrySettings(),
         admission=lambda d, c, r: None,
         expected_queue=lambda stats, p: stats.queue_time_estimate_ms_by_priority.get(0) or None,
     )
     transport = FakeTransport(script, reconnects or {})
-    runner = AttemptRunner(state, router, transport, metrics, settings or RetrySettings(), clock=lambda: 10.0)
-    return runner, state, transport, metrics
-
-
-def make_request(**kw: object) -> ProxyRequest:
-    fields: dict[str, object] = {
-        "request_id": "r1",
-        "target": TARGET,
-        "input_tokens": 10,
-        "definition": DEFINITION,
-        "requested_method": None,
-        "priority": 0,
-        "max_wait_ms": None,
-        "request_slo_ms": None,
-        "cache_affinity_key": None,
-        "retry_budget_ms": None,
-        "received_at": 10.0,
-    }
-    fields.update(kw)
-    return ProxyRequest(**fields)  # type: ignore[arg-type]
+    now = clock if clock is not None else [10.0]
+    driver = AttemptDriver(state, machine, transport, metrics, clock=lambda: now[0], rng=random.Random(3))
+    return driver, state, transport, metrics
 
 
 async def run(
-    runner: AttemptRunner, body: ReplayBody | None = None, **kw: object
+    runner: AttemptDriver, body: ReplayBody | None = None, **kw: object
 ) -> Passthrough | LocalFailure:
     replay = body or ReplayBody(chunks(b"hello"), 1000)
-    return await runner.run(make_request(**kw), "POST", "/v1/chat/completions?x=1", CIMultiDict(), replay)
+    request = make_request(received_at=10.0, definition=DEFINITION, **kw)
+    return await runner.run(request, "POST", "/v1/chat/completions?x=1", CIMultiDict(), replay)
 
 
 def value(metrics: RouterMetrics, name: str, **labels: str) -> float:
@@ -404,6 +338,52 @@ async def test_routing_duration_observed_once_per_request_p127() -> None:
     await run(runner)
     assert value(metrics, "stargate_routing_duration_seconds_count") == 1
     assert value(metrics, "stargate_proxy_duration_seconds_count", inference_server_id="b") == 1
+
+
+async def test_header_timeout_fails_over_to_a_sibling_without_reconnecting() -> None:
+    runner, _, transport, metrics = make_runner(
+        {"c1": ["a", "b"], "c2": ["z"]},
+        {"a": [HUNG, FakeResponse(200)], "b": [FakeResponse(200)], "z": [FakeResponse(200)]},
+        reconnects={"a": True},
+    )
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.backend.inference_server_id == "b"
+    assert [s[0] for s in transport.sent] == ["b"]  # a is never sent the request again
+    assert value(metrics, "stargate_proxy_retries_total", reason="connect_failover") == 1
+    assert value(metrics, "stargate_proxy_retries_total", reason="hot_path_reconnect") == 0
+    reconnects = metrics.registry.get_sample_value(
+        "stargate_quic_hot_path_reconnect_total", {"inference_server_id": "a", "result": "success"}
+    )
+    assert reconnects is None
+
+
+async def test_header_timeout_without_sibling_moves_to_another_cluster() -> None:
+    runner, *_ = make_runner({"c1": ["a"], "c2": ["z"]}, {"a": [HUNG], "z": [FakeResponse(200)]})
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.backend.inference_server_id == "z"
+
+
+async def test_refused_backend_with_failed_reconnect_moves_to_another_cluster() -> None:
+    runner, _, _, metrics = make_runner({"c1": ["a"], "c2": ["z"]}, {"a": [DEAD], "z": [FakeResponse(200)]})
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.backend.inference_server_id == "z"
+    evictions = metrics.registry.get_sample_value(
+        "stargate_quic_connection_evictions_total", {"inference_server_id": "a", "reason": "proxy_error"}
+    )
+    assert evictions == 1
+
+
+async def test_a_released_rejection_is_not_relayed() -> None:
+    first = retryable()
+    runner, *_ = make_runner({"c1": ["r"], "c2": ["ok"]}, {"r": [first], "ok": [FakeResponse(200)]})
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.response.status == 200 and first.released
+
+
+async def test_transport_failure_answer_names_the_backend_and_code() -> None:
+    runner, *_ = make_runner({"c1": ["a"]}, {"a": [DEAD]}, RetrySettings(max_connect_retries=0))
+    outcome = await run(runner)
+    assert isinstance(outcome, LocalFailure) and outcome.error.code == "upstream_transport_error"
 
 
 async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_relay() -> None:

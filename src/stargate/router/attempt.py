@@ -1,0 +1,393 @@
+"""The attempt machine: the routing loop (spec §4.7) and the retry rules (§4.8) as one pure step function.
+
+``AttemptMachine.step(state, event, snapshot, now, rng)`` returns the next ``AttemptState`` and one
+``Action`` for the driver to perform; the driver answers with the ``Event`` that action produced
+(in the manner of httpx's sans-I/O auth flow). The machine never sleeps, sends or reads a clock:
+tests run every rule without sockets, and the driver (``router/driver.py``) is the only place that
+does I/O and records metrics (from the actions and from ``state.notes``).
+
+Routing pass (on ``Start``, ``Woke`` and a cluster that ran out of backends):
+
+* every candidate excluded (or none) → final ``Fail``: 404 ``NoEligibleCandidates`` for a target
+  nobody advertises when nothing failed in this request, else 503 ``RoutingError``;
+* input-work admission rejection → ``Fail(InputWorkLimitExceeded)``;
+* ``Selected`` → ``Pick`` a backend of the chosen cluster; ``Picked(None)`` excludes the cluster and
+  routes again (the one place "pick a backend, else exclude the cluster" is written);
+* ``Wait(d)`` → ``Sleep(min(d, 25 ms, wait_deadline - now))``; ``Unavailable`` or no time left →
+  ``Sleep`` 1-9 ms only while an explicit ``x-max-wait-ms`` deadline remains, else fail.
+
+Attempt outcomes:
+
+* ``Answered`` (response headers arrived): not retryable, budget spent, retries used up or the body
+  not replayable → ``Relay``; ``queue_estimate_mismatch`` → a sibling in the same cluster; any other
+  retryable reason → the cluster is excluded and routing runs again.
+* ``SendFailed`` (no response): ``UpstreamNotSent`` / a broken connection → ``Reconnect`` the same
+  backend, then the same backend again or (``Reconnected(False)``) a sibling; ``UpstreamTimeout``
+  → never the same backend again (it may still be running the request): a sibling at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from stargate.balancer.settings import AlgorithmDefinition, Policy
+from stargate.balancer.types import Candidate, Choice, LbRequest, ModelStats, Selected, Wait
+from stargate.errors import (
+    InputWorkLimitExceeded,
+    NoEligibleCandidates,
+    PayloadTooLarge,
+    RoutingError,
+    StargateError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from stargate.router.headers import MAX_WAIT_CAP_MS, ProxyRequest
+from stargate.router.replay import Readiness
+from stargate.router.retry_signal import QUEUE_ESTIMATE_MISMATCH, RetrySignal
+from stargate.router.transport import BackendRef
+
+WAIT_POLL_CAP_S = 0.025
+UNAVAILABLE_POLL_MS = (1, 9)
+
+
+class TargetSnapshot(Protocol):
+    """An immutable view of one routing target with reservations applied."""
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]: ...
+    def policy(self, definition: AlgorithmDefinition) -> Policy: ...
+    def pick_backend(self, cluster_id: str, failed_backend_ids: AbstractSet[str]) -> BackendRef | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NoTarget:
+    """The target has no routable cluster; ``advertised`` tells 503 from 404."""
+
+    advertised: bool
+    candidates: tuple[Candidate, ...] = ()
+
+
+Snapshot = TargetSnapshot | NoTarget
+
+AdmissionCheck = Callable[[AlgorithmDefinition, tuple[Candidate, ...], LbRequest], str | None]
+"""``stargate.balancer.check_admission``: the rejection reason (a ``StrEnum``) or None to admit."""
+ExpectedQueue = Callable[[ModelStats, int], int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class RetrySettings:
+    max_connect_retries: int = 2
+    max_request_retries: int = 2
+    require_pylon_retry_signal: bool = True
+
+
+# ---- notes: what a step decided that the driver counts ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Retried:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exhausted:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    backend_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRejected:
+    reason: str
+
+
+Note = Retried | Exhausted | Evicted | AdmissionRejected
+
+
+# ---- events: what happened --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Woke:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    backend: BackendRef | None
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """Response headers arrived; ``readiness`` is the replay buffer's state at that moment."""
+
+    status: int
+    signal: RetrySignal
+    readiness: Readiness
+
+
+@dataclass(frozen=True, slots=True)
+class SendFailed:
+    error: UpstreamError
+    readiness: Readiness
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnected:
+    ok: bool
+
+
+Event = Start | Woke | Picked | Answered | SendFailed | Reconnected
+
+
+# ---- actions: what to do next -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    cluster_id: str
+    failed_backend_ids: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """One attempt; ``choice`` is set when the backend came from a fresh balancer selection."""
+
+    backend: BackendRef
+    expected_queue_ms: int | None
+    choice: Choice | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    backend: BackendRef
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """Final: stream the last upstream response to the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """Final: Stargate answers ``error`` itself; ``backend_id`` is "" when no attempt was made."""
+
+    error: StargateError
+    backend_id: str
+
+
+Action = Pick | Sleep | Send | Reconnect | Relay | Fail
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptState:
+    """Everything one request has learned so far; a step returns a new value, never changes one."""
+
+    request: ProxyRequest
+    failed_backend_ids: frozenset[str] = frozenset()
+    failed_cluster_ids: frozenset[str] = frozenset()
+    connect_retries: int = 0
+    request_retries: int = 0
+    routing_retry_attempts: int = 0
+    backend: BackendRef | None = None
+    cluster_id: str = ""
+    expected_queue_ms: int | None = None
+    choice: Choice | None = None
+    notes: tuple[Note, ...] = field(default=(), compare=False)
+
+    @property
+    def any_failure(self) -> bool:
+        return bool(self.failed_backend_ids or self.failed_cluster_ids)
+
+
+def start(request: ProxyRequest) -> AttemptState:
+    return AttemptState(request)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptMachine:
+    """The rules of one router process; ``step`` is the whole routing and retry policy."""
+
+    settings: RetrySettings
+    admission: AdmissionCheck
+    expected_queue: ExpectedQueue
+
+    def step(
+        self, state: AttemptState, event: Event, snapshot: Snapshot, now: float, rng: random.Random
+    ) -> tuple[AttemptState, Action]:
+        if state.notes:
+            state = replace(state, notes=())
+        if isinstance(event, Start | Woke):
+            return self._route(state, snapshot, now, rng)
+        if isinstance(event, Picked):
+            return self._picked(state, event.backend, snapshot, now, rng)
+        if isinstance(event, Answered):
+            return self._answered(state, event, snapshot, now, rng)
+        if isinstance(event, SendFailed):
+            return self._send_failed(state, event, now)
+        return self._reconnected(state, event.ok)
+
+    # ---- routing (§4.7) ------------------------------------------------------------------------
+
+    def _route(
+        self, state: AttemptState, snapshot: Snapshot, now: float, rng: random.Random
+    ) -> tuple[AttemptState, Action]:
+        request = state.request
+        candidates = snapshot.candidates
+        excluded = state.failed_cluster_ids
+        if isinstance(snapshot, NoTarget) or all(c.cluster_id in excluded for c in candidates):
+            return self._unroutable(state, snapshot)
+        lb_request = LbRequest(
+            target=request.target,
+            input_tokens=request.input_tokens,
+            received_at=request.received_at,
+            now=now,
+            priority=request.priority,
+            cache_affinity_key=request.cache_affinity_key,
+            request_slo_ms=request.request_slo_ms,
+            excluded=excluded,
+        )
+        definition = request.definition
+        if definition.max_input_work_seconds is not None:
+            rejection = self.admission(definition, candidates, lb_request)
+            if rejection is not None:
+                reason = str(rejection)
+                state = _noted(state, AdmissionRejected(reason))
+                return state, Fail(InputWorkLimitExceeded(reason), "")
+        decision = snapshot.policy(definition).decide(candidates, lb_request, rng)
+        if isinstance(decision, Selected):
+            candidate = candidates[decision.choice.index]
+            expected = self.expected_queue(candidate.stats, request.priority)
+            state = replace(
+                state, cluster_id=candidate.cluster_id, expected_queue_ms=expected, choice=decision.choice
+            )
+            return state, Pick(candidate.cluster_id, state.failed_backend_ids)
+        if isinstance(decision, Wait):
+            max_wait_ms = request.max_wait_ms
+            wait_deadline = (
+                request.received_at + (MAX_WAIT_CAP_MS if max_wait_ms is None else max_wait_ms) / 1000.0
+            )
+            pause = min(decision.ms / 1000.0, WAIT_POLL_CAP_S, wait_deadline - now)
+            if pause > 0:
+                return _waited(state, pause)
+        if request.max_wait_ms is not None:
+            routing_deadline = request.received_at + request.max_wait_ms / 1000.0
+            if now < routing_deadline:
+                pause = min(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, routing_deadline - now)
+                return _waited(state, pause)
+        return self._unroutable(state, snapshot)
+
+    def _unroutable(self, state: AttemptState, snapshot: Snapshot) -> tuple[AttemptState, Action]:
+        if isinstance(snapshot, NoTarget) and not snapshot.advertised and not state.any_failure:
+            return state, Fail(NoEligibleCandidates(), "")
+        if state.any_failure:
+            state = _noted(state, Exhausted("no_eligible_backend"))
+        return state, Fail(RoutingError("no selectable backend for this model"), "")
+
+    def _picked(
+        self,
+        state: AttemptState,
+        backend: BackendRef | None,
+        snapshot: Snapshot,
+        now: float,
+        rng: random.Random,
+    ) -> tuple[AttemptState, Action]:
+        if backend is None:
+            state = replace(state, failed_cluster_ids=state.failed_cluster_ids | {state.cluster_id})
+            return self._route(state, snapshot, now, rng)
+        choice = state.choice
+        state = replace(state, backend=backend, choice=None)
+        return state, Send(backend, state.expected_queue_ms, choice)
+
+    # ---- attempts (§4.8) -----------------------------------------------------------------------
+
+    def _answered(
+        self, state: AttemptState, event: Answered, snapshot: Snapshot, now: float, rng: random.Random
+    ) -> tuple[AttemptState, Action]:
+        signal = event.signal
+        if not signal.retryable:
+            return state, Relay()
+        if self._budget_spent(state, now):
+            return _noted(state, Exhausted("retry_budget_exhausted")), Relay()
+        if state.request_retries >= self.settings.max_request_retries:
+            return _noted(state, Exhausted(signal.reason)), Relay()
+        if event.readiness is Readiness.INCOMPLETE:
+            return state, Relay()
+        backend = _current(state)
+        if event.readiness is Readiness.PAYLOAD_TOO_LARGE:
+            return state, Fail(_too_large(), backend.inference_server_id)
+        state = replace(state, request_retries=state.request_retries + 1)
+        state = _noted(state, Retried(signal.reason))
+        if signal.reason == QUEUE_ESTIMATE_MISMATCH:
+            return _sibling(state, backend)
+        state = replace(state, failed_cluster_ids=state.failed_cluster_ids | {backend.cluster_id})
+        return self._route(state, snapshot, now, rng)
+
+    def _send_failed(self, state: AttemptState, event: SendFailed, now: float) -> tuple[AttemptState, Action]:
+        backend = _current(state)
+        backend_id = backend.inference_server_id
+        if self._budget_spent(state, now):
+            return _noted(state, Exhausted("retry_budget_exhausted")), Fail(event.error, backend_id)
+        if state.connect_retries >= self.settings.max_connect_retries:
+            return _noted(state, Exhausted("connect_retries_exhausted")), Fail(event.error, backend_id)
+        if event.readiness is Readiness.INCOMPLETE:
+            return state, Fail(event.error, backend_id)
+        if event.readiness is Readiness.PAYLOAD_TOO_LARGE:
+            return state, Fail(_too_large(), backend_id)
+        state = replace(state, connect_retries=state.connect_retries + 1)
+        if isinstance(event.error, UpstreamTimeout):
+            return _sibling(_noted(state, Retried("connect_failover")), backend)
+        return _noted(state, Evicted(backend_id)), Reconnect(backend)
+
+    def _reconnected(self, state: AttemptState, ok: bool) -> tuple[AttemptState, Action]:
+        backend = _current(state)
+        if ok:
+            state = _noted(state, Retried("hot_path_reconnect"))
+            return state, Send(backend, state.expected_queue_ms, None)
+        return _sibling(_noted(state, Retried("connect_failover")), backend)
+
+    def _budget_spent(self, state: AttemptState, now: float) -> bool:
+        budget_ms = state.request.retry_budget_ms
+        return budget_ms is not None and now >= state.request.received_at + budget_ms / 1000.0
+
+
+def _sibling(state: AttemptState, failed: BackendRef) -> tuple[AttemptState, Action]:
+    """Mark ``failed`` and pick another backend of its cluster (``Picked(None)`` → exclude the cluster)."""
+    failed_ids = state.failed_backend_ids | {failed.inference_server_id}
+    state = replace(state, failed_backend_ids=failed_ids, cluster_id=failed.cluster_id, choice=None)
+    return state, Pick(failed.cluster_id, failed_ids)
+
+
+def _waited(state: AttemptState, pause: float) -> tuple[AttemptState, Action]:
+    return replace(state, routing_retry_attempts=state.routing_retry_attempts + 1), Sleep(pause)
+
+
+def _noted(state: AttemptState, note: Note) -> AttemptState:
+    return replace(state, notes=(*state.notes, note))
+
+
+def _current(state: AttemptState) -> BackendRef:
+    if state.backend is None:
+        raise RuntimeError("attempt event without a backend")
+    return state.backend
+
+
+def _too_large() -> PayloadTooLarge:
+    return PayloadTooLarge("request body exceeds the replay limit and cannot be retried")

@@ -1,0 +1,214 @@
+"""The attempt driver: performs the attempt machine's actions and records every proxy metric.
+
+``AttemptDriver.run`` feeds the pure ``AttemptMachine`` (``router/attempt.py``) a fresh routing
+snapshot and the clock at each step, does what the returned action says (pick a backend, sleep,
+send, reconnect) and hands the result back as the next event, until the machine answers ``Relay``
+or ``Fail``. It holds no policy: every decision is the machine's, every metric and reservation is
+recorded here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from multidict import CIMultiDict
+
+from stargate.balancer.types import Target
+from stargate.errors import StargateError, UpstreamError
+from stargate.router.attempt import (
+    AdmissionRejected,
+    Answered,
+    AttemptMachine,
+    Event,
+    Evicted,
+    Exhausted,
+    NoTarget,
+    Note,
+    Pick,
+    Picked,
+    Reconnect,
+    Reconnected,
+    Relay,
+    Retried,
+    Send,
+    SendFailed,
+    Sleep,
+    Snapshot,
+    Start,
+    TargetSnapshot,
+    Woke,
+    start,
+)
+from stargate.router.headers import ProxyRequest
+from stargate.router.metrics import RouterMetrics
+from stargate.router.replay import ReplayBody
+from stargate.router.retry_signal import retry_signal
+from stargate.router.transport import BackendRef, Transport, UpstreamResponse
+
+EXPECTED_QUEUE_HEADER = "x-stargate-expected-queue-ms"
+START = Start()
+WOKE = Woke()
+
+
+class RoutingStateView(Protocol):
+    """What the driver needs of ``RoutingState``: snapshots and each attempt's reservation, which
+    ``finish`` ends (in-flight count and optimistic load) whatever the attempt's outcome."""
+
+    def view(self, target: Target) -> TargetSnapshot | None: ...
+    def is_advertised(self, target: Target) -> bool: ...
+    def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Any: ...
+    def release(self, reservation: Any) -> None: ...
+    def first_byte(self, reservation: Any) -> None: ...
+    def finish(self, reservation: Any) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Passthrough:
+    """Final: stream this upstream response to the client; the relay reports its first body byte
+    and its end through ``AttemptDriver.first_byte`` / ``finish`` (the in-flight count)."""
+
+    response: UpstreamResponse
+    backend: BackendRef
+    reservation: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFailure:
+    """Final: Stargate answers ``error`` itself. ``backend_id`` is "" for routing failures."""
+
+    error: StargateError
+    backend_id: str
+
+    @property
+    def status(self) -> int:
+        return self.error.status
+
+
+Outcome = Passthrough | LocalFailure
+
+
+class AttemptDriver:
+    def __init__(
+        self,
+        state: RoutingStateView,
+        machine: AttemptMachine,
+        transport: Transport,
+        metrics: RouterMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._state = state
+        self._machine = machine
+        self._transport = transport
+        self._metrics = metrics
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng if rng is not None else random.Random()
+        self._require_signal = machine.settings.require_pylon_retry_signal
+
+    async def run(
+        self,
+        request: ProxyRequest,
+        method: str,
+        path_qs: str,
+        headers: CIMultiDict[str],
+        replay: ReplayBody,
+    ) -> Outcome:
+        target, metrics, clock = request.target, self._metrics, self._clock
+        state = start(request)
+        event: Event = START
+        response: UpstreamResponse | None = None
+        reservation: Any = None
+        routing_started = clock()
+        routing_observed = False
+        while True:
+            snapshot = self._snapshot(target)
+            state, action = self._machine.step(state, event, snapshot, clock(), self._rng)
+            if state.notes:
+                self._count(target, state.notes)
+            if response is not None and not isinstance(action, Relay):
+                response.release()
+                self._state.finish(reservation)
+                response = None
+            if isinstance(action, Pick):
+                picked = None
+                if not isinstance(snapshot, NoTarget):
+                    picked = snapshot.pick_backend(action.cluster_id, action.failed_backend_ids)
+                event = Picked(picked)
+            elif isinstance(action, Sleep):
+                await self._sleep(action.seconds)
+                event = WOKE
+            elif isinstance(action, Send):
+                backend = action.backend
+                backend_id = backend.inference_server_id
+                if action.choice is not None:
+                    choice = action.choice
+                    metrics.selection(
+                        target,
+                        request.definition.algorithm.value,
+                        choice.rank_depth,
+                        choice.selected_after_kv_free_tokens_skip,
+                    )
+                if not routing_observed:
+                    metrics.routing_duration(target, clock() - routing_started)
+                    routing_observed = True
+                reservation = self._state.reserve(target, backend_id, request.input_tokens, request.priority)
+                attempt_headers = headers.copy()
+                if action.expected_queue_ms is not None:
+                    attempt_headers[EXPECTED_QUEUE_HEADER] = str(action.expected_queue_ms)
+                try:
+                    response = await self._transport.send(
+                        backend, method, path_qs, attempt_headers, replay.body()
+                    )
+                except UpstreamError as exc:
+                    self._state.finish(reservation)
+                    metrics.attempt(target, backend_id, "proxy_502")
+                    metrics.replay_buffer(target, replay.buffered)
+                    event = SendFailed(exc, replay.readiness())
+                    continue
+                status = response.status
+                metrics.attempt(target, backend_id, f"upstream_{status}")
+                metrics.replay_buffer(target, replay.buffered)
+                metrics.proxy_duration(target, backend_id, clock() - request.received_at)
+                signal = retry_signal(status, response.header, self._require_signal)
+                if signal.release_reservation:
+                    self._state.release(reservation)
+                event = Answered(status, signal, replay.readiness())
+            elif isinstance(action, Reconnect):
+                ok = await self._transport.reconnect(action.backend)
+                metrics.reconnect(action.backend.inference_server_id, ok)
+                event = Reconnected(ok)
+            elif isinstance(action, Relay):
+                assert response is not None and state.backend is not None
+                return Passthrough(response, state.backend, reservation)
+            else:
+                return LocalFailure(action.error, action.backend_id)
+
+    def first_byte(self, outcome: Passthrough) -> None:
+        self._state.first_byte(outcome.reservation)
+
+    def finish(self, outcome: Passthrough) -> None:
+        self._state.finish(outcome.reservation)
+
+    def _snapshot(self, target: Target) -> Snapshot:
+        view = self._state.view(target)
+        return view if view is not None else NoTarget(self._state.is_advertised(target))
+
+    def _count(self, target: Target, notes: tuple[Note, ...]) -> None:
+        metrics = self._metrics
+        for note in notes:
+            if isinstance(note, Retried):
+                metrics.retry(target, note.reason)
+            elif isinstance(note, Exhausted):
+                metrics.retry_exhausted(target, note.reason)
+            elif isinstance(note, Evicted):
+                metrics.eviction(note.backend_id, "proxy_error")
+            elif isinstance(note, AdmissionRejected):
+                metrics.admission_rejected(target, note.reason)

@@ -1,0 +1,41 @@
+"""How an upstream answer reads for the retry rules (spec §4.8 step 5)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+RETRYABLE_STATUSES = frozenset({429, 503})
+QUEUE_ESTIMATE_MISMATCH = "queue_estimate_mismatch"
+DEFAULT_RETRY_REASON = "retryable_upstream_response"
+
+
+@dataclass(frozen=True, slots=True)
+class RetrySignal:
+    """Retryable with a reason, and whether this attempt's reservation ends now."""
+
+    retryable: bool
+    reason: str
+    release_reservation: bool
+
+
+NOT_RETRYABLE = RetrySignal(False, DEFAULT_RETRY_REASON, False)
+
+
+def retry_signal(status: int, header: Callable[[str], str | None], require_signal: bool) -> RetrySignal:
+    """Retryable iff 429/503 and ``x-stargate-retryable: true`` (or absent when no signal is required).
+
+    A 429 ``queue_estimate_mismatch`` releases the reservation whatever happens next: Pylon
+    rejected it before its engine saw anything.
+    """
+    if 200 <= status < 300:
+        return NOT_RETRYABLE
+    flag = header("x-stargate-retryable")
+    raw_reason = header("x-stargate-retry-reason")
+    reason = (raw_reason or "").strip() or DEFAULT_RETRY_REASON
+    explicit_true = flag is not None and flag.strip().lower() == "true"
+    release = status == 429 and explicit_true and reason == QUEUE_ESTIMATE_MISMATCH
+    if status not in RETRYABLE_STATUSES:
+        return RetrySignal(False, reason, release)
+    retryable = explicit_true if flag is not None else not require_signal
+    return RetrySignal(retryable, reason, release)

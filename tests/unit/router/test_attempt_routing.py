@@ -1,0 +1,265 @@
+"""The attempt machine's routing pass (spec §4.7), stepped by hand: no sockets, no sleeps, exact time."""
+
+from __future__ import annotations
+
+import random
+
+from router_fakes import FakeView, ScriptedPolicy, make_candidate, make_request, make_view
+
+from stargate.balancer.estimates import effective_queue_ms
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition
+from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected, Wait
+from stargate.errors import InputWorkLimitExceeded, NoEligibleCandidates, RoutingError
+from stargate.router.attempt import (
+    AdmissionRejected,
+    AttemptMachine,
+    AttemptState,
+    Event,
+    Exhausted,
+    Fail,
+    NoTarget,
+    Pick,
+    Picked,
+    RetrySettings,
+    Send,
+    Sleep,
+    Snapshot,
+    Start,
+    Woke,
+    start,
+)
+from stargate.router.headers import ProxyRequest
+
+SELECT0 = Selected(Choice(0))
+
+
+def make_machine(admission: str | None = None) -> AttemptMachine:
+    return AttemptMachine(
+        RetrySettings(), admission=lambda d, c, r: admission, expected_queue=effective_queue_ms
+    )
+
+
+def route(
+    machine: AttemptMachine, state: AttemptState, snapshot: Snapshot, now: float = 100.0
+) -> tuple[AttemptState, Send | Fail, list[float]]:
+    """Step until the machine sends or fails; performs picks and sleeps (advancing the clock)."""
+    sleeps: list[float] = []
+    event: Event = Start()
+    rng = random.Random(7)
+    while True:
+        state, action = machine.step(state, event, snapshot, now, rng)
+        if isinstance(action, Send | Fail):
+            return state, action, sleeps
+        if isinstance(action, Sleep):
+            assert action.seconds > 0
+            sleeps.append(action.seconds)
+            now += action.seconds
+            event = Woke()
+        else:
+            assert isinstance(action, Pick) and not isinstance(snapshot, NoTarget)
+            event = Picked(snapshot.pick_backend(action.cluster_id, action.failed_backend_ids))
+
+
+def scripted(script: list[Decision], clusters: tuple[str, ...] = ("c1",)) -> tuple[FakeView, ScriptedPolicy]:
+    policy = ScriptedPolicy(list(script))
+    return make_view({c: [f"{c}-b"] for c in clusters}, policy), policy
+
+
+def with_candidates(candidates: tuple[Candidate, ...]) -> FakeView:
+    view, _ = scripted([SELECT0])
+    view.candidates = candidates
+    return view
+
+
+def fresh(**kw: object) -> AttemptState:
+    return start(make_request(**kw))
+
+
+def test_selected_sends_to_the_picked_backend_with_the_choice_p127() -> None:
+    view, _ = scripted([SELECT0])
+    _, action, sleeps = route(make_machine(), fresh(), view)
+    assert isinstance(action, Send) and action.backend.inference_server_id == "c1-b"
+    assert action.choice == Choice(0) and sleeps == []
+
+
+def test_the_choice_carries_rank_depth_and_kv_flag() -> None:
+    choice = Choice(0, rank_depth=2, selected_after_kv_free_tokens_skip=True)
+    view, _ = scripted([Selected(choice)])
+    _, action, _ = route(make_machine(), fresh(), view)
+    assert isinstance(action, Send) and action.choice == choice
+
+
+def test_p139_wait_sleeps_at_most_25ms_then_routes_on_fresh_snapshot() -> None:
+    view, policy = scripted([Wait(200.0), Wait(175.0), SELECT0])
+    state, action, sleeps = route(make_machine(), fresh(), view)
+    assert isinstance(action, Send)
+    assert sleeps == [0.025, 0.025]
+    assert state.routing_retry_attempts == 2
+    assert [round(r.elapsed_ms) for r in policy.seen] == [0, 25, 50]
+
+
+def test_p149_wait_hint_shorter_than_cap_is_honoured() -> None:
+    view, _ = scripted([Wait(10.0), SELECT0])
+    assert route(make_machine(), fresh(), view)[2] == [0.010]
+
+
+def test_p142_timed_wait_without_max_wait_header_uses_arrival_plus_60s() -> None:
+    view, _ = scripted([Wait(1000.0)])
+    _, action, sleeps = route(make_machine(), fresh(), view)
+    assert isinstance(action, Fail) and type(action.error) is RoutingError and action.error.status == 503
+    assert abs(sum(sleeps) - 60.0) < 1e-6 and max(sleeps) <= 0.025
+
+
+def test_p143_max_wait_shorter_than_affinity_wait_ends_with_503() -> None:
+    view, _ = scripted([Wait(200.0)])
+    _, action, sleeps = route(make_machine(), fresh(max_wait_ms=50), view)
+    assert isinstance(action, Fail) and action.error.status == 503
+    assert abs(sum(sleeps) - 0.050) < 1e-9
+
+
+def test_p122_unavailable_without_max_wait_fails_immediately() -> None:
+    view, policy = scripted([UNAVAILABLE])
+    _, action, sleeps = route(make_machine(), fresh(), view)
+    assert isinstance(action, Fail) and action.error.status == 503
+    assert sleeps == [] and len(policy.seen) == 1
+
+
+def test_p122_unavailable_polls_1_to_9ms_until_capped_deadline() -> None:
+    view, _ = scripted([UNAVAILABLE])
+    state, action, sleeps = route(make_machine(), fresh(max_wait_ms=60_000), view)
+    assert isinstance(action, Fail) and action.error.status == 503
+    assert abs(sum(sleeps) - 60.0) < 1e-6
+    assert all(s <= 0.009 + 1e-12 for s in sleeps)
+    assert all(s >= 0.001 - 1e-12 for s in sleeps[:-1])
+    assert state.routing_retry_attempts == len(sleeps)
+
+
+def test_unavailable_then_selected_within_max_wait() -> None:
+    view, _ = scripted([UNAVAILABLE, UNAVAILABLE, SELECT0])
+    _, action, sleeps = route(make_machine(), fresh(max_wait_ms=250), view)
+    assert isinstance(action, Send) and len(sleeps) == 2
+
+
+def test_p148_every_candidate_excluded_finalizes_without_waiting() -> None:
+    view, policy = scripted([Wait(200.0)], clusters=("c1", "c2"))
+    state = AttemptState(make_request(max_wait_ms=1000), failed_cluster_ids=frozenset({"c1", "c2"}))
+    state, action, sleeps = route(make_machine(), state, view)
+    assert isinstance(action, Fail) and type(action.error) is RoutingError
+    assert state.notes == (Exhausted("no_eligible_backend"),)
+    assert sleeps == [] and policy.seen == []
+
+
+def test_exclusions_are_passed_to_the_policy() -> None:
+    view, policy = scripted([Selected(Choice(1))], clusters=("c1", "c2"))
+    state = AttemptState(make_request(), failed_cluster_ids=frozenset({"c1"}))
+    _, action, _ = route(make_machine(), state, view)
+    assert isinstance(action, Send) and action.backend.cluster_id == "c2"
+    assert policy.seen[0].excluded == frozenset({"c1"})
+
+
+def test_p101_unknown_target_is_404_no_eligible_candidates() -> None:
+    _, action, sleeps = route(make_machine(), fresh(max_wait_ms=1000), NoTarget(advertised=False))
+    assert isinstance(action, Fail) and isinstance(action.error, NoEligibleCandidates)
+    assert action.error.status == 404 and action.error.code == "no_eligible_candidates"
+    assert sleeps == []
+
+
+def test_p120_advertised_but_inactive_target_is_plain_503() -> None:
+    state, action, _ = route(make_machine(), fresh(), NoTarget(advertised=True))
+    assert isinstance(action, Fail) and type(action.error) is RoutingError and state.notes == ()
+
+
+def test_target_gone_after_failures_is_503_not_404() -> None:
+    state = AttemptState(make_request(), failed_backend_ids=frozenset({"x"}))
+    state, action, _ = route(make_machine(), state, NoTarget(advertised=False))
+    assert isinstance(action, Fail) and type(action.error) is RoutingError
+    assert state.notes == (Exhausted("no_eligible_backend"),)
+
+
+def test_cluster_without_eligible_backend_is_excluded_and_rerouted_p90() -> None:
+    view, policy = scripted([SELECT0, Selected(Choice(1))], clusters=("c1", "c2"))
+    state = AttemptState(make_request(), failed_backend_ids=frozenset({"c1-b"}))
+    state, action, _ = route(make_machine(), state, view)
+    assert isinstance(action, Send) and action.backend.inference_server_id == "c2-b"
+    assert state.failed_cluster_ids == {"c1"}
+    assert policy.seen[1].excluded == frozenset({"c1"})
+    assert action.choice == Choice(1)  # one selection, for the cluster that had a backend
+
+
+def test_p118_admission_rejection_is_503_with_code_and_noted() -> None:
+    definition = AlgorithmDefinition(Algorithm.POWER_OF_N, max_input_work_seconds=0.5)
+    view, policy = scripted([SELECT0])
+    state, action, _ = route(make_machine("input_work_limit_exceeded"), fresh(definition=definition), view)
+    assert isinstance(action, Fail) and isinstance(action.error, InputWorkLimitExceeded)
+    assert (action.error.status, action.error.code) == (503, "input_work_limit_exceeded")
+    assert state.notes == (AdmissionRejected("input_work_limit_exceeded"),)
+    assert policy.seen == []
+
+
+def test_p118_admission_configured_unknown_model_still_404() -> None:
+    definition = AlgorithmDefinition(Algorithm.POWER_OF_N, max_input_work_seconds=0.5)
+    machine = make_machine("input_work_capacity_unavailable")
+    _, action, _ = route(machine, fresh(definition=definition), NoTarget(advertised=False))
+    assert isinstance(action, Fail) and isinstance(action.error, NoEligibleCandidates)
+
+
+def test_admission_not_consulted_without_limit() -> None:
+    view, _ = scripted([SELECT0])
+    assert isinstance(route(make_machine("input_work_limit_exceeded"), fresh(), view)[1], Send)
+
+
+def test_p27_expected_queue_uses_free_slot_rule() -> None:
+    busy = make_candidate(
+        "c1",
+        max_engine_concurrency=8,
+        num_running_queries=3,
+        queued_input_size=10_000,
+        last_mean_input_tps=100.0,
+    )
+    _, action, _ = route(make_machine(), fresh(), with_candidates((busy,)))
+    assert isinstance(action, Send) and action.expected_queue_ms == 0
+
+
+def test_p28_p104_expected_queue_from_backlog_when_full_and_none_when_unknown() -> None:
+    full = make_candidate(
+        "c1",
+        max_engine_concurrency=8,
+        num_running_queries=8,
+        queued_input_size=4200,
+        last_mean_input_tps=100_000.0,
+    )
+    _, action, _ = route(make_machine(), fresh(), with_candidates((full,)))
+    assert isinstance(action, Send) and action.expected_queue_ms == 42
+    unknown = make_candidate("c1", queued_input_size=5, last_mean_input_tps=0.0)
+    _, action, _ = route(make_machine(), fresh(), with_candidates((unknown,)))
+    assert isinstance(action, Send) and action.expected_queue_ms is None
+
+
+def test_request_fields_reach_the_policy() -> None:
+    view, policy = scripted([SELECT0])
+    request: ProxyRequest = make_request(
+        priority=4, cache_affinity_key="k", request_slo_ms=900, input_tokens=33
+    )
+    route(make_machine(), start(request), view)
+    seen: LbRequest = policy.seen[0]
+    assert (seen.priority, seen.cache_affinity_key, seen.request_slo_ms, seen.input_tokens) == (
+        4,
+        "k",
+        900,
+        33,
+    )
+    assert seen.received_at == request.received_at
+
+
+def test_a_step_returns_a_new_state_and_never_changes_the_old_one() -> None:
+    view, _ = scripted([SELECT0])
+    request = make_request()
+    before = start(request)
+    after, action = make_machine().step(before, Start(), view, 100.0, random.Random(1))
+    assert isinstance(action, Pick) and before == start(request) and after.cluster_id == "c1"
+
+
+def test_notes_last_one_step_only() -> None:
+    state = AttemptState(make_request(), failed_backend_ids=frozenset({"x"}), notes=(Exhausted("old"),))
+    state, action = make_machine().step(state, Start(), NoTarget(advertised=True), 100.0, random.Random(1))
+    assert state.notes == (Exhausted("no_eligible_backend"),) and isinstance(action, Fail)
