@@ -8,10 +8,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from stargate.bench import plan
 from stargate.bench.fleet import FleetTimeouts
 from stargate.bench.procs import live_process_groups
 from stargate.bench.runner import run_suite
-from stargate.bench.scenario import parse_scenario
+from stargate.bench.schema import parse_scenario
 from stargate.bench.score import RequestRecord
 from stargate.bench.workload import build_workload
 
@@ -55,7 +56,7 @@ async def test_two_runs_end_to_end_one_failing_cleanly(tmp_path: Path) -> None:
     scenario = parse_scenario(tiny_scenario(tmp_path), file="smoke.yaml", base_dir=tmp_path)
     workload = build_workload(scenario)
     out = tmp_path / "out"
-    result = await run_suite(scenario, workload, out, runs=scenario.runs(),
+    result = await run_suite(scenario, workload, out, runs=plan.runs(scenario),
                              timeouts=FleetTimeouts(start_s=30.0, ready_s=30.0, stop_grace_s=5.0))
 
     good, broken = result.outcomes

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
+from stargate.bench import plan
 from stargate.bench.faults import ARRIVAL_FILE, read_arrivals
 from stargate.bench.fleet import FleetTimeouts
 from stargate.bench.procs import live_process_groups
 from stargate.bench.runner import RunOutcome, run_suite
-from stargate.bench.scenario import parse_scenario
+from stargate.bench.schema import parse_scenario
 from stargate.bench.workload import build_workload
 
 _CLIS = ("stargate.router.cli", "stargate.pylon.cli", "stargate.mock_engine.cli")
@@ -56,7 +57,7 @@ def scenario_with(actions: list[dict[str, Any]], requests: int, tmp_path: Path) 
 
 async def run_one(scenario: Any, out: Path) -> RunOutcome:
     async with asyncio.timeout(DEADLINE_S):
-        result = await run_suite(scenario, build_workload(scenario), out, runs=scenario.runs(),
+        result = await run_suite(scenario, build_workload(scenario), out, runs=plan.runs(scenario),
                                  timeouts=TIMEOUTS)
     (outcome,) = result.outcomes
     assert outcome.error is None, outcome.error

@@ -10,8 +10,9 @@ The public entry points of the scenario/scoring half::
 
 from __future__ import annotations
 
+from stargate.bench.plan import BackendSpec, EngineSpec, RunSpec
 from stargate.bench.report import write_report
-from stargate.bench.scenario import BackendSpec, EngineSpec, RunSpec, Scenario, load_scenario
+from stargate.bench.schema import Scenario, load_scenario
 from stargate.bench.score import RequestRecord, RunSummary, summarize
 from stargate.bench.workload import PlannedRequest, Workload, build_workload
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import orjson
 from rich.console import Console
 
-from stargate.bench.cli import (
+from stargate.bench import plan
+from stargate.bench.console import (
     EXIT_OK,
     RichProgress,
     benches_dir,
@@ -26,7 +27,7 @@ from stargate.bench.cli import (
 )
 from stargate.bench.fleet import Fleet
 from stargate.bench.runner import run_suite
-from stargate.bench.scenario import Scenario, load_scenario
+from stargate.bench.schema import Scenario, load_scenario
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError
 
@@ -62,7 +63,7 @@ def curl_command(url: str, model: str) -> str:
 
 async def serve(console: Console, sc: Scenario, out_dir: Path) -> None:
     """Keep one fleet (the first algorithm's) up until cancelled; fails if a process dies."""
-    run = sc.runs()[0]
+    run = plan.runs(sc)[0]
     console.print(f"starting a fleet for [bold]{run.name}[/bold] ...", highlight=False)
     async with Fleet(sc, run, out_dir / "serve") as fleet:
         url = fleet.stargate_urls[0]
@@ -77,14 +78,14 @@ async def serve(console: Console, sc: Scenario, out_dir: Path) -> None:
 
 def demo_command(console: Console, args: argparse.Namespace) -> int:
     sc = demo_scenario(args.scenario, args.duration)
-    if not sc.runs():
+    if not plan.runs(sc):
         raise ConfigError("the demo scenario has no algorithms", path="$.algorithms")
     out_dir: Path = args.out or Path(".bench-out") / "demo"
     code = EXIT_OK
     if not (args.serve and args.no_workload):
         workload = build_workload(sc)
         with RichProgress(console) as progress:
-            result = run_async(run_suite(sc, workload, out_dir, runs=sc.runs(), progress=progress,
+            result = run_async(run_suite(sc, workload, out_dir, runs=plan.runs(sc), progress=progress,
                                          seed=workload.seed, argv=["stargate-bench", "demo"]))
         code = print_result(console, result)
     if args.serve:

@@ -16,9 +16,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from stargate.bench import plan
+from stargate.bench.console import EXIT_FAILED, EXIT_OK, resolve_scenario, run_async
 from stargate.bench.faults import ActionReport, FaultReport, routable_cell
 from stargate.bench.runner import run_suite
-from stargate.bench.scenario import Scenario, load_scenario
+from stargate.bench.schema import Scenario, load_scenario
 from stargate.bench.suite import markdown_table
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError
@@ -75,13 +77,11 @@ def _single_algorithm(sc: Scenario, name: str | None) -> Scenario:
 
 async def run_fault_suite(names: Sequence[str], out: Path, algorithm: str | None,
                           argv: Sequence[str]) -> list[tuple[str, FaultReport | None, str | None]]:
-    from stargate.bench.cli import resolve_scenario
-
     scenarios = [_single_algorithm(load_scenario(resolve_scenario(n)), algorithm) for n in names]
     results: list[tuple[str, FaultReport | None, str | None]] = []
     for name, sc in zip(names, scenarios, strict=True):
         seed = sc.effective_seed()
-        result = await run_suite(sc, build_workload(sc, seed), out / name, runs=sc.runs(), seed=seed,
+        result = await run_suite(sc, build_workload(sc, seed), out / name, runs=plan.runs(sc), seed=seed,
                                  argv=argv)
         outcome = result.outcomes[0]
         results.append((name, outcome.faults, outcome.error))
@@ -89,8 +89,6 @@ async def run_fault_suite(names: Sequence[str], out: Path, algorithm: str | None
 
 
 def faults_command(console: Console, args: argparse.Namespace, argv: list[str]) -> int:
-    from stargate.bench.cli import EXIT_FAILED, EXIT_OK, run_async
-
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     if not names:
         raise ConfigError("no fault scenarios given", path="--scenarios")

@@ -37,7 +37,7 @@ import orjson
 
 from stargate.bench.fleet import Fleet
 from stargate.bench.peers.ground_truth import read_ground_truth
-from stargate.bench.scenario import DegradationAction, Scenario
+from stargate.bench.schema import DegradationAction, Scenario
 from stargate.bench.score import RequestRecord
 from stargate.bench.suite import markdown_table
 from stargate.bench.workload import Workload

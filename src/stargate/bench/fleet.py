@@ -25,8 +25,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from stargate.bench import plan
+from stargate.bench.plan import BackendSpec, EngineSpec, RunSpec
 from stargate.bench.procs import ManagedProcess, ProcessError, stop_all
-from stargate.bench.scenario import BackendSpec, EngineSpec, RunSpec, Scenario
+from stargate.bench.schema import Scenario
 
 PROBE_REQUEST_PREFIX = "__stargate_bench_ready-probe"
 PROBE_CACHE_KEY_PREFIX = "__stargate_bench_benchmark-ready-probe"
@@ -152,7 +154,7 @@ class Fleet:
 
     async def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        engines = self.scenario.engines()
+        engines = plan.engines(self.scenario)
         urls = await self._launch([self._engine_proc(e) for e in engines])
         self.engines = {e.engine_id: url for e, url in zip(engines, urls, strict=True)}
         self._by_role.update({e.engine_id: p for e, p in zip(engines, self._procs, strict=True)})
@@ -169,7 +171,7 @@ class Fleet:
         first = await self._launch([self._stargate_proc(0, lb_path, seeds)])
         self.stargates = [*first, *others]
 
-        backends = self.scenario.backend_specs()
+        backends = plan.backend_specs(self.scenario)
         await self._start_pylons(backends)
         await self.wait_routable()
 
@@ -197,9 +199,9 @@ class Fleet:
         they replace must be stopped and retired first; new log files get a suffix.
         """
         suffix = f".restart{next(self._generation)}"
-        backends = [b for b in self.scenario.backend_specs() if b.cluster_id == cluster_id]
+        backends = [b for b in plan.backend_specs(self.scenario) if b.cluster_id == cluster_id]
         engine_ids = {b.engine_id for b in backends}
-        engines = [e for e in self.scenario.engines() if e.engine_id in engine_ids]
+        engines = [e for e in plan.engines(self.scenario) if e.engine_id in engine_ids]
         procs = [self._engine_proc(e, suffix, self.engines[e.engine_id].removeprefix("http://"))
                  for e in engines]
         urls = await self._launch(procs)
@@ -262,7 +264,7 @@ class Fleet:
     async def wait_routable(self) -> None:
         """Every Stargate lists the model, counts every backend active, and serves a probe request."""
         deadline = time.monotonic() + self.timeouts.ready_s
-        expected = len(self.scenario.backend_specs())
+        expected = len(plan.backend_specs(self.scenario))
         model = self.scenario.model
         last_problem = "not checked yet"
         timeout = aiohttp.ClientTimeout(total=5.0)

@@ -37,8 +37,9 @@ from stargate.bench.peers.adapters import (
 )
 from stargate.bench.peers.install import installed
 from stargate.bench.peers.tokenizer import write_tokenizer_dir
+from stargate.bench.plan import BackendSpec, RunSpec
 from stargate.bench.procs import ManagedProcess
-from stargate.bench.scenario import BackendSpec, RunSpec, Scenario, parse_scenario
+from stargate.bench.schema import Scenario, parse_scenario
 from stargate.bench.score import RequestRecord
 from stargate.bench.workload import PlannedRequest
 from stargate.errors import ConfigError

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from stargate.bench.charts import write_charts
-from stargate.bench.scenario import Scenario
+from stargate.bench.schema import Scenario
 from stargate.bench.score import MemberSummary, RequestRecord, RunSummary
 from stargate.bench.suite import across_repeats, markdown_table, repeats_table
 

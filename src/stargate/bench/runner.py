@@ -27,8 +27,9 @@ import orjson
 from stargate.bench.driver import Driver, make_session
 from stargate.bench.faults import FaultInjector, FaultReport, arrival_args, markdown_section
 from stargate.bench.fleet import Fleet, FleetTimeouts
+from stargate.bench.plan import RunSpec
 from stargate.bench.report import write_report
-from stargate.bench.scenario import RunSpec, Scenario
+from stargate.bench.schema import Scenario
 from stargate.bench.score import RequestRecord, RunSummary, summarize
 from stargate.bench.workload import Workload
 

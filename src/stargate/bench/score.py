@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from stargate.bench.scenario import Scenario
+from stargate.bench import plan
+from stargate.bench.schema import Scenario
 
 
 @dataclass
@@ -216,7 +217,7 @@ def _members(records: Sequence[RequestRecord], scenario: Scenario) -> tuple[dict
     Normally the Pylon ids of the topology; for routers without Pylons (records carry engine ids
     only) the engines, each weighted by the capacity of its Pylons.
     """
-    specs = scenario.backend_specs()
+    specs = plan.backend_specs(scenario)
     weights = scenario.capacity_weights()
     backend_ids = {spec.backend_id for spec in specs}
     if any(r.backend_id in backend_ids for r in records) or not any(r.engine_id for r in records):

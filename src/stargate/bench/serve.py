@@ -20,7 +20,8 @@ import orjson
 
 from stargate.balancer.config import load_lb_config
 from stargate.bench.fleet import Fleet
-from stargate.bench.scenario import RunSpec, Scenario, parse_scenario
+from stargate.bench.plan import RunSpec
+from stargate.bench.schema import Scenario, parse_scenario
 
 EXIT_OK = 0
 DEFAULT_MODEL = "mock-model"

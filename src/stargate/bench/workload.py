@@ -20,7 +20,8 @@ from typing import Literal
 import orjson
 
 from stargate.bench.prompts import PromptBuilder
-from stargate.bench.scenario import (
+from stargate.bench.schema import Scenario
+from stargate.bench.traffic import (
     Arrival,
     BurstyTraffic,
     ConstantArrival,
@@ -30,7 +31,6 @@ from stargate.bench.scenario import (
     MixedSizeTraffic,
     PoissonArrival,
     PrefixReuseTraffic,
-    Scenario,
     SessionsTraffic,
     StairStepTraffic,
     TokenDist,

@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 
 from stargate.bench.driver import Driver, has_content, make_session
+from stargate.bench.plan import RunSpec
 from stargate.bench.runner import plan_runs
-from stargate.bench.scenario import RunSpec
 from stargate.bench.workload import PlannedRequest, Workload
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant"},"finish_reason":null}]}\n\n'

@@ -17,7 +17,7 @@ from stargate.bench.faults import (
     routable_ids,
     routable_time,
 )
-from stargate.bench.scenario import DegradationAction
+from stargate.bench.schema import DegradationAction
 from stargate.bench.score import RequestRecord
 
 

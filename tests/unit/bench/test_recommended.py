@@ -9,8 +9,9 @@ import orjson
 import pytest
 
 from stargate.balancer.config import load_lb_config
+from stargate.bench import plan
 from stargate.bench.peers.compare import RECOMMENDED_FILE, recommended_lb_config
-from stargate.bench.scenario import load_scenario
+from stargate.bench.schema import load_scenario
 from stargate.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -24,7 +25,7 @@ def test_recommended_file_loads_and_enables_the_load_aware_fields() -> None:
 
 def test_demo_runs_the_recommended_config_first() -> None:
     demo = load_scenario(ROOT / "benches" / "demo.yaml")
-    first = demo.runs()[0]
+    first = plan.runs(demo)[0]
     assert first.name == "recommended"
     assert first.lb_config == recommended_lb_config(demo.model)
 

@@ -7,7 +7,7 @@ import orjson
 
 from stargate.bench.charts import in_flight_series
 from stargate.bench.report import machine_info, render_markdown, write_report
-from stargate.bench.scenario import load_scenario
+from stargate.bench.schema import load_scenario
 from stargate.bench.score import RequestRecord, summarize
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -8,7 +8,9 @@ import pytest
 import yaml
 
 from stargate.balancer.config import parse_lb_config
-from stargate.bench.scenario import load_scenario, parse_scenario, token_delay_ms
+from stargate.bench import plan
+from stargate.bench.plan import token_delay_ms
+from stargate.bench.schema import load_scenario, parse_scenario
 from stargate.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,8 +66,8 @@ def test_upstream_files_are_present() -> None:
 def test_every_upstream_scenario_loads_unchanged(path: Path) -> None:
     scenario = load_scenario(path)
     assert scenario.name == path.stem
-    assert len(scenario.backend_specs()) == scenario.backends.count
-    assert scenario.runs()
+    assert len(plan.backend_specs(scenario)) == scenario.backends.count
+    assert plan.runs(scenario)
 
 
 @pytest.mark.parametrize("path", BENCHES, ids=lambda p: p.stem)
@@ -73,7 +75,7 @@ def test_every_repo_scenario_loads_and_its_lb_configs_parse(path: Path) -> None:
     scenario = load_scenario(path)
     assert scenario.name == path.stem
     assert scenario.metadata.description
-    for run in scenario.runs():
+    for run in plan.runs(scenario):
         parse_lb_config(run.lb_config)
 
 
@@ -89,39 +91,39 @@ def test_seed_scenario_matches_the_seed_workload() -> None:
     assert (sc.request_count, sc.backends.count, sc.execution.workers) == (768, 4, 32)
     assert sc.backends.profile.max_concurrent_requests == 25
     assert (sc.client.timeout_s, sc.client.request_slo_ms, sc.client.max_wait_ms) == (90, 60000, 60000)
-    models = [run.lb_config.get("models", {}) for run in sc.runs()]
+    models = [run.lb_config.get("models", {}) for run in plan.runs(sc)]
     waits = [m["dummy-model"].get("cache_affinity_wait_ms") for m in models if m]  # type: ignore[index]
     assert waits == [0, 200, 200]  # the last one with the load-aware fields
 
 
 def test_grouped_cluster_shares_one_engine_with_multiplied_capacity() -> None:
     sc = parse_scenario(base())
-    engines = sc.engines()
+    engines = plan.engines(sc)
     assert [e.engine_id for e in engines] == ["engine-0", "engine-2"]
     args = engines[0].args
     assert args[args.index("--max-concurrent-requests") + 1] == "6"
     assert args[args.index("--kv-cache-capacity-tokens") + 1] == "2000"
     assert args[args.index("--backend-id") + 1] == "engine-0"
-    specs = sc.backend_specs()
+    specs = plan.backend_specs(sc)
     last = specs[3]
     assert (last.backend_id, last.cluster_id, last.engine_id) == ("backend-3", "cluster-1", "engine-2")
 
 
 def test_decode_delay_is_fractional_not_truncated() -> None:
-    args = parse_scenario(base()).engines()[0].args
+    args = plan.engines(parse_scenario(base()))[0].args
     assert float(args[args.index("--token-delay-ms") + 1]) == pytest.approx(1000 / 260)
     assert token_delay_ms(85) == pytest.approx(11.7647, rel=1e-4)
 
 
 def test_pylon_args_carry_identity_pinned_tps_concurrency_and_admission() -> None:
     sc = parse_scenario(base())
-    args = sc.backend_specs()[1].pylon_args
+    args = plan.backend_specs(sc)[1].pylon_args
     assert args[args.index("--inference-server-id") + 1] == "backend-1"
     assert args[args.index("--cluster-id") + 1] == "cluster-0"
     assert args[args.index("--initial-input-tps") + 1] == "100"
     assert "--benchmark-pin-input-tps" in args
     assert args[args.index("--max-engine-concurrency") + 1] == "3"
-    run = sc.runs()[0]
+    run = plan.runs(sc)[0]
     assert run.pylon_args == [
         "--pylon-queue-mismatch-retry-enabled=false",
         "--pylon-queue-mismatch-tolerance-factor", "1.5",
@@ -132,7 +134,7 @@ def test_pylon_args_carry_identity_pinned_tps_concurrency_and_admission() -> Non
 
 def test_prefix_mode_adds_the_block_size_flag() -> None:
     data = base() | {"mock": {"kv_mode": "prefix", "block_tokens": 32, "batching": "continuous"}}
-    args = parse_scenario(data).engines()[0].args
+    args = plan.engines(parse_scenario(data))[0].args
     assert args[args.index("--kv-cache-mode") + 1] == "prefix"
     assert args[args.index("--kv-block-size") + 1] == "32"
     assert args[args.index("--batching") + 1] == "continuous"
@@ -189,7 +191,7 @@ def test_select_algorithms_keeps_order_and_rejects_unknown() -> None:
     data = base()
     data["algorithms"] = [{"name": n, "config": {"default": n}} for n in ("random", "round-robin")]
     sc = parse_scenario(data)
-    assert [r.name for r in sc.select_algorithms(["round-robin"]).runs()] == ["round-robin"]
+    assert [r.name for r in plan.runs(sc.select_algorithms(["round-robin"]))] == ["round-robin"]
     with pytest.raises(ConfigError, match="available: random, round-robin"):
         sc.select_algorithms(["nope"])
 
@@ -216,9 +218,9 @@ def test_generated_command_lines_parse_with_the_real_engine_and_pylon_clis(path:
 
     scenario = load_scenario(path)
     engine_parser = build_parser()
-    for engine in scenario.engines():
+    for engine in plan.engines(scenario):
         engine_parser.parse_args(engine.args)
     addresses = ["--upstream-http-base-url", "http://127.0.0.1:9", "--stargate-address", "127.0.0.1:1"]
-    for run in scenario.runs() or [None]:
-        for backend in scenario.backend_specs():
+    for run in plan.runs(scenario) or [None]:
+        for backend in plan.backend_specs(scenario):
             parse_settings([*backend.pylon_args, *(run.pylon_args if run else []), *addresses], env={})

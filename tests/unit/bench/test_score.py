@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from stargate.bench.scenario import Scenario, parse_scenario
+from stargate.bench.schema import Scenario, parse_scenario
 from stargate.bench.score import (
     RequestRecord,
     coefficient_of_variation,

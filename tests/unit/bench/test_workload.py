@@ -10,7 +10,8 @@ from typing import Any
 import orjson
 import pytest
 
-from stargate.bench.scenario import LognormalTokens, parse_scenario
+from stargate.bench.schema import parse_scenario
+from stargate.bench.traffic import LognormalTokens
 from stargate.bench.workload import build_workload, poisson_gap_ms, round_half_away, sample_tokens, streams
 from stargate.errors import ConfigError
 from stargate.mock_engine.tokens import chat_prompt_bytes, text_token_estimate

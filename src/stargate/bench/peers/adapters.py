@@ -30,6 +30,7 @@ import aiohttp
 
 from stargate.bench.fleet import Fleet
 from stargate.bench.peers.install import PeerPackage, ensure_installed, installed, script_path
+from stargate.bench.peers.nodelay import preload_env
 from stargate.bench.procs import ManagedProcess, ProcessError, stop_all
 from stargate.bench.workload import PlannedRequest
 from stargate.errors import ConfigError
@@ -192,8 +193,6 @@ class PeerRouterAdapter:
     def env(self) -> dict[str, str]:
         env = {**os.environ, "RUST_LOG": "warn", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         if self.nodelay:
-            from stargate.bench.peers.nodelay import preload_env
-
             env.update(preload_env(self.tokenizer_dir.parent))
         return env
 

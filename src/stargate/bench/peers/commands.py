@@ -8,6 +8,16 @@ from typing import Any
 
 from rich.console import Console
 
+from stargate.bench.console import (
+    EXIT_FAILED,
+    EXIT_OK,
+    RichProgress,
+    positive,
+    positive_float,
+    prepare_scenario,
+    print_result,
+    run_async,
+)
 from stargate.bench.overhead import (
     TARGETS,
     OverheadOptions,
@@ -37,7 +47,7 @@ def _positive_ints(value: str) -> tuple[int, ...]:
     return numbers
 
 
-def add_parsers(sub: Any, positive: Any, positive_float: Any) -> None:
+def add_parsers(sub: Any) -> None:
     compare = sub.add_parser("compare", help="Stargate algorithms and other routers on identical fleets")
     compare.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
     compare.add_argument(
@@ -79,8 +89,6 @@ def add_parsers(sub: Any, positive: Any, positive_float: Any) -> None:
 
 
 def compare_command(console: Console, args: argparse.Namespace, argv: list[str]) -> int:
-    from stargate.bench.cli import RichProgress, prepare_scenario, print_result, run_async
-
     base = prepare_scenario(args.scenario, None, args.request_count)
     options = PeerOptions(install=True, nodelay=not args.sglang_as_shipped)
     choices = resolve_routers(base, args.routers, options)
@@ -111,8 +119,6 @@ def compare_command(console: Console, args: argparse.Namespace, argv: list[str])
 
 
 def overhead_command(console: Console, args: argparse.Namespace, argv: list[str]) -> int:
-    from stargate.bench.cli import EXIT_FAILED, EXIT_OK, run_async
-
     wanted = (
         ["direct", "stargate", "stargate+pylon"]
         if args.stargate_only

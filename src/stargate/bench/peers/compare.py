@@ -25,6 +25,7 @@ from pathlib import Path
 import orjson
 
 from stargate.balancer.config import parse_algorithm_name
+from stargate.bench import plan
 from stargate.bench.driver import Driver, make_session
 from stargate.bench.faults import arrival_args
 from stargate.bench.fleet import Fleet, FleetTimeouts
@@ -40,6 +41,7 @@ from stargate.bench.peers.adapters import (
 from stargate.bench.peers.ground_truth import GROUND_TRUTH_FILE, apply_ground_truth, read_ground_truth
 from stargate.bench.peers.install import PeerInstallError, ensure_installed, peers_root
 from stargate.bench.peers.tokenizer import write_tokenizer_dir
+from stargate.bench.plan import RunSpec
 from stargate.bench.report import write_report
 from stargate.bench.runner import (
     Order,
@@ -55,7 +57,7 @@ from stargate.bench.runner import (
     write_records,
     write_run_metadata,
 )
-from stargate.bench.scenario import RunSpec, Scenario
+from stargate.bench.schema import Scenario
 from stargate.bench.workload import PlannedRequest, Workload
 from stargate.errors import ConfigError
 from stargate.mock_engine.peer_compat import TOKENIZER_ENV
@@ -104,7 +106,7 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
         raise ConfigError("no routers given", path="--routers")
     if len(set(labels)) != len(labels):
         raise ConfigError("a router is listed twice", path="--routers")
-    entries = {spec.name: spec for spec in scenario.runs()}
+    entries = {spec.name: spec for spec in plan.runs(scenario)}
     choices: list[RouterChoice] = []
     for label in labels:
         kind, name = parse_router_label(label)

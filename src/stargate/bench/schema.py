@@ -2,29 +2,29 @@
 
 Every model forbids unknown keys except ``algorithms[].config``, which is forwarded verbatim to the
 router as ``lb-config.json``. Extensions are new optional blocks (``client``, ``execution``,
-``mock``, ``prompts``) and new traffic kinds (``zipf``, ``sessions``, ``trace``); every original
-key keeps its name and default. :meth:`Scenario.engines`, :meth:`Scenario.backends` and
-:meth:`Scenario.runs` turn the topology into the command lines of the fleet.
+``mock``, ``prompts``) and new traffic kinds (:mod:`stargate.bench.traffic`); every original key
+keeps its name and default. :mod:`stargate.bench.plan` turns a scenario into the fleet's command lines.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
+from stargate.bench.traffic import (
+    U64,
+    Positive,
+    PositiveFloat,
+    SessionsTraffic,
+    Strict,
+    TrafficPattern,
+)
 from stargate.errors import ConfigError
 
-U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
-Positive = Annotated[int, Field(gt=0)]
-Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
-PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
-
-MOCK_NUM_TOKENS = 32
 _GENERATED_HEADERS = frozenset(
     {
         "content-type",
@@ -41,190 +41,10 @@ _GENERATED_HEADERS = frozenset(
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-# --- distributions (spec §3.5) ---------------------------------------------------------------
-
-
-class ConstantTokens(_Strict):
-    distribution: Literal["constant"]
-    value: U64
-
-
-class UniformTokens(_Strict):
-    distribution: Literal["uniform"]
-    min: U64
-    max: U64
-
-    @model_validator(mode="after")
-    def _ordered(self) -> UniformTokens:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
-        return self
-
-
-class LognormalTokens(_Strict):
-    """``mean`` is the median of the law (the original's naming), ``p99_cap`` a hard cap."""
-
-    distribution: Literal["lognormal"]
-    mean: PositiveFloat
-    sigma: PositiveFloat
-    min: U64 | None = None
-    p99_cap: U64 | None = None
-
-
-TokenDist = Annotated[ConstantTokens | UniformTokens | LognormalTokens, Field(discriminator="distribution")]
-
-
-class ConstantArrival(_Strict):
-    distribution: Literal["constant"]
-    interval_ms: U64
-
-
-class PoissonArrival(_Strict):
-    distribution: Literal["poisson"]
-    target_rps: PositiveFloat
-
-
-class GammaArrival(_Strict):
-    """Extension: gamma-distributed gaps with mean 1/rps and coefficient of variation ``cv``."""
-
-    distribution: Literal["gamma"]
-    target_rps: PositiveFloat
-    cv: PositiveFloat
-
-
-Arrival = Annotated[ConstantArrival | PoissonArrival | GammaArrival, Field(discriminator="distribution")]
-
-
-# --- traffic patterns (spec §3.5 plus extensions) --------------------------------------------
-
-
-class _Keys(_Strict):
-    routing_keys: U64 = 0
-    cache_affinity_keys: U64 = 0
-
-
-class UniformTraffic(_Keys):
-    kind: Literal["uniform"]
-    input_tokens: TokenDist
-    output_tokens: TokenDist
-    arrival: Arrival
-
-
-class ZipfHotsetTraffic(_Keys):
-    kind: Literal["zipf_hotset"]
-    hotset_fraction: Fraction
-    hotset_share: Fraction
-    input_tokens: TokenDist
-    output_tokens: TokenDist
-    arrival: Arrival
-
-
-class BurstyTraffic(_Keys):
-    kind: Literal["bursty"]
-    input_tokens: TokenDist
-    output_tokens: TokenDist
-    quiet_rps: PositiveFloat
-    burst_rps: PositiveFloat
-    burst_period_requests: Positive
-
-
-class StairStepTraffic(_Keys):
-    kind: Literal["stair_step"]
-    input_tokens: TokenDist
-    output_tokens: TokenDist
-    start_rps: PositiveFloat
-    step_rps: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-    step_requests: Positive
-
-
-class SizeClass(_Strict):
-    input_tokens: TokenDist
-    output_tokens: TokenDist
-
-
-class MixedSizeTraffic(_Keys):
-    kind: Literal["mixed_size"]
-    arrival: Arrival
-    small: SizeClass
-    large: SizeClass
-    small_share: Fraction
-
-
-class PrefixReuseTraffic(_Keys):
-    kind: Literal["prefix_reuse"]
-    initial_input_tokens: TokenDist
-    incremental_input_tokens: TokenDist
-    output_tokens: TokenDist
-    arrival: Arrival
-
-    @model_validator(mode="after")
-    def _needs_keys(self) -> PrefixReuseTraffic:
-        if self.cache_affinity_keys == 0:
-            raise ValueError("prefix_reuse needs cache_affinity_keys > 0")
-        return self
-
-
-class ZipfTraffic(_Keys):
-    """Extension: a true Zipf law over cache keys, P(rank r) ∝ r^-exponent."""
-
-    kind: Literal["zipf"]
-    exponent: PositiveFloat
-    input_tokens: TokenDist
-    output_tokens: TokenDist
-    arrival: Arrival
-
-
-class SessionsTraffic(_Strict):
-    """Extension: closed-loop multi-turn sessions; each session is one conversation (its own key).
-
-    Turn k+1 starts after turn k ended plus a think time; its input is the previous input plus the
-    previous output (when ``context_includes_output``) plus a fresh increment.
-    """
-
-    kind: Literal["sessions"]
-    routing_keys: U64 = 0
-    turns: TokenDist
-    think_time_ms: TokenDist = ConstantTokens(distribution="constant", value=0)
-    initial_input_tokens: TokenDist
-    incremental_input_tokens: TokenDist
-    output_tokens: TokenDist
-    context_includes_output: bool = True
-
-
-class TraceTraffic(_Strict):
-    """Extension: replay a JSONL trace (path relative to the scenario file).
-
-    Each line: ``timestamp_ms``, ``session`` (or null), ``input_tokens``, ``output_tokens`` and
-    optionally ``prompt`` (text sent verbatim) and ``routing_key``.
-    """
-
-    kind: Literal["trace"]
-    path: str = Field(min_length=1)
-    time_scale: PositiveFloat = 1.0
-
-
-TrafficPattern = Annotated[
-    UniformTraffic
-    | ZipfHotsetTraffic
-    | BurstyTraffic
-    | StairStepTraffic
-    | MixedSizeTraffic
-    | PrefixReuseTraffic
-    | ZipfTraffic
-    | SessionsTraffic
-    | TraceTraffic,
-    Field(discriminator="kind"),
-]
-
-
 # --- fleet (spec §3.3, §3.4) -----------------------------------------------------------------
 
 
-class ServiceTime(_Strict):
+class ServiceTime(Strict):
     ttft_mean: U64
     ttft_jitter_ms: U64 = 0
     decode_tokens_per_s: PositiveFloat
@@ -232,11 +52,11 @@ class ServiceTime(_Strict):
     prefill_tokens_per_s: PositiveFloat | None = None
 
 
-class Registration(_Strict):
+class Registration(Strict):
     last_mean_input_tps: PositiveFloat
 
 
-class BackendProfile(_Strict):
+class BackendProfile(Strict):
     name: str = "default"
     weight: float = 1.0
     max_concurrent_requests: U64 | None = None
@@ -245,12 +65,12 @@ class BackendProfile(_Strict):
     registration: Registration
 
 
-class ProfileGroup(_Strict):
+class ProfileGroup(Strict):
     count: Positive
     profile: BackendProfile
 
 
-class Backends(_Strict):
+class Backends(Strict):
     count: Positive
     cluster_id_template: str | None = None
     pylons_per_cluster: Positive = 1
@@ -290,18 +110,18 @@ class Backends(_Strict):
         ).replace("{backend_index}", str(index))
 
 
-class Stargates(_Strict):
+class Stargates(Strict):
     count: Positive = 1
 
 
-class Metadata(_Strict):
+class Metadata(Strict):
     description: str | None = None
     tags: list[str] = []
     expected_runtime: str | None = None
     expected_signal: str | None = None
 
 
-class DegradationAction(_Strict):
+class DegradationAction(Strict):
     """The original's two actions plus ours: kill (SIGKILL) or freeze (SIGSTOP) an engine or a Pylon."""
 
     at_request: U64
@@ -320,28 +140,18 @@ class DegradationAction(_Strict):
         return self
 
 
-class Degradation(_Strict):
+class Degradation(Strict):
     actions: list[DegradationAction] = []
 
 
-class QueueAdmission(_Strict):
+class QueueAdmission(Strict):
     enabled: bool
     min_delta_ms: U64 | None = None
     tolerance_factor: PositiveFloat | None = None
     retry_after_ms: U64 | None = None
 
-    def pylon_args(self) -> list[str]:
-        args = [f"--pylon-queue-mismatch-retry-enabled={'true' if self.enabled else 'false'}"]
-        if self.min_delta_ms is not None:
-            args += ["--pylon-queue-mismatch-min-delta-ms", str(self.min_delta_ms)]
-        if self.tolerance_factor is not None:
-            args += ["--pylon-queue-mismatch-tolerance-factor", _num(self.tolerance_factor)]
-        if self.retry_after_ms is not None:
-            args += ["--pylon-queue-mismatch-retry-after-ms", str(self.retry_after_ms)]
-        return args
 
-
-class AlgorithmEntry(_Strict):
+class AlgorithmEntry(Strict):
     name: str = Field(min_length=1)
     config: dict[str, Any]
     pylon_queue_admission: QueueAdmission | None = None
@@ -350,7 +160,7 @@ class AlgorithmEntry(_Strict):
 # --- extensions -------------------------------------------------------------------------------
 
 
-class Client(_Strict):
+class Client(Strict):
     """How the driver sends requests. ``timeout_s`` bounds a whole request (the original had none)."""
 
     timeout_s: PositiveFloat = 300.0
@@ -368,7 +178,7 @@ class Client(_Strict):
         return self
 
 
-class Execution(_Strict):
+class Execution(Strict):
     """``closed_loop``: ``workers`` sessions in flight, each turn after the previous one ended."""
 
     mode: Literal["open_loop", "closed_loop"] | None = None
@@ -376,14 +186,14 @@ class Execution(_Strict):
     duration_s: PositiveFloat | None = None
 
 
-class Mock(_Strict):
+class Mock(Strict):
     kv_mode: Literal["affinity", "prefix"] = "affinity"
     block_tokens: Positive = 16
     batching: Literal["independent", "continuous"] = "independent"
     health_delay_ms: U64 = 0
 
 
-class Prompts(_Strict):
+class Prompts(Strict):
     """Prompt text: ``words`` (seeded vocabulary, per-session prefixes) or ``repeat`` (``x`` x tokens)."""
 
     text: Literal["words", "repeat"] = "words"
@@ -392,45 +202,7 @@ class Prompts(_Strict):
     vocabulary_seed: U64 = 0
 
 
-# --- topology values handed to the fleet ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """One mock engine per routing cluster; ``args`` is its full command line minus the address."""
-
-    engine_id: str
-    args: list[str]
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """One Pylon; ``pylon_args`` excludes every address and URL (the fleet adds those)."""
-
-    backend_id: str
-    cluster_id: str
-    engine_id: str
-    pylon_args: list[str]
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    name: str
-    lb_config: dict[str, object]
-    pylon_args: list[str]
-
-
-def _num(value: float) -> str:
-    """A float flag value without a spurious ``.0`` and without truncation."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def token_delay_ms(decode_tokens_per_s: float) -> float:
-    """Per-token delay of the mock. The original truncated to whole ms (260 tok/s ran at 333); we don't."""
-    return 1000.0 / decode_tokens_per_s
-
-
-class Scenario(_Strict):
+class Scenario(Strict):
     name: str = Field(min_length=1)
     metadata: Metadata = Metadata()
     model: str = Field(min_length=1)
@@ -505,77 +277,6 @@ class Scenario(_Strict):
             f"backend-{i}": self.backends.profile_of(i).registration.last_mean_input_tps
             for i in range(self.backends.count)
         }
-
-    def engines(self) -> list[EngineSpec]:
-        engines = []
-        for indices in self.cluster_members().values():
-            upstream = min(indices)
-            engines.append(EngineSpec(f"engine-{upstream}", self._engine_args(upstream, len(indices))))
-        return engines
-
-    def _engine_args(self, upstream: int, pylons: int) -> list[str]:
-        profile = self.backends.profile_of(upstream)
-        timing = profile.service_time_ms
-        slots = (profile.max_concurrent_requests or 0) * pylons
-        capacity = profile.kv_cache_capacity_tokens * pylons
-        if slots >= 2**64 or capacity >= 2**64:
-            raise ConfigError(
-                "concurrency or KV capacity times pylons_per_cluster overflows", path="$.backends"
-            )
-        args = [
-            "--model-name", self.model,
-            "--num-tokens", str(MOCK_NUM_TOKENS),
-            "--token-delay-ms", _num(token_delay_ms(timing.decode_tokens_per_s)),
-            "--decode-jitter-ms", str(timing.decode_jitter_ms),
-            "--ttft-ms", str(timing.ttft_mean),
-            "--ttft-jitter-ms", str(timing.ttft_jitter_ms),
-            "--prefill-tokens-per-s", _num(timing.prefill_tokens_per_s or 0.0),
-            "--max-concurrent-requests", str(slots),
-            "--kv-cache-capacity-tokens", str(capacity),
-            "--kv-cache-mode", self.mock.kv_mode,
-            "--batching", self.mock.batching,
-            "--backend-id", f"engine-{upstream}",
-        ]  # fmt: skip
-        if self.mock.kv_mode == "prefix":
-            args += ["--kv-block-size", str(self.mock.block_tokens)]
-        if self.mock.health_delay_ms:
-            args += ["--health-delay-ms", str(self.mock.health_delay_ms)]
-        return args
-
-    def backend_specs(self) -> list[BackendSpec]:
-        """One Pylon per backend (``backends`` itself is the original's topology block)."""
-        members = self.cluster_members()
-        specs = []
-        for index in range(self.backends.count):
-            cluster = self.backends.cluster_of(index)
-            profile = self.backends.profile_of(index)
-            args = [
-                "--inference-server-id", f"backend-{index}",
-                "--model-name", self.model,
-                "--kv-cache-stats-path", "/kv-cache/stats",
-                "--min-update-interval-ms", "100",
-                "--disable-bringup",
-                "--active-canary-interval-ms", "0",
-                "--initial-input-tps", _num(profile.registration.last_mean_input_tps),
-                "--benchmark-pin-input-tps",
-            ]  # fmt: skip
-            if self.backends.cluster_id_template is not None:
-                args += ["--cluster-id", cluster]
-            if profile.max_concurrent_requests:
-                args += ["--max-engine-concurrency", str(profile.max_concurrent_requests)]
-            engine = f"engine-{min(members[cluster])}"
-            specs.append(BackendSpec(f"backend-{index}", cluster, engine, args))
-        return specs
-
-    def runs(self) -> list[RunSpec]:
-        return [
-            RunSpec(
-                entry.name,
-                dict(entry.config),
-                entry.pylon_queue_admission.pylon_args() if entry.pylon_queue_admission else [],
-            )
-            for entry in self.algorithms
-        ]
 
     def select_algorithms(self, names: list[str]) -> Scenario:
         """Keep the named algorithms in config order; unknown names are an error listing the known."""

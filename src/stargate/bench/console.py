@@ -1,0 +1,184 @@
+"""What the ``stargate-bench`` subcommands share: exit codes, argument types, scenario lookup, progress,
+the results table and a SIGTERM-safe runner.
+
+Exit status: 0 every run succeeded, 1 at least one run failed (the report is still written),
+2 bad usage or a bad scenario file, 130 interrupted (every process was stopped first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from stargate.bench.runner import SuiteResult
+from stargate.bench.schema import Scenario, load_scenario
+from stargate.bench.score import RequestRecord
+from stargate.errors import ConfigError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+T = TypeVar("T")
+
+
+def benches_dir() -> Path:
+    """``benches/`` of the source tree this package runs from, else of the current directory."""
+    tree = Path(__file__).resolve().parents[3] / "benches"
+    return tree if tree.is_dir() else Path.cwd() / "benches"
+
+
+def scenario_files(directory: Path) -> dict[str, Path]:
+    """Scenario stem → file; ``.yaml`` wins over ``.yml`` on a stem clash."""
+    found: dict[str, Path] = {}
+    for suffix in (".yml", ".yaml"):
+        for path in sorted(directory.glob(f"*{suffix}")):
+            found[path.stem] = path
+    return dict(sorted(found.items()))
+
+
+def resolve_scenario(value: str) -> Path:
+    """A path to a file, or the stem (with or without extension) of a scenario in ``benches/``."""
+    path = Path(value)
+    if path.is_file():
+        return path
+    if not value.strip() or "/" in value or "\\" in value:
+        raise ConfigError(f"no such scenario file: {value!r}", path="--scenario")
+    stem = value.removesuffix(".yaml").removesuffix(".yml")
+    known = scenario_files(benches_dir())
+    if stem in known:
+        return known[stem]
+    available = ", ".join(known) or "none"
+    raise ConfigError(f"unknown scenario {value!r}; available: {available}", path="--scenario")
+
+
+def prepare_scenario(value: str, algorithms: str | None, request_count: int | None) -> Scenario:
+    sc = load_scenario(resolve_scenario(value))
+    if algorithms is not None:
+        sc = sc.select_algorithms([name.strip() for name in algorithms.split(",") if name.strip()])
+    if request_count is not None:
+        base = sc.base_dir
+        sc = sc.model_copy(update={"request_count": request_count})
+        sc._base_dir = base
+    return sc
+
+
+class RichProgress:
+    """A progress bar per run: requests done of the planned total."""
+
+    def __init__(self, console: Console) -> None:
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.fields[state]}"), TimeElapsedColumn(), console=console)
+        self._tasks: dict[str, TaskID] = {}
+
+    def __enter__(self) -> RichProgress:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.stop()
+
+    def run_started(self, name: str, total: int) -> None:
+        self._tasks[name] = self._bar.add_task(name, total=total, state="starting fleet")
+
+    def request_done(self, name: str, record: RequestRecord) -> None:
+        self._bar.update(self._tasks[name], advance=1, state="replaying")
+
+    def run_finished(self, name: str, error: str | None) -> None:
+        task = self._tasks[name]
+        state = "[red]failed[/red]" if error else "[green]done[/green]"
+        done = next(t.completed for t in self._bar.tasks if t.id == task)
+        # A duration-capped replay sends fewer requests than planned: the bar ends full anyway.
+        self._bar.update(task, state=state, total=None if error else max(done, 1), completed=done)
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors exit with :data:`EXIT_USAGE` (argparse's own default is also 2, said here once)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return number
+
+
+def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def results_table(result: SuiteResult) -> Table:
+    table = Table(title=f"results ({result.out_dir})")
+    for column in ("run", "status", "ok %", "req/s", "TTFT avg", "TTFT p95", "TTFT p99", "TTLT p95",
+                   "cache hit", "balance", "cap. balance", "failed"):
+        table.add_column(column, justify="left" if column in ("run", "status") else "right")
+    for outcome, summary in zip(result.outcomes, result.summaries, strict=True):
+        status = "[red]failed[/red]" if outcome.error else "[green]ok[/green]"
+        hit = None if summary.cache_hit_rate is None else summary.cache_hit_rate * 100
+        table.add_row(
+            summary.run, status, _fmt(summary.success_rate * 100, "%", 1),
+            _fmt(summary.requests_per_second, digits=2),
+            _fmt(summary.avg_ttft_ms, " ms"), _fmt(summary.p95_ttft_ms, " ms"),
+            _fmt(summary.p99_ttft_ms, " ms"), _fmt(summary.p95_ttlt_ms, " ms"), _fmt(hit, "%", 1),
+            _fmt(summary.equal_balance, digits=3), _fmt(summary.capacity_balance, digits=3),
+            str(summary.request_count - summary.success_count),
+        )
+    return table
+
+
+def print_result(console: Console, result: SuiteResult) -> int:
+    console.print(results_table(result))
+    for outcome in result.outcomes:
+        if outcome.error:
+            console.print(f"[red]{outcome.planned.name} failed:[/red] {outcome.error}", highlight=False)
+    console.print(f"report: {result.report_path}", highlight=False)
+    return EXIT_FAILED if any(o.error for o in result.outcomes) else EXIT_OK
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro``; SIGTERM cancels it like Ctrl-C, so every ``finally`` (fleet teardown) runs."""
+
+    async def guarded() -> T:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            if task is not None:
+                loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGTERM)
+
+    return asyncio.run(guarded())
