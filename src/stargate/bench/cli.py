@@ -163,5 +163,3 @@ def run_command(console: Console, args: argparse.Namespace, argv: list[str]) -> 
                                      seed=seed, progress=progress, slo_ttft_ms=args.slo_ttft_ms,
                                      argv=argv))
     return print_result(console, result)
-
-

@@ -139,7 +139,7 @@ def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
 def results_table(result: SuiteResult) -> Table:
     table = Table(title=f"results ({result.out_dir})")
     for column in ("run", "status", "ok %", "req/s", "TTFT avg", "TTFT p95", "TTFT p99", "TTLT p95",
-                   "cache hit", "balance", "cap. balance", "failed"):
+                   "cache hit", "balance", "cap. balance", "in-flight imb", "failed"):
         table.add_column(column, justify="left" if column in ("run", "status") else "right")
     for outcome, summary in zip(result.outcomes, result.summaries, strict=True):
         status = "[red]failed[/red]" if outcome.error else "[green]ok[/green]"
@@ -150,7 +150,7 @@ def results_table(result: SuiteResult) -> Table:
             _fmt(summary.avg_ttft_ms, " ms"), _fmt(summary.p95_ttft_ms, " ms"),
             _fmt(summary.p99_ttft_ms, " ms"), _fmt(summary.p95_ttlt_ms, " ms"), _fmt(hit, "%", 1),
             _fmt(summary.equal_balance, digits=3), _fmt(summary.capacity_balance, digits=3),
-            str(summary.request_count - summary.success_count),
+            _fmt(summary.inflight_imbalance, digits=2), str(summary.request_count - summary.success_count),
         )
     return table
 

@@ -84,6 +84,8 @@ _RESULT_COLUMNS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("Jain", lambda s: _score(s.jain_index)),
     ("CV", lambda s: _score(s.load_cv)),
     ("Max/mean", lambda s: _score(s.max_over_mean)),
+    ("In-flight imb", lambda s: _score(s.inflight_imbalance)),
+    ("In-flight imb p99", lambda s: _score(s.inflight_imbalance_p99)),
     ("Key moves", lambda s: str(s.moved_cache_keys)),
     ("Lag p99 ms", lambda s: _ms(s.p99_schedule_lag_ms)),
     ("Retries", lambda s: str(s.retries_seen)),
@@ -174,7 +176,13 @@ def render_markdown(scenario: Scenario, summaries: Sequence[RunSummary], charts:
     lines += markdown_table(
         [c for c, _ in _RESULT_COLUMNS], [[f(s) for _, f in _RESULT_COLUMNS] for s in summaries]
     )
-    lines += ["", "Balance scores are 1 - total-variation distance over all backends, including idle ones."]
+    lines += [
+        "",
+        "Balance scores are 1 - total-variation distance over all backends, including idle ones. "
+        "In-flight imb is the time-weighted mean over the run of max / mean in-flight requests across "
+        "backends (1 = even, the backend count = all on one), p99 its 99th percentile over time; "
+        "moments with nothing in flight are left out.",
+    ]
     grouped = across_repeats([s.to_dict() for s in summaries])
     if len(grouped) < len(summaries):
         note = "Medians of the per-run values above; success is the worst run's."

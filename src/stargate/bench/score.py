@@ -5,7 +5,8 @@ percentile = element ``floor((n - 1)·q + 0.5)`` of the sorted samples, i.e. Rus
 ``round``). Balance is fixed (spec §15.1): shares are taken over **all** backends of the topology,
 including those that served nothing, and every share score is ``1 - total-variation distance``
 (one scale). Jain's index, the coefficient of variation and max/mean of per-backend successes are
-added, as are goodput under a TTFT SLO, schedule lag, TPOT and delivered-token goodput (§15.9).
+added, as are goodput under a TTFT SLO, schedule lag, TPOT and delivered-token goodput (§15.9), and
+the time-resolved in-flight imbalance (:mod:`stargate.bench.imbalance`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from stargate.bench import plan
+from stargate.bench.imbalance import in_flight_imbalance
 from stargate.bench.schema import Scenario
 
 
@@ -134,6 +136,8 @@ class RunSummary:
     load_cv: float | None
     max_over_mean: float | None
     parity_equal_balance: float | None  # the original's flawed score, kept for comparison only
+    inflight_imbalance: float | None  # time-weighted mean of max/mean in-flight across backends
+    inflight_imbalance_p99: float | None  # its time-weighted 99th percentile
     retries_seen: int
     timeouts: int
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -327,6 +331,11 @@ def summarize(
     cluster_loads = {row.member_id: float(row.success_count) for row in cluster_rows}
     cluster_inputs = {row.member_id: float(row.input_tokens) for row in cluster_rows}
     moved = sum(1 for seen in key_clusters.values() if len(seen) > 1)
+    imbalance = in_flight_imbalance(
+        ((member, r.dispatch_s, r.finished_s) for member, items in by_member.items() for r in items
+         if r.finished_s is not None),
+        universe,
+    )  # fmt: skip
     failures = Counter((r.status, r.backend_id, r.error_class or "not_ok") for r in records if not r.ok)
 
     return RunSummary(
@@ -377,6 +386,8 @@ def summarize(
         load_cv=coefficient_of_variation(loads.values()),
         max_over_mean=max_over_mean(loads.values()),
         parity_equal_balance=parity_equal_balance(loads),
+        inflight_imbalance=imbalance.mean,
+        inflight_imbalance_p99=imbalance.p99,
         retries_seen=sum(r.retries_seen for r in records),
         timeouts=sum(1 for r in records if r.error_class == "timeout"),
         failures=[

@@ -34,6 +34,8 @@ class RouterResult:
     p99_ttft_max_ms: float | None
     goodput_rps: float | None
     cache_hit_rate: float | None
+    inflight_imbalance: float | None = None
+    inflight_imbalance_p99: float | None = None
 
     @property
     def is_stargate(self) -> bool:
@@ -72,6 +74,8 @@ def across_repeats(rows: Sequence[Mapping[str, Any]]) -> list[RouterResult]:
             p99_ttft_max_ms=_of(max, runs, "p99_ttft_ms"),
             goodput_rps=_of(median, runs, "goodput_rps"),
             cache_hit_rate=_of(median, runs, "cache_hit_rate"),
+            inflight_imbalance=_of(median, runs, "inflight_imbalance"),
+            inflight_imbalance_p99=_of(median, runs, "inflight_imbalance_p99"),
         )
         for router, runs in groups.items()
     ]
@@ -94,12 +98,12 @@ def repeats_table(results: Sequence[RouterResult]) -> list[str]:
     """Markdown lines: one row per router, medians over its runs."""
     return markdown_table(
         ["Router", "Runs", "Worst success", "Req/s", "TTFT p50 ms", "TTFT p99 ms", "p99 range ms",
-         "Goodput req/s", "Cache-hit req"],
+         "Goodput req/s", "Cache-hit req", "In-flight imb", "In-flight imb p99"],
         [
             [r.router, str(r.runs), _pct(r.success_rate), _num(r.requests_per_second, 2),
              _num(r.p50_ttft_ms), _num(r.p99_ttft_ms),
              f"{_num(r.p99_ttft_min_ms)} to {_num(r.p99_ttft_max_ms)}", _num(r.goodput_rps, 2),
-             _pct(r.cache_hit_rate)]
+             _pct(r.cache_hit_rate), _num(r.inflight_imbalance, 2), _num(r.inflight_imbalance_p99, 2)]
             for r in results
         ],
     )  # fmt: skip
@@ -171,13 +175,15 @@ def standings_table(standings: Sequence[ScenarioStanding]) -> list[str]:
     """Markdown lines: per scenario, Stargate's best against the best peer; ratios are Stargate / peer."""
     return markdown_table(
         ["Scenario", "Stargate best", "Runs", "TTFT p99 ms", "Goodput req/s", "Best peer p99 ms",
-         "p99 ratio", "Best peer goodput", "Goodput ratio", "Direct p99 ms", "Cache-hit (Stargate)"],
+         "p99 ratio", "Best peer goodput", "Goodput ratio", "Direct p99 ms", "Cache-hit (Stargate)",
+         "In-flight imb", "Best peer imb"],
         [
             [s.scenario, s.stargate.router.removeprefix("stargate:"), str(s.stargate.runs),
              _num(s.stargate.p99_ttft_ms), _num(s.stargate.goodput_rps, 2),
              _who(s.best_p99_peer, "p99_ttft_ms", 0), _num(s.p99_ratio, 2),
              _who(s.best_goodput_peer, "goodput_rps", 2), _num(s.goodput_ratio, 2),
-             _num(s.direct.p99_ttft_ms) if s.direct else "-", _pct(s.stargate.cache_hit_rate)]
+             _num(s.direct.p99_ttft_ms) if s.direct else "-", _pct(s.stargate.cache_hit_rate),
+             _num(s.stargate.inflight_imbalance, 2), _who(s.best_p99_peer, "inflight_imbalance", 2)]
             for s in standings
         ],
     )  # fmt: skip
@@ -190,7 +196,9 @@ def write_summary(root: Path) -> tuple[Path, str]:
     lines = ["# Side by side: Stargate's best algorithm against the peer routers", ""]
     lines += [
         "Medians over each router's repeats. p99 ratio below 1 and goodput ratio at or above 1 mean "
-        "Stargate leads. Best peer is the best of sglang-router and vllm-router on that measure.",
+        "Stargate leads. Best peer is the best of sglang-router and vllm-router on that measure. "
+        "In-flight imb: time-weighted mean of max / mean requests in flight across backends "
+        "(1 = even; docs/bench.md), Stargate's best against the best-p99 peer's.",
         "",
         *standings_table(standings),
     ]

@@ -12,8 +12,9 @@ from . import metrics
 from . import openai_format as fmt
 from . import tokens as tok
 from .control import Failure, request_class
-from .engine import Engine, QueueFull
+from .engine import Engine
 from .generate import error_response, failure_response, generate, new_id, read_json, resolve_model
+from .steps import QueueFull
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 BACKEND_HEADER = "x-mock-backend-id"

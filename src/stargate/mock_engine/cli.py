@@ -18,7 +18,7 @@ from typing import Any
 
 from .app import start_server
 from .engine import Engine, EngineConfig
-from .timing import TimingConfig
+from .timing import BATCHING_MODES, TimingConfig
 
 LISTEN_LINE = "stargate-mock-engine listening on "
 log = logging.getLogger("stargate.mock_engine")
@@ -79,9 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--batching",
-        choices=("independent", "continuous"),
+        choices=BATCHING_MODES,
         default="independent",
-        help="continuous: concurrent requests share prefill throughput and slow each other's decode",
+        help="continuous: concurrent requests share prefill throughput and slow each other's decode; "
+        "vllm: engine steps with a token budget, FCFS admission and chunked prefill",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="vllm: token budget of one engine step (decode tokens first, then prefill chunks)",
     )
     p.add_argument(
         "--decode-slowdown",
@@ -139,6 +146,8 @@ def config_from_args(
         port = args.port
     if args.kv_block_size < 1:
         parser.error("--kv-block-size: must be >= 1")
+    if args.max_num_batched_tokens < 1:
+        parser.error("--max-num-batched-tokens: must be >= 1")
     if args.max_body_bytes < 1024:
         parser.error("--max-body-bytes: must be >= 1024")
     token_delay = args.token_delay_ms
@@ -155,6 +164,7 @@ def config_from_args(
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         batching=args.batching,
         decode_slowdown=args.decode_slowdown,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     config = EngineConfig(
         model=args.model,

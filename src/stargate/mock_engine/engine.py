@@ -4,6 +4,10 @@ The time source is injected (``clock`` returns monotonic seconds, ``sleep`` awai
 tests drive the timing model exactly without sleeping. Only the continuous-batching prefill pool
 uses the event loop's timers directly; its arithmetic lives in the pure
 :class:`~stargate.mock_engine.timing.ProcessorSharing`.
+
+A generating request takes a *seat* (:meth:`Engine.enter`): a concurrency slot in the
+``independent`` and ``continuous`` modes, a :class:`~stargate.mock_engine.steps.Sequence` of the
+step scheduler in ``vllm`` mode, which then owns admission, prefill and decode.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Literal
 from .control import TestControl
 from .kv_cache import AffinityKVCache, KVCache, PrefixKVCache
 from .request_log import ArrivalLog, RequestLog
-from .scheduler import DecodeScheduler, LoopTimer, Timer
+from .scheduler import Decode, DecodeScheduler, LoopTimer, Timer
 from .stats_stream import StatsHub
+from .steps import QueueFull, Sequence, StepScheduler
 from .timing import ProcessorSharing, TimingConfig, prefill_seconds
 
 Clock = Callable[[], float]
@@ -43,10 +48,6 @@ class EngineConfig:
     arrival_log: str | None = None
     responses_stream_only: bool = False
     max_body_bytes: int = 64 << 20
-
-
-class QueueFull(Exception):
-    """The waiting queue is at ``--max-waiting-requests``."""
 
 
 class Slots:
@@ -136,6 +137,16 @@ class PrefillPool:
         self._schedule(loop)
 
 
+@dataclass(frozen=True, slots=True)
+class SlotSeat:
+    """A concurrency slot; ``admit`` runs once it is held and returns the tokens to prefill."""
+
+    admit: Callable[[], int]
+
+
+Seat = SlotSeat | Sequence
+
+
 def make_kv_cache(config: EngineConfig) -> KVCache:
     if config.kv_cache_mode == "prefix":
         return PrefixKVCache(config.kv_cache_capacity_tokens, config.kv_block_size)
@@ -159,24 +170,83 @@ class Engine:
         self.wall_clock = wall_clock
         self.backend_id = config.backend_id
         self.kv = make_kv_cache(config)
-        self.slots = Slots(config.max_concurrent_requests, config.max_waiting_requests)
-        self.scheduler = DecodeScheduler(config.timing, timer or LoopTimer())
-        self.control = TestControl(
-            config.model, on_pause=self.scheduler.pause, on_resume=self.scheduler.resume
-        )
+        timer = timer or LoopTimer()
+        self.scheduler = DecodeScheduler(config.timing, timer)
+        self.steps: StepScheduler | None = None
+        if config.timing.batching == "vllm":
+            self.steps = StepScheduler(
+                config.timing, config.max_concurrent_requests, config.max_waiting_requests, timer
+            )
+        # In vllm mode the step scheduler admits generating requests; slots only count embeddings.
+        slot_limit = 0 if self.steps is not None else config.max_concurrent_requests
+        self.slots = Slots(slot_limit, config.max_waiting_requests)
+        pausable = self.steps if self.steps is not None else self.scheduler
+        self.control = TestControl(config.model, on_pause=pausable.pause, on_resume=pausable.resume)
         self.stats = StatsHub(config.model, config.max_concurrent_requests, self.control.limit_overrides)
         self.log = RequestLog(config.request_log, config.backend_id) if config.request_log else None
         self.arrivals = ArrivalLog(config.arrival_log, config.backend_id) if config.arrival_log else None
         continuous = config.timing.batching == "continuous" and config.timing.prefill_enabled
         self._pool = PrefillPool(config.timing.prefill_tokens_per_s) if continuous else None
         self.prefilling = 0
+        self.prefill_tokens = 0
         self.requests_total = 0
         self.generated_tokens_total = 0
         self._wall_offset = wall_clock() - clock()
 
     @property
     def decoding(self) -> int:
-        return self.scheduler.decoding
+        return self.steps.decoding if self.steps is not None else self.scheduler.decoding
+
+    @property
+    def running(self) -> int:
+        """Requests the engine is working on (holding a slot; vllm: admitted sequences)."""
+        steps = self.steps.running if self.steps is not None else 0
+        return self.slots.running + steps
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for admission."""
+        return self.steps.waiting if self.steps is not None else self.slots.waiting
+
+    @property
+    def prefill_tokens_pending(self) -> int:
+        """Uncached prompt tokens of admitted requests not yet prefilled."""
+        return self.steps.prefill_tokens_pending if self.steps is not None else self.prefill_tokens
+
+    async def enter(self, admit: Callable[[], int], *, immediate: bool) -> Seat:
+        """Queue for a seat; raises :class:`QueueFull`. ``immediate``: no first-token delay."""
+        if self.steps is not None:
+            return self.steps.submit(admit, immediate)
+        await self.slots.acquire()
+        return SlotSeat(admit)
+
+    async def prefill_seat(self, seat: Seat) -> None:
+        """Wait for admission and prefill (the seat's ``admit`` runs on admission)."""
+        if isinstance(seat, Sequence):
+            await seat.prefilled
+        else:
+            await self.prefill(seat.admit())
+
+    def start_decode(self, seat: Seat, decode: Decode) -> None:
+        if isinstance(seat, Sequence):
+            assert self.steps is not None
+            self.steps.start(seat, decode)
+        else:
+            self.scheduler.start(decode)
+
+    def stop_decode(self, seat: Seat, decode: Decode) -> None:
+        if isinstance(seat, Sequence):
+            assert self.steps is not None
+            self.steps.cancel(seat, decode)
+        else:
+            self.scheduler.cancel(decode)
+
+    def leave(self, seat: Seat) -> None:
+        if isinstance(seat, Sequence):
+            assert self.steps is not None
+            self.steps.release(seat)
+        else:
+            self.slots.release()
 
     def to_wall(self, monotonic: float) -> float:
         return monotonic + self._wall_offset
@@ -186,6 +256,7 @@ class Engine:
         if uncached_tokens <= 0 or not self.timing.prefill_enabled:
             return
         self.prefilling += 1
+        self.prefill_tokens += uncached_tokens
         try:
             if self._pool is not None:
                 await self._pool.run(uncached_tokens)
@@ -193,6 +264,7 @@ class Engine:
                 await self.sleep(prefill_seconds(uncached_tokens, self.timing.prefill_tokens_per_s))
         finally:
             self.prefilling -= 1
+            self.prefill_tokens -= uncached_tokens
 
     async def sleep_until(self, deadline: float) -> None:
         delay = deadline - self.clock()

@@ -1,9 +1,10 @@
 """The generating endpoints: chat completions, completions and responses (streaming or JSON).
 
 Timeline of one request (docs/mock-engine.md): count and hold → failure switches and injected
-faults → wait for a slot → token counts → stats ``(0,0)`` (streaming) → KV access → prefill of
-the uncached tokens → KV commit → injected delay → response headers → first-token delay → tokens
-on absolute deadlines (the per-token overhead never accumulates) → finish.
+faults → token counts → wait for a slot (vllm mode: for admission) → stats ``(0,0)`` (streaming)
+→ KV access → prefill of the uncached tokens → KV commit → injected delay → response headers →
+first-token delay → tokens on absolute deadlines (the per-token overhead never accumulates; vllm
+mode: one per engine step) → finish.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from aiohttp import web
 from . import openai_format as fmt
 from . import tokens as tok
 from .control import Failure, request_class
-from .engine import Engine, QueueFull
+from .engine import Engine, Seat
 from .kv_cache import Eviction, Lookup
 from .request_log import RequestRecord
 from .scheduler import Decode
+from .steps import QueueFull
 from .timing import first_token_delay_s
 
 Kind = Literal["chat", "completions", "responses"]
@@ -151,29 +153,26 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
     if control.paused:
         await control.wait_resumed()
     record = RequestRecord(request_id, _ENDPOINT[kind], model, engine.to_wall(arrival), stream)
-    slot_start = engine.clock()
+    input_tokens, prompt = _input_tokens(
+        engine, kind, body, tok.parse_token_header(headers_in.get("x-input-tokens"))
+    )
+    output_tokens = tok.output_tokens(
+        tok.parse_token_header(headers_in.get("x-output-tokens")), limit, engine.timing.num_tokens
+    )
+    admit = _Admit(
+        engine, record, headers_in.get("x-cache-affinity-key"), prompt, input_tokens, output_tokens
+    )
+    immediate = plan.delay_s <= 0 and first_token_delay_s(engine.timing, request_id) <= 0
     try:
-        await engine.slots.acquire()
+        seat = await engine.enter(admit, immediate=immediate)
     except QueueFull:
         record.status, record.outcome = 429, "queue_full"
         _log(engine, record)
         return failure_response(Failure(429, True, 1))
-    engine.requests_total += 1
     try:
-        record.queue_wait_ms = (engine.clock() - slot_start) * 1000.0
-        input_tokens, prompt = _input_tokens(
-            engine, kind, body, tok.parse_token_header(headers_in.get("x-input-tokens"))
-        )
-        output_tokens = tok.output_tokens(
-            tok.parse_token_header(headers_in.get("x-output-tokens")), limit, engine.timing.num_tokens
-        )
-        record.input_tokens, record.output_tokens = input_tokens, output_tokens
-        if stream:
-            engine.stats.emit(request_id, model, 0, 0)
-        lookup = engine.kv.access(headers_in.get("x-cache-affinity-key"), prompt, input_tokens)
-        prefill_start = engine.clock()
-        await engine.prefill(lookup.uncached)
-        record.prefill_ms = (engine.clock() - prefill_start) * 1000.0
+        await engine.prefill_seat(seat)
+        record.prefill_ms = (engine.clock() - admit.prefill_start) * 1000.0
+        lookup = admit.lookup
         eviction = engine.kv.commit(lookup, input_tokens)
         record.hit, record.hit_tokens = lookup.hit, lookup.reused
         record.evicted_entries, record.evicted_tokens = eviction.entries, eviction.tokens
@@ -182,19 +181,63 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
         headers = kv_headers(engine, lookup, eviction, input_tokens, output_tokens)
         if stream:
             return await _stream(
-                engine, request, kind, body, ident, request_id, model, headers, record, plan.drop_after_chunks
+                engine,
+                request,
+                kind,
+                body,
+                ident,
+                request_id,
+                model,
+                headers,
+                record,
+                plan.drop_after_chunks,
+                seat,
             )
         return await _respond(
-            engine, request, kind, ident, request_id, model, headers, record, plan.drop_after_chunks
+            engine, request, kind, ident, request_id, model, headers, record, plan.drop_after_chunks, seat
         )
     except asyncio.CancelledError:
         record.status, record.outcome = 499, "client_disconnected"
         raise
     finally:
-        engine.slots.release()
+        engine.leave(seat)
         if record.finish is None:
             record.finish = engine.to_wall(engine.clock())
         _log(engine, record)
+
+
+class _Admit:
+    """What a request does once it holds its slot (vllm mode: when the scheduler admits it).
+
+    Counts the request, emits the streaming start event ``(0,0)`` and looks the prompt up in the
+    KV cache; returns the uncached tokens to prefill.
+    """
+
+    __slots__ = ("affinity_key", "engine", "input_tokens", "lookup", "output_tokens", "prefill_start",
+                 "prompt", "queued_at", "record")  # fmt: skip
+
+    def __init__(self, engine: Engine, record: RequestRecord, affinity_key: str | None, prompt: bytes,
+                 input_tokens: int, output_tokens: int) -> None:  # fmt: skip
+        self.engine = engine
+        self.record = record
+        self.affinity_key = affinity_key
+        self.prompt = prompt
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        self.queued_at = engine.clock()
+        self.prefill_start = self.queued_at
+        self.lookup = Lookup(False, 0, input_tokens)
+
+    def __call__(self) -> int:
+        engine, record = self.engine, self.record
+        engine.requests_total += 1
+        record.queue_wait_ms = (engine.clock() - self.queued_at) * 1000.0
+        record.input_tokens, record.output_tokens = self.input_tokens, self.output_tokens
+        if record.stream:
+            engine.stats.emit(record.request_id, record.model, 0, 0)
+        self.lookup = engine.kv.access(self.affinity_key, self.prompt, self.input_tokens)
+        self.prefill_start = engine.clock()
+        return self.lookup.uncached
 
 
 def _log(engine: Engine, record: RequestRecord) -> None:
@@ -213,6 +256,7 @@ async def _stream(
     headers: dict[str, str],
     record: RequestRecord,
     drop_after: int | None,
+    seat: Seat,
 ) -> web.StreamResponse:
     created = int(engine.wall_clock())
     options = body.get("stream_options") or {}
@@ -253,7 +297,7 @@ async def _stream(
             stats.emit(request_id, model, inp, i + 1)
         return True
 
-    emitted = await _run_decode(engine, request_id, n, emit, record)
+    emitted = await _run_decode(engine, seat, request_id, n, emit, record)
     if emitted < n:
         if transport is None or transport.is_closing():
             record.status, record.outcome = 499, "client_disconnected"
@@ -277,15 +321,15 @@ async def _first_token_wait(engine: Engine, request_id: str) -> None:
 
 
 async def _run_decode(
-    engine: Engine, request_id: str, n: int, emit: Callable[[int], bool], record: RequestRecord
+    engine: Engine, seat: Seat, request_id: str, n: int, emit: Callable[[int], bool], record: RequestRecord
 ) -> int:
     """Decode ``n`` tokens on the shared scheduler; returns how many were emitted."""
     decode = Decode(n, request_id, engine.timing.decode_jitter_ms, emit)
-    engine.scheduler.start(decode)
+    engine.start_decode(seat, decode)
     try:
         return await decode.done
     finally:
-        engine.scheduler.cancel(decode)
+        engine.stop_decode(seat, decode)
         record.emitted_tokens = decode.emitted
         engine.generated_tokens_total += decode.emitted
 
@@ -310,11 +354,12 @@ async def _respond(
     headers: dict[str, str],
     record: RequestRecord,
     drop_after: int | None,
+    seat: Seat,
 ) -> web.StreamResponse:
     inp, n = record.input_tokens, record.output_tokens
     await _first_token_wait(engine, request_id)
     record.first_token = engine.to_wall(engine.clock())
-    await _run_decode(engine, request_id, n, _accept, record)
+    await _run_decode(engine, seat, request_id, n, _accept, record)
     if drop_after is not None:
         record.outcome = "dropped"
         _abort(request)

@@ -1,6 +1,7 @@
 """``GET /metrics`` in vLLM's and SGLang's names, so the mock can stand in for either engine.
 
-``running`` counts requests holding a concurrency slot and ``waiting`` those queued for one; KV
+``running`` counts requests holding a concurrency slot (``vllm`` mode: sequences the step scheduler
+has admitted) and ``waiting`` those queued for one; KV
 usage is used / capacity in [0, 1] (0 with the cache disabled). Built by hand: a dozen gauges do
 not need a registry, and the text is cheap to format.
 """
@@ -20,8 +21,8 @@ def render(engine: Engine) -> str:
     counters = engine.kv.counters
     usage = counters.used / counters.capacity if counters.capacity > 0 else 0.0
     hit_rate = counters.hit_tokens / counters.query_tokens if counters.query_tokens else 0.0
-    running = engine.slots.running
-    waiting = engine.slots.waiting
+    running = engine.running
+    waiting = engine.waiting
     vllm = f'{{model_name="{_escape(engine.config.model)}"}}'
     sglang = f'{{model_name="{_escape(engine.config.model)}"}}'
     rows: list[tuple[str, str, str, str, float]] = [

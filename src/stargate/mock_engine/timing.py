@@ -1,12 +1,15 @@
 """The timing model: deterministic jitter, prefill, first-token and per-token decode delays.
 
-Two batching modes (see docs/mock-engine.md for the formulas):
+Three batching modes (see docs/mock-engine.md for the formulas):
 
 * ``independent`` (the original): each request prefills at the full ``prefill_tps`` and decodes
   one token per ``token_delay_ms``, whatever else runs.
 * ``continuous``: requests prefilling at the same time share ``prefill_tps`` equally (processor
   sharing, :class:`ProcessorSharing`), and the per-token delay grows linearly with the number of
   requests decoding at that moment: ``token_delay_ms x (1 + decode_slowdown x (decoding - 1))``.
+* ``vllm``: an iteration-level scheduler (:mod:`~stargate.mock_engine.steps`); each engine step
+  computes ``p`` prompt tokens and one token for each of ``d`` decoding sequences and lasts
+  :func:`step_seconds` = ``max(p / prefill_tps, step_ms(d) / 1000)``.
 
 All delays are floats in seconds: the per-token delay is never truncated to whole milliseconds.
 """
@@ -17,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Batching = Literal["independent", "continuous"]
+Batching = Literal["independent", "continuous", "vllm"]
+BATCHING_MODES: tuple[Batching, ...] = ("independent", "continuous", "vllm")
 
 _FNV_START = 1469598103934665603  # the source's literal; not the standard FNV-1a offset basis
 _FNV_PRIME = 1099511628211
@@ -66,6 +70,7 @@ class TimingConfig:
     prefill_tokens_per_s: float = 0.0
     batching: Batching = "independent"
     decode_slowdown: float = 0.05
+    max_num_batched_tokens: int = 2048
 
     @property
     def prefill_enabled(self) -> bool:
@@ -85,9 +90,21 @@ def first_token_delay_s(config: TimingConfig, request_id: str) -> float:
 
 def decode_step_ms(config: TimingConfig, decoding: int) -> float:
     """Base per-token delay with ``decoding`` requests in decode (jitter excluded)."""
-    if config.batching == "continuous" and decoding > 1:
+    if config.batching != "independent" and decoding > 1:
         return config.token_delay_ms * (1.0 + config.decode_slowdown * (decoding - 1))
     return config.token_delay_ms
+
+
+def step_seconds(config: TimingConfig, prefill_tokens: int, decodes: int) -> float:
+    """Duration of one ``vllm`` engine step: the larger of its prefill and its decode cost.
+
+    A step is compute-bound (prompt tokens at ``prefill_tps``) or memory-bound (one weight read
+    plus a KV read per decoding sequence, the ``continuous`` decode delay), whichever dominates; so
+    a prefill backlog still runs at ``prefill_tps`` and a decode-only batch at ``step_ms(d)``.
+    """
+    prefill = prefill_seconds(prefill_tokens, config.prefill_tokens_per_s)
+    decode = decode_step_ms(config, decodes) / 1000.0 if decodes > 0 else 0.0
+    return max(prefill, decode)
 
 
 class ProcessorSharing:

@@ -106,6 +106,8 @@ def test_balance_counts_idle_backends_and_capacity() -> None:
     assert [b.member_id for b in s.backends] == ["backend-0", "backend-1", "backend-2", "backend-3"]
     assert [b.success_count for b in s.backends] == [3, 0, 1, 0]
     assert s.parity_equal_balance == pytest.approx(0.5)  # 1 - (.25 + .25) over the two present
+    # all four in flight together over [0, 0.5): 3 on backend-0 of four backends -> 3 / (4/4)
+    assert (s.inflight_imbalance, s.inflight_imbalance_p99) == (3.0, 3.0)
 
 
 def test_cache_rates_and_stickiness() -> None:
