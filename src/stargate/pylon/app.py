@@ -177,7 +177,7 @@ class PylonApp:
         if s.kv_cache_stats_url:
             self._spawn(run_kv_poller(session, s.kv_cache_stats_url, self.hub), "kv-poller")
         self._spawn(self._sweep(), "stats-collector")
-        prober = HealthProber(session, s.upstream_base_url, s.health_paths)
+        prober = HealthProber(session, s.upstream_base_url, s.health_paths, clock=self.clock)
         relay = Relay(
             settings=s,
             session=session,
@@ -216,6 +216,7 @@ class PylonApp:
                 interval_s=s.canary_interval_ms / 1000.0,
                 threshold=s.canary_max_generation_threshold,
                 timeout_s=s.bringup_timeout_ms / 1000.0,
+                clock=self.clock,
             )
         canaries = self.canaries
         self._lifecycle = ModelLifecycle(
@@ -235,8 +236,10 @@ class PylonApp:
             interval_ms=s.min_update_interval_ms,
             token=token_source(s.auth_token, s.auth_token_file),
             on_connected=self._on_router,
+            clock=self.clock,
         )
-        discovery = StargateDiscovery([s.stargate_address], self.registration.update_routers)
+        routers = self.registration.update_routers
+        discovery = StargateDiscovery([s.stargate_address], routers, clock=self.clock)
         self._spawn(discovery.run(), "stargate-discovery")
         if s.discovery_mode:
             self._spawn(self._lifecycle.run_discovery(), "model-discovery")
@@ -248,7 +251,7 @@ class PylonApp:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
+            await self.clock.sleep(SWEEP_INTERVAL_S)
             self.hub.sweep()
 
     async def run(self, stop: asyncio.Event) -> int:
