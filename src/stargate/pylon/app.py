@@ -236,8 +236,10 @@ class PylonApp:
             interval_ms=s.min_update_interval_ms,
             token=token_source(s.auth_token, s.auth_token_file),
             on_connected=self._on_router,
+            coalesce_ms=s.stats_update_coalesce_ms,
             clock=self.clock,
         )
+        self.hub.on_change = self.registration.notify
         routers = self.registration.update_routers
         discovery = StargateDiscovery([s.stargate_address], routers, clock=self.clock)
         self._spawn(discovery.run(), "stargate-discovery")

@@ -4,7 +4,9 @@
 announced watch URL; a URL whose stream ends loses its routers until it reconnects.
 The first router set is published once every desired URL delivered a snapshot, or after 5 s
 with at least one router. ``RegistrationClient`` keeps one ``RegisterInferenceServer`` stream
-per published router and sends the full snapshot every ``--min-update-interval-ms``.
+per published router and sends the full snapshot every ``--min-update-interval-ms``, and
+``--stats-update-coalesce-ms`` after a change of Pylon's own load (``notify``), so what Stargate
+sees of Pylon's in-flight requests is at most that old instead of up to a heartbeat old.
 
 Neither loop ever ends on its own: any failure (an RPC error, a message that cannot be built, a
 stream the library cancels) is logged with the Stargate's address and retried after a capped,
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,10 +247,13 @@ class RegistrationClient:
         on_connected: Callable[[str, bool], None] = lambda _router, _up: None,
         retry_s: float = RETRY_S,
         max_retry_s: float = MAX_RETRY_S,
+        coalesce_ms: int = 0,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._snapshot = snapshot
+        self._coalesce_s = coalesce_ms / 1000.0
+        self._changed: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
         self._interval_s = interval_ms / 1000.0
         self._interval_ms = interval_ms
         self._token = token
@@ -270,9 +276,33 @@ class RegistrationClient:
             if router_id not in self._streams:
                 self._streams[router_id] = loop.create_task(self._run_router(info))
 
+    def notify(self) -> None:
+        """The snapshot changed: each stream sends it after the coalesce delay (0 = heartbeats only)."""
+        if self._coalesce_s > 0:
+            for changed in self._changed:
+                changed.set()
+
+    async def _pause(self, changed: asyncio.Event) -> None:
+        """Until the next heartbeat, or the coalesce delay after a change, whichever comes first."""
+        waits = {asyncio.ensure_future(self._clock.sleep(self._interval_s))}
+        if self._coalesce_s > 0:
+            waits.add(asyncio.ensure_future(self._after_change(changed)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def _after_change(self, changed: asyncio.Event) -> None:
+        await changed.wait()
+        await self._clock.sleep(self._coalesce_s)  # later changes ride along
+
     async def _messages(self, attempt: _Attempt) -> AsyncIterator[stargate_pb2.InferenceServerRegistration]:
         """Snapshots every interval; one that cannot be built cancels the call, the error kept."""
+        changed = asyncio.Event()
+        self._changed.add(changed)
         while True:
+            changed.clear()
             try:
                 message = self._snapshot()
             except Exception as exc:
@@ -280,7 +310,7 @@ class RegistrationClient:
                 log.exception("building the registration message failed; the stream is reopened")
                 raise
             yield message
-            attempt.pause = asyncio.ensure_future(self._clock.sleep(self._interval_s))
+            attempt.pause = asyncio.ensure_future(self._pause(changed))
             await attempt.pause
 
     def _metadata(self) -> list[tuple[str, str]]:
