@@ -20,9 +20,12 @@ StargateError                      status 500 internal_error: anything raised on
  │    ├── ModelNotAdmitted         503 model_generation_unavailable
  │    ├── QueueEstimateMismatch    429 queue_estimate_mismatch (extra fields of pylon.md §8.3)
  │    └── LocalConnectFailure      503 local_connect_failure (the engine could not be reached)
- └── (outside HTTP) RegistrationRejected (router/registration.py), CalibrationError, StartupError,
-      DiscoveryError (pylon), ProcessError, PeerInstallError (bench): failures that end a stream or
-      a process, never an HTTP response
+ ├── StartupError                  Pylon could not become ready (never an HTTP response)
+ ├── DiscoveryError                Pylon's model discovery poll failed
+ ├── ProcessError                  a bench fleet process failed to start or died
+ ├── PeerInstallError              a peer router for the bench could not be installed
+ └── (not yet moved here) RegistrationRejected (router/registration.py: a gRPC registration fails
+      admission) and CalibrationError (pylon/calibration.py)
 
 Every class carries its HTTP ``status``, its error ``code`` (the ``x-stargate-error-code`` value for
 the two codes the spec puts on the wire) and a ``message``; ``stargate.responses.error_response``
@@ -251,3 +254,19 @@ class LocalConnectFailure(BackendRejected):
 
     def __init__(self, *, retryable: bool) -> None:
         super().__init__("local upstream connection failed", retryable=retryable)
+
+
+class StartupError(StargateError):
+    """Pylon could not become ready; nothing was registered."""
+
+
+class DiscoveryError(StargateError):
+    """One model discovery poll failed."""
+
+
+class ProcessError(StargateError):
+    """A child process failed to start, exited early or never printed its ready line."""
+
+
+class PeerInstallError(StargateError):
+    """A peer router could not be installed (no network, no such version, pip failed)."""

@@ -27,8 +27,9 @@ import orjson
 
 from stargate.bench import plan
 from stargate.bench.plan import BackendSpec, EngineSpec, RunSpec
-from stargate.bench.procs import ManagedProcess, ProcessError, stop_all
+from stargate.bench.procs import ManagedProcess, stop_all
 from stargate.bench.schema import Scenario
+from stargate.errors import ProcessError
 
 PROBE_REQUEST_PREFIX = "__stargate_bench_ready-probe"
 PROBE_CACHE_KEY_PREFIX = "__stargate_bench_benchmark-ready-probe"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Generic, TypeVar
 
-from stargate.errors import StargateError
+from stargate.errors import ProcessError
 
 T = TypeVar("T")
 
@@ -27,9 +27,6 @@ _LIVE_GROUPS: set[int] = set()
 _TAIL_LINES = 40
 _MAX_LINE_BYTES = 1 << 20
 
-
-class ProcessError(StargateError):
-    """A child process failed to start, exited early or never printed its ready line."""
 
 
 def _kill_live_groups() -> None:

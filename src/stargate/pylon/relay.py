@@ -304,7 +304,7 @@ class Relay:
                 timeout=self.timeout,
                 allow_redirects=False,
             )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+        except aiohttp.ConnectionTimeoutError:
             # Nothing reached the engine: safe to run elsewhere (unless configured off).
             return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
         except TimeoutError:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from stargate.errors import StargateError
+from stargate.errors import DiscoveryError, StargateError, StartupError
 from stargate.pylon.calibration import CalibrationError, Calibrator
 from stargate.pylon.config import PylonSettings
 from stargate.pylon.health import HealthProber
@@ -29,12 +29,6 @@ PROVIDER = "dynamo"
 STATIC_RETRY_S = 1.0
 
 
-class StartupError(StargateError):
-    """Pylon could not become ready; nothing was registered."""
-
-
-class DiscoveryError(StargateError):
-    """One model discovery poll failed."""
 
 
 async def poll_models(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> list[str]:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stargate.bench.procs import ManagedProcess, ProcessError, live_process_groups, stop_all
+from stargate.bench.procs import ManagedProcess, live_process_groups, stop_all
+from stargate.errors import ProcessError
 
 # A parent that forks a grandchild into the same process group, prints a ready line and sleeps.
 _FAMILY = """

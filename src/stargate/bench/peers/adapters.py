@@ -31,9 +31,9 @@ import aiohttp
 from stargate.bench.fleet import Fleet
 from stargate.bench.peers.install import PeerPackage, ensure_installed, installed, script_path
 from stargate.bench.peers.nodelay import preload_env
-from stargate.bench.procs import ManagedProcess, ProcessError, stop_all
+from stargate.bench.procs import ManagedProcess, stop_all
 from stargate.bench.workload import PlannedRequest
-from stargate.errors import ConfigError
+from stargate.errors import ConfigError, ProcessError
 
 Kind = Literal["stargate", "sglang", "vllm", "direct"]
 

@@ -39,7 +39,7 @@ from stargate.bench.peers.adapters import (
     parse_router_label,
 )
 from stargate.bench.peers.ground_truth import GROUND_TRUTH_FILE, apply_ground_truth, read_ground_truth
-from stargate.bench.peers.install import PeerInstallError, ensure_installed, peers_root
+from stargate.bench.peers.install import ensure_installed, peers_root
 from stargate.bench.peers.tokenizer import write_tokenizer_dir
 from stargate.bench.plan import RunSpec
 from stargate.bench.report import write_report
@@ -59,7 +59,7 @@ from stargate.bench.runner import (
 )
 from stargate.bench.schema import Scenario
 from stargate.bench.workload import PlannedRequest, Workload
-from stargate.errors import ConfigError
+from stargate.errors import ConfigError, PeerInstallError
 from stargate.mock_engine.peer_compat import TOKENIZER_ENV
 
 AdapterFactory = Callable[[], RouterAdapter]

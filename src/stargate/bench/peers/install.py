@@ -20,14 +20,11 @@ from pathlib import Path
 
 import orjson
 
-from stargate.errors import StargateError
+from stargate.errors import PeerInstallError
 
 MARKER = "stargate-bench-peer.json"
 INSTALL_TIMEOUT_S = 900.0
 
-
-class PeerInstallError(StargateError):
-    """A peer router could not be installed (no network, no such version, pip failed)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from stargate.bench.procs import ProcessError
+from stargate.errors import ProcessError
 
 SHIM_SOURCE = r"""
 #define _GNU_SOURCE

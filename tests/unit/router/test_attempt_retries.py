@@ -1,0 +1,112 @@
+"""The attempt machine's retry rules (spec §4.8), one event at a time: no driver, no sockets."""
+
+from __future__ import annotations
+
+import random
+
+from router_fakes import backend, make_request, make_view
+
+from stargate.errors import PayloadTooLarge, UpstreamError, UpstreamNotSent, UpstreamTimeout
+from stargate.router.attempt import (
+    Action,
+    Answered,
+    AttemptMachine,
+    AttemptState,
+    Event,
+    Evicted,
+    Exhausted,
+    Fail,
+    Pick,
+    Reconnect,
+    Reconnected,
+    Relay,
+    Retried,
+    RetrySettings,
+    Send,
+    SendFailed,
+)
+from stargate.router.replay import Readiness
+from stargate.router.retry_signal import RetrySignal
+
+A = backend("a", "c1")
+VIEW = make_view({"c1": ["a", "b"], "c2": ["z"]})
+READY = Readiness.READY
+
+
+def sending(**kw: object) -> AttemptState:
+    """A request whose attempt on backend ``a`` (cluster c1) is out."""
+    return AttemptState(make_request(received_at=10.0, **kw), backend=A, cluster_id="c1")
+
+
+def step(
+    state: AttemptState, event: Event, now: float = 10.0, **settings: int
+) -> tuple[AttemptState, Action]:
+    machine = AttemptMachine(
+        RetrySettings(**settings), admission=lambda d, c, r: None, expected_queue=lambda s, p: None
+    )
+    return machine.step(state, event, VIEW, now, random.Random(1))
+
+
+def signal(reason: str, retryable: bool = True) -> RetrySignal:
+    return RetrySignal(retryable, reason, False)
+
+
+def test_a_refused_connection_reconnects_the_same_backend() -> None:
+    state, action = step(sending(), SendFailed(UpstreamNotSent("refused"), READY))
+    assert action == Reconnect(A) and state.connect_retries == 1
+    assert state.notes == (Evicted("a"),)
+    state, action = step(state, Reconnected(True))
+    assert action == Send(A, None, None) and state.notes == (Retried("hot_path_reconnect"),)
+
+
+def test_a_failed_reconnect_picks_a_sibling() -> None:
+    state, _ = step(sending(), SendFailed(UpstreamError("reset"), READY))
+    state, action = step(state, Reconnected(False))
+    assert action == Pick("c1", frozenset({"a"})) and state.notes == (Retried("connect_failover"),)
+
+
+def test_a_header_timeout_never_goes_back_to_the_same_backend() -> None:
+    state, action = step(sending(), SendFailed(UpstreamTimeout("no headers"), READY))
+    assert action == Pick("c1", frozenset({"a"}))
+    assert state.failed_backend_ids == {"a"} and state.connect_retries == 1
+    assert state.notes == (Retried("connect_failover"),)
+
+
+def test_transport_failures_end_when_budget_or_retries_are_spent() -> None:
+    error = UpstreamNotSent("refused")
+    state, action = step(sending(retry_budget_ms=0), SendFailed(error, READY))
+    assert action == Fail(error, "a") and state.notes == (Exhausted("retry_budget_exhausted"),)
+    state, action = step(sending(), SendFailed(error, READY), max_connect_retries=0)
+    assert action == Fail(error, "a") and state.notes == (Exhausted("connect_retries_exhausted"),)
+
+
+def test_a_body_that_cannot_be_replayed_ends_the_request() -> None:
+    error = UpstreamError("reset mid-body")
+    _, action = step(sending(), SendFailed(error, Readiness.INCOMPLETE))
+    assert action == Fail(error, "a")
+    _, action = step(sending(), SendFailed(error, Readiness.PAYLOAD_TOO_LARGE))
+    assert isinstance(action, Fail) and isinstance(action.error, PayloadTooLarge) and action.backend_id == "a"
+
+
+def test_answers_that_are_not_retryable_or_out_of_retries_are_relayed() -> None:
+    assert step(sending(), Answered(200, signal("x", retryable=False), READY))[1] == Relay()
+    state, action = step(sending(), Answered(429, signal("busy"), READY), max_request_retries=0)
+    assert action == Relay() and state.notes == (Exhausted("busy"),)
+    state, action = step(sending(retry_budget_ms=0), Answered(429, signal("busy"), READY))
+    assert action == Relay() and state.notes == (Exhausted("retry_budget_exhausted"),)
+    assert step(sending(), Answered(429, signal("busy"), Readiness.INCOMPLETE))[1] == Relay()
+
+
+def test_queue_mismatch_tries_a_sibling_and_other_reasons_exclude_the_cluster() -> None:
+    state, action = step(sending(), Answered(429, signal("queue_estimate_mismatch"), READY))
+    assert action == Pick("c1", frozenset({"a"})) and state.request_retries == 1
+    assert state.notes == (Retried("queue_estimate_mismatch"),)
+    state, action = step(sending(), Answered(503, signal("local_connect_failure"), READY))
+    assert isinstance(action, Pick) and action.cluster_id == "c2"
+    assert state.failed_cluster_ids == {"c1"} and state.notes == (Retried("local_connect_failure"),)
+    assert state.choice is not None  # a fresh balancer selection, counted when sent
+
+
+def test_a_retry_whose_body_overflowed_is_413_for_that_backend() -> None:
+    _, action = step(sending(), Answered(429, signal("busy"), Readiness.PAYLOAD_TOO_LARGE))
+    assert isinstance(action, Fail) and action.error.status == 413 and action.backend_id == "a"
