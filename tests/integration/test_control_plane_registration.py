@@ -77,14 +77,21 @@ async def make_harness(**overrides: object) -> AsyncIterator[Harness]:
     values.update(overrides)
     settings = ControlPlaneSettings(**values)  # type: ignore[arg-type]
     state = RoutingState()
-    async with aiohttp.ClientSession() as session:
-        plane = ControlPlane(state, settings, session, authenticator=TokenAuthenticator())
-        grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
-        async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)
-            yield Harness(state, plane, stub, health, session)
-        await plane.stop(0.5)
-    await runner.cleanup()
+    # try/finally: a test that fails inside ``async for`` leaves this generator unfinished, and the
+    # loop's shutdown then only runs ``finally`` blocks; a server left to the garbage collector
+    # would fail a later test with an unraisable "Event loop is closed".
+    try:
+        async with aiohttp.ClientSession() as session:
+            plane = ControlPlane(state, settings, session, authenticator=TokenAuthenticator())
+            try:
+                grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
+                async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                    stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)
+                    yield Harness(state, plane, stub, health, session)
+            finally:
+                await plane.stop(0.5)
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture

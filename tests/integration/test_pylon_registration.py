@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import socket
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from test_pylon_support import FakeStargate
 
 from stargate.proto import stargate_pb2
 from stargate.pylon.registration import RegistrationClient, RouterInfo, StargateDiscovery, router_from_info
+from stargate.wire.clock import ManualClock
 
 
 @pytest.fixture
@@ -35,13 +39,29 @@ def dead_address() -> str:
         return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
-def client(retry_s: float) -> RegistrationClient:
+def registration() -> stargate_pb2.InferenceServerRegistration:
+    return stargate_pb2.InferenceServerRegistration(inference_server_id="p1")
+
+
+def client(retry_s: float, clock: ManualClock | None = None, **kwargs: Any) -> RegistrationClient:
     return RegistrationClient(
-        snapshot=lambda: stargate_pb2.InferenceServerRegistration(inference_server_id="p1"),
+        snapshot=kwargs.pop("snapshot", registration),
         interval_ms=20,
         token=lambda: None,
         retry_s=retry_s,
+        clock=clock,
+        rng=random.Random(7),
+        **kwargs,
     )
+
+
+def route_to(stargate: FakeStargate) -> dict[str, RouterInfo]:
+    return {"sg-1": RouterInfo("sg-1", stargate.address, "http://" + stargate.address)}
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
 
 
 async def test_b110_refused_stream_retried_after_delay_and_ended_stream_reopened(
@@ -49,18 +69,77 @@ async def test_b110_refused_stream_retried_after_delay_and_ended_stream_reopened
 ) -> None:
     stargate.refuse_registrations = 2
     stargate.end_registrations = 1  # the first accepted stream ends after its first ack
-    reg = client(retry_s=0.2)
-    reg.update_routers({"sg-1": RouterInfo("sg-1", stargate.address, "http://" + stargate.address)})
+    clock = ManualClock()
+    downs: list[bool] = []
+    reg = client(retry_s=1.0, clock=clock, on_connected=lambda _r, up: downs.append(up))
+    reg.update_routers(route_to(stargate))
     try:
+        await until("the first refusal", lambda: downs == [False])  # the backoff sleep is parked now
+        clock.advance(0.99)
+        await settle()
+        assert stargate.register_calls == 1  # not retried before the 1 s retry interval
+        clock.advance(0.26)  # 1 s plus at most 25 % jitter
+        await until("the second refusal", lambda: downs == [False, False])
+        clock.advance(1.99)
+        await settle()
+        assert stargate.register_calls == 2  # the next retry backs off to 2 s
+        clock.advance(0.51)
         await until("a registration after two refusals", lambda: len(stargate.messages) >= 1)
-        first, second, third = stargate.register_times[:3]
-        assert second - first >= 0.19 and third - second >= 0.19  # retried after retry_s, not at once
-        await until("the ended stream reopened", lambda: stargate.register_calls >= 4)
-        assert stargate.register_times[3] - stargate.register_times[2] < 0.19  # reopened without the delay
-        await until("messages on the reopened stream", lambda: len(stargate.messages) >= 3)
+        await until("the ended stream reopened without a delay", lambda: stargate.register_calls >= 4)
+        await until("messages on the reopened stream", lambda: len(stargate.messages) >= 2)
         assert stargate.register_calls == 4
     finally:
         await reg.close()
+
+
+async def test_a_heartbeat_that_cannot_be_built_is_logged_and_the_stream_reopened(
+    stargate: FakeStargate, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = 0
+
+    def snapshot() -> stargate_pb2.InferenceServerRegistration:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise ValueError("Value out of range")
+        return stargate_pb2.InferenceServerRegistration(inference_server_id="p1")
+
+    clock = ManualClock()
+    events: list[bool] = []
+    reg = client(retry_s=1.0, clock=clock, snapshot=snapshot, on_connected=lambda _r, up: events.append(up))
+    reg.update_routers(route_to(stargate))
+    try:
+        await until("the first ack", lambda: events == [True])
+        await clock.sleeping(1)  # the message generator waits for the next heartbeat
+        clock.advance(0.02)  # which fails to build
+        await until("the stream reported down", lambda: events == [True, False])
+        lost = [r.getMessage() for r in caplog.records if "could not be built" in r.getMessage()]
+        assert lost and "ValueError: Value out of range" in lost[0] and stargate.address in lost[0]
+        clock.advance(1.3)
+        await until("the stream re-established", lambda: events == [True, False, True])
+        assert stargate.register_calls == 2
+    finally:
+        await reg.close()
+    assert events[-1] is False  # closing reports the stream down
+
+
+async def test_an_unreachable_stargate_is_logged_once_and_reported_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    address = dead_address()
+    clock = ManualClock()
+    events: list[bool] = []
+    reg = client(retry_s=1.0, clock=clock, on_connected=lambda _r, up: events.append(up))
+    reg.update_routers({"sg-1": RouterInfo("sg-1", address, "http://" + address)})
+    try:
+        for attempt in range(1, 5):
+            await until("a failed attempt", lambda attempt=attempt: len(events) == attempt)  # type: ignore[misc]
+            clock.advance(60.0)
+    finally:
+        await reg.close()
+    assert len(events) >= 4 and not any(events)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"cannot reach Stargate at http://{address}" in warnings[0]
 
 
 async def test_b111_watch_disconnect_drops_routers_then_rewatches(stargate: FakeStargate) -> None:

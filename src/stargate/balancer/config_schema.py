@@ -21,8 +21,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
 from stargate.errors import ConfigError
-
-U64_MAX = 2**64 - 1
+from stargate.wire.limits import U64_MAX
 
 U64 = Annotated[int, Field(ge=0, le=U64_MAX)]
 

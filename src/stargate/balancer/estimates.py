@@ -18,15 +18,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, Candidate, ModelStats, valid_tps
+from stargate.wire.limits import U64_MAX, saturating_add
 
-U64_MAX = 2**64 - 1
 INF = math.inf
-
-
-def saturating_add(value: int, delta: int) -> int:
-    """u64 addition that clamps at the maximum instead of wrapping."""
-    total = value + delta
-    return total if total <= U64_MAX else U64_MAX
 
 
 def work(amount: float, rate: float) -> float:

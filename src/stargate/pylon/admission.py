@@ -14,10 +14,12 @@ from types import MappingProxyType
 
 from stargate.balancer import estimates
 from stargate.balancer.types import ModelStats, valid_tps
-from stargate.pylon.load import U64_MAX, LiveLoad
+from stargate.pylon.load import LiveLoad
 from stargate.pylon.models import Generation
+from stargate.wire import headers as h
+from stargate.wire.limits import U64_MAX
 
-EXPECTED_QUEUE_HEADER = "x-stargate-expected-queue-ms"
+EXPECTED_QUEUE_HEADER = h.EXPECTED_QUEUE_MS
 
 
 class Result(StrEnum):
@@ -58,13 +60,7 @@ def threshold_ms(expected: int, min_delta: int, factor: float) -> int:
 
 
 def parse_expected(raw: str | None) -> int | None:
-    if raw is None:
-        return None
-    value = raw.strip()
-    if not value.isascii() or not value.isdigit():
-        return None
-    parsed = int(value)
-    return parsed if parsed <= U64_MAX else None
+    return h.optional_unsigned(raw, U64_MAX)
 
 
 def local_view(

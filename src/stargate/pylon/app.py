@@ -18,7 +18,6 @@ from aiohttp import web
 from stargate.proto import stargate_pb2
 from stargate.pylon.calibration import Calibrator
 from stargate.pylon.canary import CanaryRunner
-from stargate.pylon.clock import Clock, SystemClock
 from stargate.pylon.config import PylonSettings, StatsSource, StatsStreamMode
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import RequestIds
@@ -34,6 +33,7 @@ from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
 from stargate.tracing import setup_tracing
+from stargate.wire.clock import Clock, SystemClock
 
 if TYPE_CHECKING:
     from stargate.otel import Tracing
@@ -177,7 +177,7 @@ class PylonApp:
         if s.kv_cache_stats_url:
             self._spawn(run_kv_poller(session, s.kv_cache_stats_url, self.hub), "kv-poller")
         self._spawn(self._sweep(), "stats-collector")
-        prober = HealthProber(session, s.upstream_base_url, s.health_paths)
+        prober = HealthProber(session, s.upstream_base_url, s.health_paths, clock=self.clock)
         relay = Relay(
             settings=s,
             session=session,
@@ -216,6 +216,7 @@ class PylonApp:
                 interval_s=s.canary_interval_ms / 1000.0,
                 threshold=s.canary_max_generation_threshold,
                 timeout_s=s.bringup_timeout_ms / 1000.0,
+                clock=self.clock,
             )
         canaries = self.canaries
         self._lifecycle = ModelLifecycle(
@@ -236,9 +237,11 @@ class PylonApp:
             token=token_source(s.auth_token, s.auth_token_file),
             on_connected=self._on_router,
             coalesce_ms=s.stats_update_coalesce_ms,
+            clock=self.clock,
         )
         self.hub.on_change = self.registration.notify
-        discovery = StargateDiscovery([s.stargate_address], self.registration.update_routers)
+        routers = self.registration.update_routers
+        discovery = StargateDiscovery([s.stargate_address], routers, clock=self.clock)
         self._spawn(discovery.run(), "stargate-discovery")
         if s.discovery_mode:
             self._spawn(self._lifecycle.run_discovery(), "model-discovery")
@@ -250,7 +253,7 @@ class PylonApp:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
+            await self.clock.sleep(SWEEP_INTERVAL_S)
             self.hub.sweep()
 
     async def run(self, stop: asyncio.Event) -> int:

@@ -18,12 +18,13 @@ import orjson
 
 from stargate.balancer.types import valid_tps
 from stargate.errors import StargateError
-from stargate.pylon.clock import Clock
 from stargate.pylon.ids import CALIBRATION, RequestIds
 from stargate.pylon.models import Generation
 from stargate.pylon.observer import RequestObserver
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint
+from stargate.wire import headers as h
+from stargate.wire.clock import Clock
 
 MIN_PROMPT = 256
 _TOO_LONG = ("prompt too long", "context length", "maximum context")
@@ -48,9 +49,9 @@ def engine_chat(
     }
     headers = {
         "content-type": "application/json",
-        "x-request-id": request_id,
-        "x-model": model_id,
-        "x-input-tokens": str(input_tokens),
+        h.REQUEST_ID: request_id,
+        h.MODEL: model_id,
+        h.INPUT_TOKENS: str(input_tokens),
     }
     return orjson.dumps(body), headers
 

@@ -22,6 +22,7 @@ from stargate.pylon.calibration import engine_chat
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import CANARY, RequestIds
 from stargate.pylon.models import Generation, ModelRegistry
+from stargate.wire.clock import Clock, SystemClock
 
 log = logging.getLogger("stargate.pylon.canary")
 CANARY_PROMPT = "1+1="
@@ -87,6 +88,7 @@ class CanaryRunner:
         threshold: int,
         timeout_s: float,
         retry_s: float = RECOVERY_RETRY_S,
+        clock: Clock | None = None,
     ) -> None:
         self._session = session
         self._base = base_url
@@ -97,6 +99,7 @@ class CanaryRunner:
         self._threshold = threshold
         self._timeout_s = timeout_s
         self._retry_s = retry_s
+        self._clock = clock or SystemClock()
         self._tasks: dict[Generation, asyncio.Task[None]] = {}
 
     def start(self, gen: Generation) -> None:
@@ -116,11 +119,11 @@ class CanaryRunner:
         )
 
     async def _loop(self, gen: Generation) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time() + self._interval_s
+        clock = self._clock
+        next_at = clock.monotonic() + self._interval_s
         while self._registry.is_current(gen):
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
-            next_at = max(next_at, loop.time()) + self._interval_s
+            await clock.sleep(max(0.0, next_at - clock.monotonic()))
+            next_at = max(next_at, clock.monotonic()) + self._interval_s
             failure = await self.canary(gen)
             if failure is None:
                 continue
@@ -131,13 +134,13 @@ class CanaryRunner:
                 return
             log.info("model %s passed its recovery canary, advertising it ACTIVE", gen.model_id)
             self._registry.set_bringup_ready(gen, True)
-            next_at = loop.time() + self._interval_s
+            next_at = clock.monotonic() + self._interval_s
 
     async def _recover(self, gen: Generation) -> None:
         while self._registry.is_current(gen):
             if await self._prober.probe(self._timeout_s) and await self.canary(gen) is None:
                 return
-            await asyncio.sleep(self._retry_s)
+            await self._clock.sleep(self._retry_s)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

@@ -5,6 +5,7 @@ and priority mapping (§8.4), response headers and retry metadata (§8.5).
 from __future__ import annotations
 
 import email.utils
+import functools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -12,37 +13,29 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 
 from stargate.errors import RequestError
+from stargate.wire import headers as h
+from stargate.wire.headers import (
+    HOP_BY_HOP,
+    IDENTITY,
+    InvalidNumber,
+    connection_nominated,
+    forwardable,
+    optional_unsigned,
+    parse_unsigned,
+    text_value,
+)
+from stargate.wire.limits import I31_MAX, U32_MAX, U64_MAX, sat_u64
 
-HOP_BY_HOP = frozenset(
-    {"connection", "proxy-connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
-)
-RETRY_CONTROL = frozenset(
-    {
-        "x-stargate-upstream-retryable",
-        "x-stargate-retryable",
-        "x-stargate-retry-reason",
-        "x-stargate-retry-after-ms",
-    }
-)
+RETRY_CONTROL = frozenset({h.UPSTREAM_RETRYABLE, h.RETRYABLE, h.RETRY_REASON, h.RETRY_AFTER_MS})
 DYNAMO_PRIORITY = "x-dynamo-request-priority"
 DYNAMO_STRICT = "x-dynamo-request-strict-priority"
 _REQUEST_DROP = (
     HOP_BY_HOP
     | RETRY_CONTROL
-    | {
-        "host",
-        "x-method",
-        "x-path",
-        "x-stargate-expected-queue-ms",
-        DYNAMO_PRIORITY,
-        DYNAMO_STRICT,
-        "content-length",
-    }
+    | IDENTITY
+    | {"host", "x-method", "x-path", h.EXPECTED_QUEUE_MS, DYNAMO_PRIORITY, DYNAMO_STRICT, "content-length"}
 )
 _RESPONSE_DROP = HOP_BY_HOP | RETRY_CONTROL | {"content-length"}
-PRIORITY_MAX = 2**31 - 1
-U32_MAX = 2**32 - 1
-U64_MAX = 2**64 - 1
 
 
 
@@ -55,54 +48,48 @@ class RequestMeta:
     routing_key: str | None
 
 
-def _ascii_trimmed(value: str | None) -> str | None:
-    if value is None:
+def _number(headers: Mapping[str, str], name: str, limit: int) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
         return None
-    value = value.strip()
-    return value if value and value.isascii() else None
+    try:
+        return parse_unsigned(raw, limit)
+    except InvalidNumber:
+        raise RequestError(f"invalid {name} header") from None
 
 
 def parse_request_meta(headers: Mapping[str, str]) -> RequestMeta:
-    request_id = _ascii_trimmed(headers.get("x-request-id"))
+    """Required headers (§7 step 2) with the shared rules of ``stargate.wire.headers``."""
+    request_id = text_value(headers.get(h.REQUEST_ID))
     if request_id is None:
-        raise RequestError("missing required x-request-id header")
-    model = _ascii_trimmed(headers.get("x-model"))
+        raise RequestError(f"missing required {h.REQUEST_ID} header")
+    model = text_value(headers.get(h.MODEL))
     if model is None:
-        raise RequestError("missing required x-model header")
-    raw_tokens = headers.get("x-input-tokens")
-    if raw_tokens is None:
-        raise RequestError("missing required x-input-tokens header")
-    tokens = raw_tokens.strip()
-    if not (tokens.isascii() and tokens.isdigit()) or int(tokens) > U64_MAX:
-        raise RequestError("invalid x-input-tokens header")
-    priority: int | None = None
-    raw_priority = headers.get("x-priority")
-    if raw_priority is not None:
-        p = raw_priority.strip()
-        if not (p.isascii() and p.isdigit()) or int(p) > U32_MAX:
-            raise RequestError("invalid x-priority header")
-        priority = int(p)
-    routing_key = (headers.get("x-routing-key") or "").strip() or None
-    return RequestMeta(request_id, model, int(tokens), priority, routing_key)
+        raise RequestError(f"missing required {h.MODEL} header")
+    tokens = _number(headers, h.INPUT_TOKENS, U64_MAX)
+    if tokens is None:
+        raise RequestError(f"missing required {h.INPUT_TOKENS} header")
+    priority = _number(headers, h.PRIORITY, U32_MAX)
+    return RequestMeta(request_id, model, tokens, priority, text_value(headers.get(h.ROUTING_KEY)))
 
 
 def dynamo_priority(priority: int | None, ceiling: int) -> int:
     """``C - min(p, C)`` with ``C = min(ceiling, 2^31-1)``; absent priority is the lowest (0)."""
-    c = min(ceiling, PRIORITY_MAX)
+    c = min(ceiling, I31_MAX)
     rank = c if priority is None else min(priority, c)
     return c - rank
+
+
+@functools.lru_cache(maxsize=8)
+def _request_drop(retry_header: str) -> frozenset[str]:
+    return _REQUEST_DROP | {retry_header}
 
 
 def upstream_headers(
     headers: Iterable[tuple[str, str]], *, retry_header: str, priority: int | None, dynamo_ceiling: int | None
 ) -> CIMultiDict[str]:
     """Filtered request headers for the engine; ``dynamo_ceiling`` None = no priority headers."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers:
-        lowered = name.lower()
-        if lowered in _REQUEST_DROP or lowered == retry_header:
-            continue
-        out.add(name, value)
+    out = forwardable(headers, _request_drop(retry_header))
     if dynamo_ceiling is not None:
         out[DYNAMO_PRIORITY] = str(dynamo_priority(priority, dynamo_ceiling))
         out[DYNAMO_STRICT] = "0"
@@ -113,9 +100,9 @@ def retry_after_ms(value: str | None, now_s: float | None = None) -> int | None:
     """``Retry-After`` as milliseconds: delta seconds, or time until an HTTP-date (0 if past)."""
     if value is None:
         return None
-    value = value.strip()
-    if value.isdigit():
-        return int(value) * 1000
+    seconds = optional_unsigned(value, U64_MAX)
+    if seconds is not None:
+        return sat_u64(seconds * 1000)
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -139,12 +126,14 @@ def response_headers(
     out: CIMultiDict[str] = CIMultiDict()
     authorized = False
     retry_after: str | None = None
-    for name, value in upstream:
+    pairs = list(upstream)
+    nominated = connection_nominated(pairs)
+    for name, value in pairs:
         lowered = name.lower()
         if lowered == policy.header:
             authorized = value.strip().lower() == "true"
             continue
-        if lowered in _RESPONSE_DROP:
+        if lowered in _RESPONSE_DROP or lowered in nominated:
             continue
         if lowered == "retry-after":
             retry_after = value
@@ -152,11 +141,11 @@ def response_headers(
     if 200 <= status < 300:
         return out, None
     if status in policy.statuses and (authorized or not policy.require_header):
-        out["x-stargate-retryable"] = "true"
-        out["x-stargate-retry-reason"] = "upstream_admission_rejected"
+        out[h.RETRYABLE] = "true"
+        out[h.RETRY_REASON] = "upstream_admission_rejected"
         ms = retry_after_ms(retry_after) if policy.propagate_retry_after else None
         if ms is not None:
-            out["x-stargate-retry-after-ms"] = str(ms)
+            out[h.RETRY_AFTER_MS] = str(ms)
         return out, None
     return out, (
         "missing_upstream_retry_header" if status in policy.statuses else "upstream_nonretryable_status"

@@ -7,19 +7,28 @@ the first candidate.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
 import aiohttp
+
+from stargate.wire.clock import Clock, SystemClock
 
 log = logging.getLogger("stargate.pylon")
 REMIND_EVERY_S = 10.0
 
 
 class HealthProber:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, paths: Sequence[str]) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        paths: Sequence[str],
+        *,
+        clock: Clock | None = None,
+    ) -> None:
         self._session = session
+        self._clock = clock or SystemClock()
         self._base = base_url
         self.paths = tuple(paths)
         self._resolved: int | None = None
@@ -56,8 +65,7 @@ class HealthProber:
         An engine that is not healthy is said at once and every ``REMIND_EVERY_S``, with the URLs
         tried and the flags that change them, so a wrong address does not look like a hang.
         """
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = self._clock.monotonic()
         deadline = start + wait_ms / 1000.0
         next_note = start
         while True:
@@ -65,7 +73,7 @@ class HealthProber:
                 if next_note > start:
                     log.info("engine at %s is healthy", self._base)
                 return True
-            now = loop.time()
+            now = self._clock.monotonic()
             if now >= next_note:
                 next_note = now + REMIND_EVERY_S
                 log.warning(
@@ -77,4 +85,4 @@ class HealthProber:
                 )
             if now + retry_s > deadline:
                 return False
-            await asyncio.sleep(retry_s)
+            await self._clock.sleep(retry_s)

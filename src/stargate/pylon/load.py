@@ -15,13 +15,7 @@ from enum import IntEnum
 
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
-
-U64_MAX = 2**64 - 1
-
-
-def saturate_u64(value: int) -> int:
-    """``value`` clamped into a protobuf ``uint64``: sums are kept exact and saturate when published."""
-    return 0 if value < 0 else min(value, U64_MAX)
+from stargate.wire.limits import U64_MAX, sat_u64
 
 
 class Phase(IntEnum):
@@ -88,7 +82,7 @@ class EngineLoad:
         return replace(
             own,
             queue_size=max(own.queue_size, self.waiting),
-            num_running_queries=max(own.num_running_queries, saturate_u64(self.running + self.waiting)),
+            num_running_queries=max(own.num_running_queries, sat_u64(self.running + self.waiting)),
         )
 
 
@@ -160,8 +154,8 @@ class LiveLoad:
             input_processing_queries=prefill,
             output_generation_queries=decode,
             num_running_queries=pending + prefill + decode,
-            total_query_input_size=saturate_u64(agg.total_input),
-            queued_input_size=saturate_u64(sum(agg.work_by_priority.values())),
+            total_query_input_size=sat_u64(agg.total_input),
+            queued_input_size=sat_u64(sum(agg.work_by_priority.values())),
         )
 
     def phase_totals(self) -> Iterator[tuple[Generation, list[int], list[int]]]:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 
 import orjson
 
-from stargate.pylon.clock import Clock
 from stargate.pylon.models import Generation
 from stargate.pylon.stats.observation import Endpoint, Observation, State
+from stargate.wire.clock import Clock
 
 MAX_PENDING_EVENT = 1024 * 1024
 PROGRESS_INTERVAL_S = 1.0

@@ -1,12 +1,17 @@
 """Registration with every Stargate replica (spec pylon.md §9, stargate.md §5.3, §5.7).
 
 ``StargateDiscovery`` watches ``WatchStargates`` on the seed and, transitively, on every
-announced watch URL; a URL whose stream ends loses its routers until it reconnects (retry 1 s).
+announced watch URL; a URL whose stream ends loses its routers until it reconnects.
 The first router set is published once every desired URL delivered a snapshot, or after 5 s
 with at least one router. ``RegistrationClient`` keeps one ``RegisterInferenceServer`` stream
 per published router and sends the full snapshot every ``--min-update-interval-ms``, and
 ``--stats-update-coalesce-ms`` after a change of Pylon's own load (``notify``), so what Stargate
 sees of Pylon's in-flight requests is at most that old instead of up to a heartbeat old.
+
+Neither loop ever ends on its own: any failure (an RPC error, a message that cannot be built, a
+stream the library cancels) is logged with the Stargate's address and retried after a capped,
+jittered exponential backoff (first retry after 1 s as the spec says; an acked stream that ends is
+reopened at once). Logs say when a Stargate becomes unreachable or reachable again, once per change.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -21,12 +27,27 @@ from pathlib import Path
 
 import grpc
 
-from stargate.balancer.types import ModelStats
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
+from stargate.wire import headers as h
+from stargate.wire.backoff import Backoff
+from stargate.wire.clock import Clock, SystemClock
+from stargate.wire.proto import stats_to_proto
+
+__all__ = [
+    "RegistrationClient",
+    "RouterInfo",
+    "StargateDiscovery",
+    "open_channel",
+    "router_from_info",
+    "stats_to_proto",
+    "token_source",
+    "with_scheme",
+]
 
 log = logging.getLogger("stargate.pylon.registration")
-HEARTBEAT_METADATA = "x-stargate-registration-heartbeat-ms"
+HEARTBEAT_METADATA = h.HEARTBEAT_METADATA
 RETRY_S = 1.0
+MAX_RETRY_S = 30.0
 INITIAL_DISCOVERY_TIMEOUT_S = 5.0
 
 
@@ -60,6 +81,47 @@ def open_channel(url: str, authority: str | None = None) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=options)
 
 
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        details = (exc.details() or "").strip()
+        return f"{exc.code().name}: {details}" if details else exc.code().name
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _library_cancelled() -> bool:
+    """True when a ``CancelledError`` came from the gRPC library, not from cancelling this task."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
+class _Link:
+    """Reachability of one Stargate as the log tells it: one line per change, not per retry."""
+
+    def __init__(self, what: str, address: str) -> None:
+        self._what = what
+        self._address = address
+        self.up: bool | None = None
+
+    def connected(self) -> None:
+        if self.up is not True:
+            log.info("%s with Stargate at %s established", self._what, self._address)
+        self.up = True
+
+    def failed(self, reason: str, retry_s: float) -> None:
+        if self.up is True:
+            log.warning(
+                "%s with Stargate at %s lost (%s); reconnecting", self._what, self._address, reason
+            )
+        elif self.up is None:
+            log.warning(
+                "cannot reach Stargate at %s for %s (%s); retrying with backoff, first in %.1f s",
+                self._address, self._what, reason, retry_s,
+            )  # fmt: skip
+        else:
+            log.debug("%s with Stargate at %s still failing (%s)", self._what, self._address, reason)
+        self.up = False
+
+
 class StargateDiscovery:
     def __init__(
         self,
@@ -67,14 +129,20 @@ class StargateDiscovery:
         on_change: Callable[[dict[str, RouterInfo]], None],
         *,
         retry_s: float = RETRY_S,
+        max_retry_s: float = MAX_RETRY_S,
         initial_timeout_s: float = INITIAL_DISCOVERY_TIMEOUT_S,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._seeds = [with_scheme(s) for s in seeds if s.strip()]
         if not self._seeds:
             raise ValueError("no Stargate seed address")
         self._on_change = on_change
         self._retry_s = retry_s
+        self._max_retry_s = max_retry_s
         self._initial_timeout_s = initial_timeout_s
+        self._clock = clock or SystemClock()
+        self._rng = rng or random.Random()
         self._snapshots: dict[str, list[RouterInfo]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._published: dict[str, RouterInfo] | None = None
@@ -102,30 +170,46 @@ class StargateDiscovery:
             self._tasks[url] = asyncio.get_running_loop().create_task(self._watch(url))
 
     async def _watch(self, url: str) -> None:
+        link = _Link("stargate discovery watch", url)
+        backoff = Backoff(self._retry_s, self._max_retry_s, rng=self._rng)
         while True:
-            channel = open_channel(url)
+            reason = "stream ended"
             try:
-                stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
-                async for msg in stub.WatchStargates(stargate_pb2.WatchStargatesRequest()):
-                    routers = [r for info in msg.stargates if (r := router_from_info(info)) is not None]
-                    self._snapshots[url] = routers
-                    for extra in msg.watch_stargate_urls:
-                        if extra.strip():
-                            self._ensure_watch(with_scheme(extra))
-                    self._maybe_publish()
-            except grpc.aio.AioRpcError as exc:
-                log.debug("WatchStargates on %s failed: %s", url, exc.code())
-            finally:
-                await channel.close()
+                reason = await self._watch_once(url, link, backoff)
+            except asyncio.CancelledError:
+                if not _library_cancelled():
+                    raise
+                reason = "stream cancelled"
+            except Exception as exc:  # anything else is logged and retried, never the end of discovery
+                reason = _describe(exc)
             if self._snapshots.pop(url, None) is not None:
                 self._maybe_publish()
-            await asyncio.sleep(self._retry_s)
+            delay = backoff.next_delay()
+            link.failed(reason, delay)
+            await self._clock.sleep(delay)
+
+    async def _watch_once(self, url: str, link: _Link, backoff: Backoff) -> str:
+        channel = open_channel(url)
+        try:
+            stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+            async for msg in stub.WatchStargates(stargate_pb2.WatchStargatesRequest()):
+                link.connected()
+                backoff.reset()
+                routers = [r for info in msg.stargates if (r := router_from_info(info)) is not None]
+                self._snapshots[url] = routers
+                for extra in msg.watch_stargate_urls:
+                    if extra.strip():
+                        self._ensure_watch(with_scheme(extra))
+                self._maybe_publish()
+        finally:
+            await channel.close()
+        return "stream ended"
 
     async def run(self) -> None:
         for seed in self._seeds:
             self._ensure_watch(seed)
         try:
-            await asyncio.sleep(self._initial_timeout_s)
+            await self._clock.sleep(self._initial_timeout_s)
             self._timed_out = True
             self._maybe_publish()
             await asyncio.Event().wait()
@@ -133,6 +217,22 @@ class StargateDiscovery:
             for task in self._tasks.values():
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+
+class _Attempt:
+    """What one stream attempt saw: whether Stargate acked, and a message that could not be built."""
+
+    __slots__ = ("acked", "build_error", "pause")
+
+    def __init__(self) -> None:
+        self.acked = False
+        self.build_error: Exception | None = None
+        self.pause: asyncio.Future[None] | None = None
+
+    def end(self) -> None:
+        """Stop the message generator's wait: gRPC leaves it running after the call has ended."""
+        if self.pause is not None:
+            self.pause.cancel()
 
 
 class RegistrationClient:
@@ -146,17 +246,23 @@ class RegistrationClient:
         token: Callable[[], str | None],
         on_connected: Callable[[str, bool], None] = lambda _router, _up: None,
         retry_s: float = RETRY_S,
+        max_retry_s: float = MAX_RETRY_S,
         coalesce_ms: int = 0,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._snapshot = snapshot
+        self._coalesce_s = coalesce_ms / 1000.0
+        self._changed: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
         self._interval_s = interval_ms / 1000.0
         self._interval_ms = interval_ms
-        self._coalesce_s = coalesce_ms / 1000.0
         self._token = token
         self._on_connected = on_connected
         self._retry_s = retry_s
+        self._max_retry_s = max_retry_s
+        self._clock = clock or SystemClock()
+        self._rng = rng or random.Random()
         self._streams: dict[str, asyncio.Task[None]] = {}
-        self._changed: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
 
     @property
     def routers(self) -> list[str]:
@@ -176,16 +282,36 @@ class RegistrationClient:
             for changed in self._changed:
                 changed.set()
 
-    async def _messages(self) -> AsyncIterator[stargate_pb2.InferenceServerRegistration]:
+    async def _pause(self, changed: asyncio.Event) -> None:
+        """Until the next heartbeat, or the coalesce delay after a change, whichever comes first."""
+        waits = {asyncio.ensure_future(self._clock.sleep(self._interval_s))}
+        if self._coalesce_s > 0:
+            waits.add(asyncio.ensure_future(self._after_change(changed)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def _after_change(self, changed: asyncio.Event) -> None:
+        await changed.wait()
+        await self._clock.sleep(self._coalesce_s)  # later changes ride along
+
+    async def _messages(self, attempt: _Attempt) -> AsyncIterator[stargate_pb2.InferenceServerRegistration]:
+        """Snapshots every interval; one that cannot be built cancels the call, the error kept."""
         changed = asyncio.Event()
         self._changed.add(changed)
         while True:
             changed.clear()
-            yield self._snapshot()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._interval_s):
-                    await changed.wait()
-                    await asyncio.sleep(self._coalesce_s)  # later changes ride along
+            try:
+                message = self._snapshot()
+            except Exception as exc:
+                attempt.build_error = exc
+                log.exception("building the registration message failed; the stream is reopened")
+                raise
+            yield message
+            attempt.pause = asyncio.ensure_future(self._pause(changed))
+            await attempt.pause
 
     def _metadata(self) -> list[tuple[str, str]]:
         md = [(HEARTBEAT_METADATA, str(self._interval_ms))]
@@ -195,25 +321,41 @@ class RegistrationClient:
         return md
 
     async def _run_router(self, info: RouterInfo) -> None:
+        link = _Link(f"registration stream to {info.router_id}", info.dial_url)
+        backoff = Backoff(self._retry_s, self._max_retry_s, rng=self._rng)
+        while True:
+            attempt = _Attempt()
+            reason = "stream ended"
+            try:
+                await self._stream_once(info, attempt, link, backoff)
+            except asyncio.CancelledError:
+                if not _library_cancelled():
+                    raise
+                reason = "stream cancelled"
+            except Exception as exc:  # logged and retried: a registration must never end silently
+                reason = _describe(exc)
+            finally:
+                self._on_connected(info.router_id, False)
+            if attempt.build_error is not None:
+                reason = "registration message could not be built: " + _describe(attempt.build_error)
+            # An acked stream that ends is reopened at once (spec); failures back off.
+            delay = 0.0 if attempt.acked and attempt.build_error is None else backoff.next_delay()
+            link.failed(reason, delay)
+            await self._clock.sleep(delay)
+
+    async def _stream_once(self, info: RouterInfo, attempt: _Attempt, link: _Link, backoff: Backoff) -> None:
         channel = open_channel(info.dial_url, info.authority)
-        stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
         try:
-            while True:
-                acked = False
-                try:
-                    call = stub.RegisterInferenceServer(self._messages(), metadata=self._metadata())
-                    async for _ack in call:
-                        if not acked:
-                            acked = True
-                            self._on_connected(info.router_id, True)
-                except grpc.aio.AioRpcError as exc:
-                    log.info("registration stream to %s ended: %s", info.router_id, exc.code())
-                finally:
-                    if acked:
-                        self._on_connected(info.router_id, False)
-                if not acked:
-                    await asyncio.sleep(self._retry_s)
+            stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+            call = stub.RegisterInferenceServer(self._messages(attempt), metadata=self._metadata())
+            async for _ack in call:
+                if not attempt.acked:
+                    attempt.acked = True
+                    backoff.reset()
+                    link.connected()
+                    self._on_connected(info.router_id, True)
         finally:
+            attempt.end()
             await channel.close()
 
     async def close(self) -> None:
@@ -236,25 +378,3 @@ def token_source(static: str | None, file: str | None) -> Callable[[], str | Non
         return None
 
     return read
-
-
-def stats_to_proto(stats: ModelStats) -> stargate_pb2.ModelStats:
-    return stargate_pb2.ModelStats(
-        last_mean_input_tps=stats.last_mean_input_tps,
-        output_tps=stats.output_tps,
-        queue_size=stats.queue_size,
-        queued_input_size=stats.queued_input_size,
-        max_output_tps=stats.max_output_tps,
-        kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens,
-        kv_cache_used_tokens=stats.kv_cache_used_tokens,
-        kv_cache_free_tokens=stats.kv_cache_free_tokens,
-        num_running_queries=stats.num_running_queries,
-        max_engine_concurrency=stats.max_engine_concurrency,
-        total_query_input_size=stats.total_query_input_size,
-        queue_time_estimate_ms_by_priority=dict(stats.queue_time_estimate_ms_by_priority),
-        input_processing_queries=stats.input_processing_queries,
-        output_generation_queries=stats.output_generation_queries,
-        stats_observed_at_unix_ms=stats.stats_observed_at_unix_ms,
-        stats_capabilities=list(stats.stats_capabilities),
-        stats_sources=list(stats.stats_sources),
-    )

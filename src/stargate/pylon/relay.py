@@ -28,7 +28,6 @@ from stargate.errors import (
     StargateError,
 )
 from stargate.pylon import admission
-from stargate.pylon.clock import Clock
 from stargate.pylon.config import PylonSettings, UpstreamBackend
 from stargate.pylon.headers import (
     RetryPolicy,
@@ -44,6 +43,7 @@ from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, 
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
+from stargate.wire.clock import Clock
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue

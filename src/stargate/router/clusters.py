@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 from stargate.balancer import with_reservation
 from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
+from stargate.wire.limits import sat_u64
 
-U64_MAX = 2**64 - 1
 MAX_RESERVATIONS_PER_CLUSTER = 65_536
 """Reservations normally end within one heartbeat; the cap only guards against a silent backend."""
 
@@ -105,10 +105,6 @@ class BackendPicker:
         return eligible[index % len(eligible)]
 
 
-def _sat(value: int) -> int:
-    return value if value <= U64_MAX else U64_MAX
-
-
 def aggregate(members: list[Member], source: Member) -> ModelStats:
     """Cluster stats from its active members (sorted by id) and the latest-wins source backend."""
     tps = 0.0
@@ -132,10 +128,10 @@ def aggregate(members: list[Member], source: Member) -> ModelStats:
         source.stats,
         last_mean_input_tps=tps,
         output_tps=output_tps,
-        queue_size=_sat(queue_size),
-        queued_input_size=_sat(queued),
-        input_processing_queries=_sat(processing),
-        output_generation_queries=_sat(generating),
+        queue_size=sat_u64(queue_size),
+        queued_input_size=sat_u64(queued),
+        input_processing_queries=sat_u64(processing),
+        output_generation_queries=sat_u64(generating),
         stats_observed_at_unix_ms=observed,
         stats_capabilities=tuple(capabilities),
         stats_sources=tuple(sources),

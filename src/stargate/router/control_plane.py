@@ -134,13 +134,19 @@ class ControlPlane:
         _add_control_plane(_ControlPlaneServicer(self), control)
         discovery = control if shared else self._new_server()
         _add_discovery(_DiscoveryServicer(self._state), discovery)
-        control_port = self._bind(control, listen_addr, "--listen-addr")
-        if shared:
-            discovery_port = control_port
-        else:
-            flag = "--model-discovery-listen-addr"
-            discovery_port = self._bind(discovery, model_discovery_listen_addr, flag)
+        # Stopped explicitly even when binding fails: a gRPC server left to the garbage collector
+        # tears down on whatever loop is running then (or none).
         self._servers = [control] if shared else [control, discovery]
+        try:
+            control_port = self._bind(control, listen_addr, "--listen-addr")
+            if shared:
+                discovery_port = control_port
+            else:
+                flag = "--model-discovery-listen-addr"
+                discovery_port = self._bind(discovery, model_discovery_listen_addr, flag)
+        except ConfigError:
+            await self.stop(0)
+            raise
         if _port_of(self._settings.advertise_addr) == _port_of(listen_addr):
             self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
         self._control_port = control_port

@@ -7,7 +7,6 @@ Parsing follows the spec's validation order exactly (first failure wins). Every 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -18,25 +17,14 @@ from stargate.balancer.config import parse_routing_method
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import Target
 from stargate.errors import PayloadTooLarge, RequestError, RoutingMethodError
+from stargate.wire import headers as h
+from stargate.wire.headers import HOP_BY_HOP, IDENTITY, RETRY_METADATA, is_visible_ascii, text_value
+from stargate.wire.limits import U32_MAX, U64_MAX
 
-U32_MAX = 2**32 - 1
-U64_MAX = 2**64 - 1
 MAX_WAIT_CAP_MS = 60_000
-DEFAULT_RETRY_BUDGET_HEADER = "x-stargate-max-wait-ms"
+DEFAULT_RETRY_BUDGET_HEADER = h.RETRY_BUDGET_MS
 
-HOP_BY_HOP = frozenset(
-    {"connection", "proxy-connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
-)
-RETRY_METADATA = frozenset(
-    {
-        "x-stargate-retryable",
-        "x-stargate-retry-reason",
-        "x-stargate-retry-after-ms",
-        "x-stargate-expected-queue-ms",
-        "x-stargate-error-code",
-    }
-)
-REQUEST_DROPPED = HOP_BY_HOP | RETRY_METADATA | {"host", "x-routing-method"}
+REQUEST_DROPPED = HOP_BY_HOP | RETRY_METADATA | IDENTITY | {"host", h.ROUTING_METHOD}
 RESPONSE_DROPPED = HOP_BY_HOP | RETRY_METADATA
 
 _T = TypeVar("_T")
@@ -73,34 +61,12 @@ def _translated(call: Callable[..., _T], *args: object) -> _T:
         raise RequestError(exc.message) from exc
 
 
-def text_value(raw: str | None) -> str | None:
-    """Trimmed visible-ASCII value; non-ASCII or blank counts as absent."""
-    if raw is None or not is_visible_ascii(raw):
-        return None
-    value = raw.strip(" \t")
-    return value or None
-
-
-_NOT_VISIBLE = re.compile(r"[^\t -~]")
-
-
-def is_visible_ascii(raw: str) -> bool:
-    """Tab, space and printable ASCII only; one regex scan instead of a per-character loop."""
-    return raw.isascii() and _NOT_VISIBLE.search(raw) is None
-
-
 def parse_unsigned(name: str, raw: str, limit: int) -> int:
-    """Decimal digits with an optional leading ``+``; anything else or out of range → 400."""
-    if not is_visible_ascii(raw):
-        raise _invalid(f"header {name} must be visible ASCII")
-    value = raw.strip(" \t")
-    digits = value[1:] if value.startswith("+") else value
-    if not digits or not digits.isascii() or not digits.isdigit():
-        raise _invalid(f"header {name} must be an unsigned decimal integer, got {value!r}")
-    number = int(digits)
-    if number > limit:
-        raise _invalid(f"header {name} is out of range: {value}")
-    return number
+    """The shared numeric rule (``stargate.wire.headers``); a rejected value → 400."""
+    try:
+        return h.parse_unsigned(raw, limit)
+    except h.InvalidNumber as exc:
+        raise _invalid(f"header {name} {exc}") from None
 
 
 def _optional_unsigned(headers: Mapping[str, str], name: str, limit: int) -> int | None:
@@ -117,42 +83,40 @@ def parse_request(
     received_at: float,
 ) -> ProxyRequest:
     """Validate one request's headers in the spec's order; ``headers`` is case-insensitive."""
-    request_id = text_value(headers.get("x-request-id"))
+    request_id = text_value(headers.get(h.REQUEST_ID))
     if request_id is None:
         raise _invalid("missing required header x-request-id")
-    raw_tokens = headers.get("x-input-tokens")
+    raw_tokens = headers.get(h.INPUT_TOKENS)
     if raw_tokens is None:
         raise _invalid("missing required header x-input-tokens")
-    input_tokens = parse_unsigned("x-input-tokens", raw_tokens, U64_MAX)
-    model_id = text_value(headers.get("x-model"))
+    input_tokens = parse_unsigned(h.INPUT_TOKENS, raw_tokens, U64_MAX)
+    model_id = text_value(headers.get(h.MODEL))
     if model_id is None:
         raise _invalid("missing required header x-model")
-    raw_method = headers.get("x-routing-method")
+    raw_method = headers.get(h.ROUTING_METHOD)
     requested_method: str | None = None
     algorithm: Algorithm | None = None
     if raw_method is not None:
         requested_method = raw_method.strip(" \t")
         algorithm = _translated(parse_routing_method, raw_method)
-    priority = _optional_unsigned(headers, "x-priority", U32_MAX) or 0
-    max_wait_ms = _optional_unsigned(headers, "x-max-wait-ms", U64_MAX)
-    request_slo_ms = _optional_unsigned(headers, "x-request-slo-ms", U64_MAX) or None
+    priority = _optional_unsigned(headers, h.PRIORITY, U32_MAX) or 0
+    max_wait_ms = _optional_unsigned(headers, h.MAX_WAIT_MS, U64_MAX)
+    request_slo_ms = _optional_unsigned(headers, h.REQUEST_SLO_MS, U64_MAX) or None
     definition = _translated(resolve, model_id, algorithm)
-    cache_affinity_key = text_value(headers.get("x-cache-affinity-key"))
+    cache_affinity_key = text_value(headers.get(h.CACHE_AFFINITY_KEY))
     if definition.require_cache_affinity_key and cache_affinity_key is None:
         raise _invalid("header x-cache-affinity-key is required for this model")
     retry_budget_ms = (
         _optional_unsigned(headers, retry_budget_header, U64_MAX) if retry_budget_header else None
     )
-    content_length = headers.get("content-length")
-    if content_length is not None:
-        declared = content_length.strip()
-        if declared.isascii() and declared.isdigit() and int(declared) > max_replay_body_bytes:
-            raise PayloadTooLarge(
-                f"request body of {declared} bytes exceeds the replay limit of {max_replay_body_bytes} bytes"
-            )
+    declared = h.optional_unsigned(headers.get("content-length"), U64_MAX)
+    if declared is not None and declared > max_replay_body_bytes:
+        raise PayloadTooLarge(
+            f"request body of {declared} bytes exceeds the replay limit of {max_replay_body_bytes} bytes"
+        )
     return ProxyRequest(
         request_id=request_id,
-        target=Target(text_value(headers.get("x-routing-key")), model_id),
+        target=Target(text_value(headers.get(h.ROUTING_KEY)), model_id),
         input_tokens=input_tokens,
         definition=definition,
         requested_method=requested_method,
@@ -166,12 +130,8 @@ def parse_request(
 
 
 def filter_headers(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> CIMultiDict[str]:
-    """Copy headers (multi-values preserved, order kept) except the ``dropped`` names."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in items:
-        if name.lower() not in dropped:
-            out.add(name, value)
-    return out
+    """Copy headers except ``dropped``, hop-by-hop and ``Connection``-nominated names (RFC 9110 §7.6.1)."""
+    return h.forwardable(items, dropped)
 
 
 def valid_header_name(name: str) -> bool:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from stargate.wire import headers as h
+
 MAX_HEALTH_BODY_BYTES = 64 * 1024
 
 
@@ -55,9 +57,9 @@ class HealthProber:
         self._session = session
         self._url = url.rstrip("/") + "/health"
         self._headers = {
-            "x-request-id": f"stargate-health-{inference_server_id}",
-            "x-model": "stargate-health",
-            "x-input-tokens": "0",
+            h.REQUEST_ID: f"stargate-health-{inference_server_id}",
+            h.MODEL: "stargate-health",
+            h.INPUT_TOKENS: "0",
         }
         self._settings = settings = settings or HealthSettings()
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)

@@ -23,7 +23,7 @@ from multidict import CIMultiDict
 
 from stargate.body_coding import decoded
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
-from stargate.router.headers import text_value
+from stargate.wire.headers import text_value
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BYTES_PER_TOKEN = 4

@@ -6,23 +6,22 @@ an IP host; see docs/compat.md). Messages are the original's, in the original's 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import grpc
 
-from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
+from stargate.balancer.types import ModelStats
 from stargate.errors import StargateError
 from stargate.proto import stargate_pb2
+from stargate.wire import headers as h
+from stargate.wire.limits import U64_MAX
+from stargate.wire.proto import stats_from_proto as convert_stats
 
-HEARTBEAT_METADATA_KEY = "x-stargate-registration-heartbeat-ms"
-U64_MAX = 2**64 - 1
+HEARTBEAT_METADATA_KEY = h.HEARTBEAT_METADATA
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-_U64_TEXT = re.compile(r"\+?[0-9]+")
 _ACTIVE = stargate_pb2.INFERENCE_SERVER_STATUS_ACTIVE
 
 
@@ -76,11 +75,9 @@ def idle_timeout_ms(heartbeat: str | bytes | None, floor_ms: int, cap_ms: int) -
     """Negotiated idle timeout (§5.6); ``None`` means no timeout."""
     if floor_ms == 0 or cap_ms == 0:
         return None
-    if not isinstance(heartbeat, str) or not heartbeat.isascii():
+    beat = h.optional_unsigned(heartbeat, U64_MAX) if isinstance(heartbeat, str) else None
+    if beat is None:
         return cap_ms
-    if not _U64_TEXT.fullmatch(heartbeat) or int(heartbeat) > U64_MAX:
-        return cap_ms
-    beat = int(heartbeat)
     return min(max(min(3 * beat, U64_MAX), floor_ms), cap_ms)
 
 
@@ -136,32 +133,6 @@ def check_identity(identity: Identity, message: stargate_pb2.InferenceServerRegi
         raise RegistrationRejected("inference_server_id changed")
     if (message.cluster_id or message.inference_server_id) != identity.cluster_id:
         raise RegistrationRejected("cluster_id changed")
-
-
-def convert_stats(stats: stargate_pb2.ModelStats) -> ModelStats:
-    """The wire stats as the immutable value every routing decision reads (once per update)."""
-    by_priority = stats.queue_time_estimate_ms_by_priority
-    return ModelStats(
-        last_mean_input_tps=stats.last_mean_input_tps,
-        output_tps=stats.output_tps,
-        queue_size=stats.queue_size,
-        queued_input_size=stats.queued_input_size,
-        max_output_tps=stats.max_output_tps,
-        kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens,
-        kv_cache_used_tokens=stats.kv_cache_used_tokens,
-        kv_cache_free_tokens=stats.kv_cache_free_tokens,
-        num_running_queries=stats.num_running_queries,
-        max_engine_concurrency=stats.max_engine_concurrency,
-        total_query_input_size=stats.total_query_input_size,
-        queue_time_estimate_ms_by_priority=(
-            MappingProxyType(dict(sorted(by_priority.items()))) if by_priority else EMPTY_PRIORITY_MAP
-        ),
-        input_processing_queries=stats.input_processing_queries,
-        output_generation_queries=stats.output_generation_queries,
-        stats_observed_at_unix_ms=stats.stats_observed_at_unix_ms,
-        stats_capabilities=tuple(stats.stats_capabilities),
-        stats_sources=tuple(stats.stats_sources),
-    )
 
 
 def model_updates(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stargate.pylon.clock import ManualClock
 from stargate.pylon.ids import RequestIds
 from stargate.pylon.load import LiveLoad
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.stats.hub import StatsHub
+from stargate.wire.clock import ManualClock
 
 
 @dataclass

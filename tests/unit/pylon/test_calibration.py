@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from stargate.pylon.calibration import CalibrationError, Calibrator, Step, is_prompt_too_long, steps
-from stargate.pylon.clock import SystemClock
 from stargate.pylon.ids import RequestIds
+from stargate.wire.clock import SystemClock
 
 from .helpers import make_rig
 

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 
-from stargate.pylon.clock import ManualClock
 from stargate.pylon.models import Generation
 from stargate.pylon.observer import (
     MAX_PENDING_EVENT,
@@ -12,6 +11,7 @@ from stargate.pylon.observer import (
     json_usage,
 )
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
+from stargate.wire.clock import ManualClock
 
 
 def test_b97_oversize_unterminated_event_aborts() -> None:

@@ -10,6 +10,7 @@ from stargate.pylon.load import Phase
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
 from stargate.pylon.registration import RouterInfo, router_from_info, stats_to_proto
 from stargate.pylon.stats.hub import ConcurrencyUpdate, LimitSource
+from stargate.wire.limits import U64_MAX
 
 from .helpers import make_rig
 
@@ -62,6 +63,25 @@ def test_b117_pending_omitted_retired_cannot_publish_or_update() -> None:
     r.registry.retire(old.model_id)
     assert not r.hub.apply_concurrency(ConcurrencyUpdate(old, LimitSource.ENGINE, 40))
     assert r.hub.snapshot(old) == ModelStats()
+
+
+def test_heartbeat_building_saturates_every_u64_field() -> None:
+    r = make_rig(initial_input_tps=1000, limit=11)
+    for index in range(6):
+        r.load.track(f"huge-{index}", r.gen, 0, U64_MAX)  # six valid x-input-tokens: 2^64-1
+    published = stats_to_proto(r.hub.snapshot(r.gen))
+    assert published.total_query_input_size == U64_MAX and published.queued_input_size == U64_MAX
+    assert set(published.queue_time_estimate_ms_by_priority.values()) == {U64_MAX}
+    absurd = ModelStats(
+        queue_size=2**70,
+        num_running_queries=-1,
+        stats_observed_at_unix_ms=2**65,
+        queue_time_estimate_ms_by_priority=MappingProxyType({2**40: 2**70, 3: 5}),
+    )
+    proto = stats_to_proto(absurd)
+    assert (proto.queue_size, proto.num_running_queries) == (U64_MAX, 0)
+    assert proto.stats_observed_at_unix_ms == U64_MAX
+    assert dict(proto.queue_time_estimate_ms_by_priority) == {2**32 - 1: U64_MAX, 3: 5}
 
 
 def test_every_change_of_pylons_own_load_asks_for_a_prompt_publication() -> None:

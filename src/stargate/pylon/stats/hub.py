@@ -14,15 +14,16 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
-from stargate.pylon.clock import Clock
 from stargate.pylon.ids import CALIBRATION, RequestIds
-from stargate.pylon.load import EngineLoad, LiveLoad, saturate_u64
+from stargate.pylon.load import EngineLoad, LiveLoad
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.stats import aggregate as agg
 from stargate.pylon.stats.counters import CounterTracker, Outcome
 from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
+from stargate.wire.clock import Clock
+from stargate.wire.limits import sat_u64
 
 
 class LimitSource(StrEnum):
@@ -316,11 +317,11 @@ class StatsHub:
             queue_size=live.queue_size,
             queued_input_size=live.queued_input_size,
             max_output_tps=tp.max_output_tps,
-            kv_cache_capacity_tokens=saturate_u64(kv[0]),
-            kv_cache_used_tokens=saturate_u64(kv[1]),
-            kv_cache_free_tokens=saturate_u64(kv[2]),
+            kv_cache_capacity_tokens=sat_u64(kv[0]),
+            kv_cache_used_tokens=sat_u64(kv[1]),
+            kv_cache_free_tokens=sat_u64(kv[2]),
             num_running_queries=live.num_running_queries,
-            max_engine_concurrency=saturate_u64(state.effective_limit),
+            max_engine_concurrency=sat_u64(state.effective_limit),
             total_query_input_size=live.total_query_input_size,
             queue_time_estimate_ms_by_priority=MappingProxyType(estimates)
             if estimates

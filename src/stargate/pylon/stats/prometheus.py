@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from stargate.pylon.load import U64_MAX, EngineLoad
+from stargate.pylon.load import EngineLoad
 from stargate.pylon.stats.aggregate import SRC_PROMETHEUS
 from stargate.pylon.stats.hub import StatsHub
+from stargate.wire.limits import U64_MAX
 
 log = logging.getLogger("stargate.pylon.prometheus")
 

@@ -1,0 +1,116 @@
+"""Header names of the wire contract and the one parser both Stargate and Pylon use for them.
+
+Values follow stargate.md §4.2 (Pylon's rules in pylon.md §7 are the same contract): a *text*
+value is visible ASCII, trimmed of spaces and tabs, blank = absent; a *number* is trimmed decimal
+digits with an optional leading ``+`` (leading zeros fine), in range for its type. The parser never
+raises anything but ``InvalidNumber`` whatever the input, and never hands Python's ``int()`` a digit
+string longer than a u64 can be.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from multidict import CIMultiDict
+
+REQUEST_ID = "x-request-id"
+MODEL = "x-model"
+INPUT_TOKENS = "x-input-tokens"
+ROUTING_KEY = "x-routing-key"
+ROUTING_METHOD = "x-routing-method"
+PRIORITY = "x-priority"
+MAX_WAIT_MS = "x-max-wait-ms"
+REQUEST_SLO_MS = "x-request-slo-ms"
+CACHE_AFFINITY_KEY = "x-cache-affinity-key"
+RETRY_BUDGET_MS = "x-stargate-max-wait-ms"
+RETRYABLE = "x-stargate-retryable"
+RETRY_REASON = "x-stargate-retry-reason"
+RETRY_AFTER_MS = "x-stargate-retry-after-ms"
+EXPECTED_QUEUE_MS = "x-stargate-expected-queue-ms"
+ERROR_CODE = "x-stargate-error-code"
+UPSTREAM_RETRYABLE = "x-stargate-upstream-retryable"
+INFERENCE_SERVER_ID = "x-inference-server-id"
+INFERENCE_SERVER_URL = "x-inference-server-url"
+CLUSTER_ID = "x-stargate-cluster-id"
+HEARTBEAT_METADATA = "x-stargate-registration-heartbeat-ms"
+"""gRPC metadata key of a registration stream: the Pylon's heartbeat interval."""
+
+HOP_BY_HOP = frozenset(
+    {"connection", "proxy-connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
+)
+RETRY_METADATA = frozenset({RETRYABLE, RETRY_REASON, RETRY_AFTER_MS, EXPECTED_QUEUE_MS, ERROR_CODE})
+IDENTITY = frozenset({INFERENCE_SERVER_ID, INFERENCE_SERVER_URL, CLUSTER_ID})
+"""Set by Stargate on every proxied response; a client's copies are never forwarded."""
+
+MAX_NUMBER_LENGTH = 64
+"""Digits beyond leading zeros that are examined at all: far above u64's 20, far below int()'s limit."""
+
+_NOT_VISIBLE = re.compile(r"[^\t -~]")
+
+
+class InvalidNumber(ValueError):
+    """A numeric header value the contract rejects; the message says why (no value echoed at length)."""
+
+
+def is_visible_ascii(raw: str) -> bool:
+    """Tab, space and printable ASCII only."""
+    return raw.isascii() and _NOT_VISIBLE.search(raw) is None
+
+
+def text_value(raw: str | None) -> str | None:
+    """Trimmed visible-ASCII value; non-ASCII or blank counts as absent."""
+    if raw is None or not is_visible_ascii(raw):
+        return None
+    value = raw.strip(" \t")
+    return value or None
+
+
+def parse_unsigned(raw: str, limit: int) -> int:
+    """Decimal digits, optional leading ``+``, in ``0..=limit``; anything else raises ``InvalidNumber``."""
+    if not is_visible_ascii(raw):
+        raise InvalidNumber("must be visible ASCII")
+    value = raw.strip(" \t")
+    digits = value[1:] if value[:1] == "+" else value
+    if not digits or not digits.isdigit():
+        raise InvalidNumber("must be an unsigned decimal integer")
+    significant = digits.lstrip("0")
+    if len(significant) > MAX_NUMBER_LENGTH:
+        raise InvalidNumber("is out of range")
+    number = int(significant) if significant else 0
+    if number > limit:
+        raise InvalidNumber("is out of range")
+    return number
+
+
+def optional_unsigned(raw: str | None, limit: int) -> int | None:
+    """``parse_unsigned`` that reads an invalid or absent value as ``None`` (advisory headers)."""
+    if raw is None:
+        return None
+    try:
+        return parse_unsigned(raw, limit)
+    except InvalidNumber:
+        return None
+
+
+def connection_nominated(items: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """Lower-cased names listed in ``Connection`` headers: hop-by-hop for this hop only (RFC 9110 §7.6.1)."""
+    names: set[str] = set()
+    for name, value in items:
+        if name.lower() == "connection":
+            names.update(token.strip(" \t").lower() for token in value.split(","))
+    names.discard("")
+    return frozenset(names)
+
+
+def forwardable(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> CIMultiDict[str]:
+    """Headers (multi-values and order kept) less ``dropped``, hop-by-hop and Connection-nominated names."""
+    pairs = list(items)
+    nominated = connection_nominated(pairs)
+    skip = dropped | nominated if nominated else dropped
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in pairs:
+        lowered = name.lower()
+        if lowered not in skip and lowered not in HOP_BY_HOP:
+            out.add(name, value)
+    return out

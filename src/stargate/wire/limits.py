@@ -1,0 +1,42 @@
+"""Integer ranges of the wire contract and saturating arithmetic.
+
+Every number that comes from a client or an engine is clamped where it enters a sum, a stats field
+or a protobuf field: a u64 proto field given a larger value raises while the message is built.
+"""
+
+from __future__ import annotations
+
+import math
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+I31_MAX = 2**31 - 1
+
+
+def sat_u64(value: int) -> int:
+    """``value`` clamped to ``0..=U64_MAX``."""
+    if value > U64_MAX:
+        return U64_MAX
+    return value if value > 0 else 0
+
+
+def sat_u32(value: int) -> int:
+    if value > U32_MAX:
+        return U32_MAX
+    return value if value > 0 else 0
+
+
+def saturating_add(value: int, delta: int) -> int:
+    """u64 addition that clamps at the maximum instead of wrapping."""
+    total = value + delta
+    return total if total <= U64_MAX else U64_MAX
+
+
+def u64_ceil(value: float) -> int:
+    """``ceil(value)`` as a u64: NaN and negatives become 0, +inf and overflow the maximum."""
+    if value != value or value <= 0:
+        return 0
+    if value >= U64_MAX or math.isinf(value):
+        return U64_MAX
+    return math.ceil(value)
+
