@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -94,7 +95,7 @@ class FakeBackend:
         app.router.add_get("/health", self.health)
         for path in (CHAT, "/v1/responses", "/v1/embeddings"):
             app.router.add_post(path, self.handle)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5, auto_decompress=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -407,6 +408,24 @@ async def test_p127_selection_and_routing_duration_metrics(sg: Harness) -> None:
 
 
 # ---- body limits -------------------------------------------------------------------------------
+
+
+async def test_compressed_body_reaches_the_backend_byte_identical(sg: Harness) -> None:
+    backend = await sg.backend("b1")
+    original = orjson.dumps({"stream": True, "messages": [{"role": "user", "content": "hi " * 2000}]})
+    packed = gzip.compress(original)
+    status, _, _ = await sg.post({"content-encoding": "gzip"}, packed)
+    assert status == 200
+    _, seen, body = backend.requests[0]
+    assert body == packed and seen["content-encoding"] == "gzip"
+    assert seen["content-length"] == str(len(packed))
+
+
+async def test_corrupt_gzip_body_is_forwarded_not_a_stargate_error(sg: Harness) -> None:
+    backend = await sg.backend("b1")
+    corrupt = gzip.compress(b'{"stream": true}')[:-6] + b"garbage!"
+    status, _, _ = await sg.post({"content-encoding": "gzip"}, corrupt)
+    assert status == 200 and backend.requests[0][2] == corrupt
 
 
 async def test_p106_declared_body_over_limit_is_413_before_routing() -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import io
 from collections.abc import AsyncIterator
 
@@ -193,6 +194,40 @@ async def test_b94_engine_down_503(client: aiohttp.ClientSession) -> None:
                 assert (await resp.json(content_type=None))["detail"] == "local upstream connection failed"
         finally:
             await app.close()
+
+
+async def test_compressed_body_is_checked_decoded_and_forwarded_unchanged(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine, "--engine-stats-stream", "off")
+    packed = gzip.compress(orjson.dumps({"model": "llama", "input": ["a", "b", "c"]}))
+    headers = {**HEADERS, "content-encoding": "gzip"}
+    try:
+        async with client.post(app.http_url + "/v1/embeddings", data=packed, headers=headers) as resp:
+            assert resp.status == 200
+        _, _, sent, body = engine.requests[-1]
+        assert body == packed and sent["content-encoding"] == "gzip"
+        async with client.post(app.http_url + "/v1/embeddings", data=packed[:-8], headers=headers) as resp:
+            assert resp.status == 400
+            assert (await resp.json(content_type=None))["detail"] == "request body is truncated gzip data"
+        async with client.post(app.http_url + "/v1/embeddings", data=b"x" * 40, headers=headers) as resp:
+            assert resp.status == 400
+            assert (await resp.json(content_type=None))["detail"] == "request body is not valid gzip data"
+        assert len(engine.requests) == 1
+    finally:
+        await app.close()
+
+
+async def test_engine_down_is_retryable_by_default(client: aiohttp.ClientSession) -> None:
+    """Connection refused means nothing ran: Stargate may run the request elsewhere (docs/compat.md)."""
+    app = await started(FakeEngine(url="http://127.0.0.1:9"), "--engine-stats-stream", "off")
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 503
+            assert resp.headers["x-stargate-retryable"] == "true"
+            assert resp.headers["x-stargate-retry-reason"] == "local_connect_failure"
+    finally:
+        await app.close()
 
 
 async def test_b95_read_timeout_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:

@@ -92,7 +92,8 @@ class PylonApp:
             self._optional.append(task)
 
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # Bodies pass through as received: no decompression of request bodies (bytes in, bytes out).
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()

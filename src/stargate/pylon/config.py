@@ -80,7 +80,7 @@ class PylonSettings:
     require_upstream_retry_header: bool = True
     upstream_retry_header: str = "x-stargate-upstream-retryable"
     propagate_retry_after: bool = True
-    local_connect_failures_retryable: bool = False
+    local_connect_failures_retryable: bool = True
     queue_mismatch_enabled: bool = True
     queue_mismatch_min_delta_ms: int = 25
     queue_mismatch_tolerance_factor: float = 1.25
@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--pylon-local-connect-failures-retryable",
         type=_bool,
         default=None,
-        help="mark engine connection failures retryable (default: false)",
+        help="mark engine connection failures (nothing was sent, so nothing ran) retryable "
+        "(default: true)",
     )
     a(
         "--pylon-relay-non-streaming",
@@ -431,7 +432,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
             ns.pylon_propagate_retry_after, env, "PYLON_PROPAGATE_RETRY_AFTER", True
         ),
         local_connect_failures_retryable=_env_bool(
-            ns.pylon_local_connect_failures_retryable, env, "PYLON_LOCAL_CONNECT_FAILURES_RETRYABLE", False
+            ns.pylon_local_connect_failures_retryable, env, "PYLON_LOCAL_CONNECT_FAILURES_RETRYABLE", True
         ),
         relay_non_streaming=_env_bool(
             ns.pylon_relay_non_streaming, env, "PYLON_RELAY_NON_STREAMING", False

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from stargate.body_coding import decoded
 from stargate.errors import (
     LocalConnectFailure,
     ModelNotAdmitted,
@@ -161,12 +162,17 @@ class Relay:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
-        error = _body_error(body, endpoint, self.s.relay_non_streaming)
+        try:
+            # Checked decoded, forwarded as received: a compressed body reaches the engine unchanged.
+            plain = decoded(body, request.headers.get("content-encoding"), MAX_BODY)
+        except StargateError as exc:
+            return _problem(exc)
+        error = _body_error(plain, endpoint, self.s.relay_non_streaming)
         if error is not None:
             hint = _RELAY_HINT if error.endswith("stream=true") else None
             return _problem(RequestError(error, hint=hint))
         if endpoint is Endpoint.EMBEDDINGS and observer is not None:
-            observer.embedding_items = embedding_item_count(orjson.loads(body))
+            observer.embedding_items = embedding_item_count(orjson.loads(plain))
         decision = admission.decide(
             self.admission,
             request.headers.get(admission.EXPECTED_QUEUE_HEADER),
@@ -235,8 +241,12 @@ class Relay:
                 timeout=self.timeout,
                 allow_redirects=False,
             )
-        except (TimeoutError, aiohttp.ClientConnectionError):
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+            # Nothing reached the engine: safe to run elsewhere (unless configured off).
             return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
+        except (TimeoutError, aiohttp.ClientConnectionError):
+            # Sent, then no answer: the engine may be running it, so never retryable.
+            return _problem(LocalConnectFailure(retryable=False))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy

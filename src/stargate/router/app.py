@@ -178,7 +178,8 @@ class StargateServer:
             self._session = None
 
     async def _serve(self, app: web.Application, host: str, port: int, flag: str) -> tuple[str, int]:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # Request bodies are forwarded as received, Content-Encoding included: never decompressed here.
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, auto_decompress=False)
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, host, port, reuse_address=True)
