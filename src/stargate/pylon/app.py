@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -33,6 +33,10 @@ from stargate.pylon.stats.engine_stream import EngineStatsStream
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
+from stargate.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from stargate.otel import Tracing
 
 log = logging.getLogger("stargate.pylon")
 SWEEP_INTERVAL_S = 1.0
@@ -47,8 +51,11 @@ class PylonApp:
         clock: Clock | None = None,
         out: IO[str] | None = None,
         relay_timeouts: RelayTimeouts | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.s = settings
+        self.tracing = tracing
         self.clock = clock or SystemClock()
         self._out = out
         self._relay_timeouts = relay_timeouts or RelayTimeouts()
@@ -138,6 +145,8 @@ class PylonApp:
 
     async def start(self) -> None:
         s = self.s
+        if self.tracing is None:
+            self.tracing = setup_tracing(s.otel_endpoint, s.otel_service_name)
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
@@ -179,6 +188,7 @@ class PylonApp:
             clock=self.clock,
             prober=prober,
             timeouts=self._relay_timeouts,
+            tracing=self.tracing,
         )
         port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port)
         self.http_url = "http://" + (s.http_advertise_addr or f"{s.http_listen_host}:{port}")
@@ -269,5 +279,7 @@ class PylonApp:
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+        if self.tracing is not None:
+            self.tracing.shutdown()
         if self._session is not None:
             await self._session.close()

@@ -89,6 +89,8 @@ class PylonSettings:
     priority_ceiling: int = 3600
     max_engine_concurrency: int | None = None
     relay_non_streaming: bool = False
+    otel_endpoint: str | None = None
+    otel_service_name: str = "pylon"
 
     @property
     def discovery_mode(self) -> bool:
@@ -166,6 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-update-interval-ms", type=int, default=1000, help="registration heartbeat period")
     a("--auth-token", default=None, help="bearer token for Stargate (env STARGATE_AUTH_TOKEN)")
     a("--auth-token-file", default=None, help="token file, re-read per stream (env STARGATE_AUTH_TOKEN_FILE)")
+    a(
+        "--otel-endpoint",
+        default=None,
+        help="OTLP/HTTP base URL for request spans (env OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    a(
+        "--otel-service-name",
+        default=None,
+        help="service.name of exported spans (env OTEL_SERVICE_NAME; pylon)",
+    )
     a("--metrics-host", default="0.0.0.0", help="Prometheus listener IP")
     a("--metrics-port", type=int, default=9089, help="Prometheus listener port (0 = any)")
     a(
@@ -421,6 +433,8 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         min_update_interval_ms=ns.min_update_interval_ms,
         auth_token=_str_env(ns.auth_token, env, "STARGATE_AUTH_TOKEN"),
         auth_token_file=_str_env(ns.auth_token_file, env, "STARGATE_AUTH_TOKEN_FILE"),
+        otel_endpoint=_str_env(ns.otel_endpoint, env, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        otel_service_name=_str_env(ns.otel_service_name, env, "OTEL_SERVICE_NAME") or "pylon",
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
         retryable_statuses=codes,
@@ -434,9 +448,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         local_connect_failures_retryable=_env_bool(
             ns.pylon_local_connect_failures_retryable, env, "PYLON_LOCAL_CONNECT_FAILURES_RETRYABLE", True
         ),
-        relay_non_streaming=_env_bool(
-            ns.pylon_relay_non_streaming, env, "PYLON_RELAY_NON_STREAMING", False
-        ),
+        relay_non_streaming=_env_bool(ns.pylon_relay_non_streaming, env, "PYLON_RELAY_NON_STREAMING", False),
         queue_mismatch_enabled=_env_bool(
             ns.pylon_queue_mismatch_retry_enabled, env, "PYLON_QUEUE_MISMATCH_RETRY_ENABLED", True
         ),

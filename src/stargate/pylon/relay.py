@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -42,6 +43,11 @@ from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
 
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
+
+    from stargate.otel import Span, Tracing
+
 MAX_BODY = 64 * 1024 * 1024
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint.CHAT,
@@ -72,8 +78,10 @@ class Relay:
         clock: Clock,
         prober: HealthProber,
         timeouts: RelayTimeouts = RelayTimeouts(),
+        tracing: Tracing | None = None,
     ) -> None:
         self.s = settings
+        self.tracing = tracing
         self.session = session
         self.registry = registry
         self.hub = hub
@@ -141,13 +149,39 @@ class Relay:
                 clock=self.clock,
                 sink=self.record,
             )
-        try:
-            return await self._handle_tracked(
-                request, meta.request_id, gen, meta.priority, endpoint, observer
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start(
+                "pylon_request", request.headers, {"request.id": meta.request_id, "model": gen.model_id}
             )
+        status = 500
+        try:
+            response = await self._handle_tracked(
+                request, meta.request_id, gen, meta.priority, endpoint, observer, span
+            )
+            status = response.status
+            return response
         finally:
             if observer is not None:
                 observer.finish(failed=True)
+            if span is not None:
+                self._end_span(span, status, observer)
+
+    def _end_span(self, span: Span, status: int, observer: RequestObserver | None) -> None:
+        """Engine timing on Pylon's span: time to the engine's response headers and first output."""
+        assert self.tracing is not None
+        attributes: dict[str, AttributeValue] = {}
+        if observer is not None:
+            attributes["pylon.request.state"] = observer.state.value
+            for name, value in (
+                ("time_to_response_headers_ms", observer.ttrh),
+                ("time_to_first_output_ms", observer.ttfo),
+            ):
+                if value is not None:
+                    attributes[f"engine.{name}"] = round(value * 1000.0, 3)
+            if observer.status is not None:
+                attributes["engine.status_code"] = observer.status
+        self.tracing.end(span, status, attributes)
 
     async def _handle_tracked(
         self,
@@ -157,6 +191,7 @@ class Relay:
         priority: int | None,
         endpoint: Endpoint | None,
         observer: RequestObserver | None,
+        span: Span | None = None,
     ) -> web.StreamResponse:
         try:
             body = await request.read()
@@ -184,6 +219,8 @@ class Relay:
             limit=self.hub.effective_limit(gen),
         )
         self._record_admission(gen.model_id, decision)
+        if span is not None:
+            span.set_attributes(_admission_attributes(decision))
         if decision.rejected:
             return self._reject(decision)
         headers = upstream_headers(
@@ -192,6 +229,8 @@ class Relay:
             priority=priority,
             dynamo_ceiling=self._ceiling,
         )
+        if span is not None and self.tracing is not None:
+            self.tracing.inject(span, headers)  # the engine continues this trace
         return await self._relay(request, self.s.upstream_base_url + request.path_qs, headers, body, observer)
 
     def _record_admission(self, model: str, decision: admission.Decision) -> None:
@@ -345,6 +384,18 @@ class Relay:
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
             return False, b""
         return scanner.output_seen, tail
+
+
+def _admission_attributes(decision: admission.Decision) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {"pylon.admission.result": decision.result.value}
+    for name, value in (
+        ("expected_ms", decision.expected_ms),
+        ("actual_ms", decision.actual_ms),
+        ("threshold_ms", decision.threshold_ms),
+    ):
+        if value is not None:
+            attributes[f"pylon.queue.{name}"] = value
+    return attributes
 
 
 def _problem(exc: StargateError) -> web.Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -28,6 +29,10 @@ from stargate.router.plain_client import PlainClients, PlainClientSettings
 from stargate.router.proxy import ProxyHandler, ProxySettings
 from stargate.router.state import RoutingState
 from stargate.router.transport import HttpTransport, make_session
+from stargate.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from stargate.otel import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,8 @@ class StargateSettings:
     stargate_discovery_dns_name: str | None = None
     disable_dns_discovery: bool = False
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    otel_endpoint: str | None = None
+    otel_service_name: str = "stargate"
     """Peer lookup; its ``dns_name`` is set only when discovery is enabled."""
     grpc_pylon_dial_addr: str | None = None
     remote_stargate_urls: tuple[str, ...] = ()
@@ -94,8 +101,16 @@ def _join(host: str, port: int) -> str:
 
 
 class StargateServer:
-    def __init__(self, settings: StargateSettings, *, metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: StargateSettings,
+        *,
+        metrics: RouterMetrics | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.settings = settings
+        self.tracing = tracing
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
         self.state = RoutingState(on_active_count=self.metrics.set_active)
         self.endpoints = Endpoints(
@@ -118,6 +133,8 @@ class StargateServer:
         split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
         advertise_host, _ = split_host_port(s.advertise_addr, "--advertise-addr")
         plain = PlainClients(s.plain_clients) if s.plain_clients is not None else None  # may load a tokenizer
+        if self.tracing is None:
+            self.tracing = setup_tracing(s.otel_endpoint, s.otel_service_name)
         self._session = make_session(s.connect_timeout_ms / 1000.0, s.backend_connection_limit)
         transport = HttpTransport(
             self._session,
@@ -127,7 +144,7 @@ class StargateServer:
         machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=effective_queue_ms)
         driver = AttemptDriver(self.state, machine, transport, self.metrics)
         self.proxy = proxy = ProxyHandler(
-            driver, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain
+            driver, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain, tracing=self.tracing
         )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
@@ -176,6 +193,8 @@ class StargateServer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     async def _serve(self, app: web.Application, host: str, port: int, flag: str) -> tuple[str, int]:
         # Request bodies are forwarded as received, Content-Encoding included: never decompressed here.

@@ -208,9 +208,9 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "--otel-endpoint",
         env_var="OTEL_EXPORTER_OTLP_ENDPOINT",
         default=None,
-        help="accepted; tracing is off",
+        help="OTLP/HTTP base URL: export one span per request to URL/v1/traces (needs the otel extra)",
     )
-    add("--otel-service-name", default="stargate", help="accepted; tracing is off")
+    add("--otel-service-name", default="stargate", help="service.name of exported spans")
     add("--secrets-path", env_var="SECRETS_PATH", default=None, help="accepted; unused without worker auth")
     add("--secrets-json-path", env_var="SECRETS_JSON_PATH", default="authToken", help="accepted; unused")
     add("--worker-auth-endpoint", default=None, help="not supported: registrations use open authentication")
@@ -305,6 +305,8 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         stargate_discovery_dns_name=options.stargate_discovery_dns_name,
         disable_dns_discovery=options.disable_dns_discovery,
         discovery=discovery_settings(options),
+        otel_endpoint=options.otel_endpoint,
+        otel_service_name=options.otel_service_name,
         grpc_pylon_dial_addr=options.grpc_pylon_dial_addr,
         remote_stargate_urls=urls,
         watch_heartbeat_ms=options.watch_heartbeat_ms,
@@ -336,8 +338,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"stargate: {exc.describe()}", file=sys.stderr)
         return EXIT_USAGE
-    if options.otel_endpoint:
-        log.warning("--otel-endpoint is accepted but tracing export is not available; continuing without it")
     return _run(serve(settings))
 
 

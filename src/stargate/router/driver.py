@@ -49,6 +49,7 @@ from stargate.router.metrics import RouterMetrics
 from stargate.router.replay import ReplayBody
 from stargate.router.retry_signal import retry_signal
 from stargate.router.transport import BackendRef, Transport, UpstreamResponse
+from stargate.tracing import RouteTrace
 
 EXPECTED_QUEUE_HEADER = "x-stargate-expected-queue-ms"
 START = Start()
@@ -120,7 +121,9 @@ class AttemptDriver:
         path_qs: str,
         headers: CIMultiDict[str],
         replay: ReplayBody,
+        trace: RouteTrace | None = None,
     ) -> Outcome:
+        """``trace``, when given, receives the routing facts for the request's span."""
         target, metrics, clock = request.target, self._metrics, self._clock
         state = start(request)
         event: Event = START
@@ -133,6 +136,8 @@ class AttemptDriver:
             state, action = self._machine.step(state, event, snapshot, clock(), self._rng)
             if state.notes:
                 self._count(target, state.notes)
+                if trace is not None:
+                    trace.retry_reasons.extend(n.reason for n in state.notes if isinstance(n, Retried))
             if response is not None and not isinstance(action, Relay):
                 response.release()
                 self._state.finish(reservation)
@@ -144,6 +149,8 @@ class AttemptDriver:
                 event = Picked(picked)
             elif isinstance(action, Sleep):
                 await self._sleep(action.seconds)
+                if trace is not None:
+                    trace.waited_s += action.seconds
                 event = WOKE
             elif isinstance(action, Send):
                 backend = action.backend
@@ -163,6 +170,11 @@ class AttemptDriver:
                 attempt_headers = headers.copy()
                 if action.expected_queue_ms is not None:
                     attempt_headers[EXPECTED_QUEUE_HEADER] = str(action.expected_queue_ms)
+                if trace is not None:
+                    trace.attempts += 1
+                    trace.backend_id, trace.cluster_id = backend_id, backend.cluster_id
+                    if action.choice is not None:
+                        trace.rank_depth = action.choice.rank_depth
                 try:
                     response = await self._transport.send(
                         backend, method, path_qs, attempt_headers, replay.body()

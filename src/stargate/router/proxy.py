@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -24,6 +25,7 @@ from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.headers import (
     REQUEST_DROPPED,
     RESPONSE_DROPPED,
+    ProxyRequest,
     ResolveAlgorithm,
     filter_headers,
     parse_request,
@@ -32,8 +34,13 @@ from stargate.router.headers import (
 from stargate.router.metrics import RouterMetrics
 from stargate.router.plain_client import PlainClients
 from stargate.router.replay import ReplayBody
+from stargate.tracing import RouteTrace
+
+if TYPE_CHECKING:
+    from stargate.otel import Span, Tracing
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
@@ -52,8 +59,10 @@ class ProxyHandler:
         *,
         clock: Callable[[], float] = time.monotonic,
         plain: PlainClients | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._driver = driver
+        self._tracing = tracing
         self._plain = plain
         self._metrics = metrics
         self._resolve = resolve
@@ -92,30 +101,78 @@ class ProxyHandler:
             parsed = dataclasses.replace(parsed, max_wait_ms=self._settings.default_max_wait_ms)
         self.in_flight += 1
         self._idle.clear()
+        traced = self._begin_span(headers, parsed) if self._tracing is not None else None
+        status = 500
         try:
-            source: AsyncIterable[bytes] | None = request.content.iter_any() if request.body_exists else None
-            if body is not None:
-                source = _once(body)
-            replay = ReplayBody(source, self._settings.max_replay_body_bytes)
-            forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
-            try:
-                outcome = await self._driver.run(parsed, request.method, request.path_qs, forwarded, replay)
-            except Exception:
-                log.exception(
-                    "request %s for model %s failed inside the proxy",
-                    parsed.request_id,
-                    parsed.target.model_id,
-                )
-                self._metrics.request_finished(parsed.target, "", 500)
-                return error_response(StargateError("internal proxy error"))
-            if isinstance(outcome, LocalFailure):
-                self._metrics.request_finished(parsed.target, outcome.backend_id, outcome.error.status)
-                return error_response(outcome.error)
-            return await self._relay(request, outcome, parsed.target)
+            response = await self._proxy(request, parsed, headers, body, traced)
+            status = response.status
+            return response
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+            if traced is not None:
+                self._end_span(parsed, status, *traced)
+
+    def _begin_span(self, headers: Mapping[str, str], parsed: ProxyRequest) -> tuple[Span, RouteTrace]:
+        assert self._tracing is not None
+        attributes = {"request.id": parsed.request_id, "model": parsed.target.model_id}
+        if parsed.target.routing_key is not None:
+            attributes["routing.key"] = parsed.target.routing_key
+        return self._tracing.start("proxy_openai_request", headers, attributes), RouteTrace()
+
+    def _end_span(self, parsed: ProxyRequest, status: int, span: Span, route: RouteTrace) -> None:
+        """The routing decision on the request's span (names after the original's span fields)."""
+        assert self._tracing is not None
+        self._tracing.end(
+            span,
+            status,
+            {
+                "routing.algorithm": parsed.definition.algorithm.value,
+                "routing.rank_depth": route.rank_depth,
+                "routing.wait_ms": round(route.waited_s * 1000.0, 3),
+                "routing.retry_attempts": max(0, route.attempts - 1),
+                "proxy.attempt": route.attempts,
+                "proxy.retry_reason": route.retry_reasons,
+                "selected_inst.id": route.backend_id,
+                "selected_cluster.id": route.cluster_id,
+            },
+        )
+
+    async def _proxy(
+        self,
+        request: web.Request,
+        parsed: ProxyRequest,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        traced: tuple[Span, RouteTrace] | None,
+    ) -> web.StreamResponse:
+        source: AsyncIterable[bytes] | None = request.content.iter_any() if request.body_exists else None
+        if body is not None:
+            source = _once(body)
+        replay = ReplayBody(source, self._settings.max_replay_body_bytes)
+        forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
+        route = None
+        if traced is not None:
+            assert self._tracing is not None
+            self._tracing.inject(traced[0], forwarded)
+            route = traced[1]
+        try:
+            outcome = await self._driver.run(
+                parsed, request.method, request.path_qs, forwarded, replay, route
+            )
+        except Exception:
+            log.exception(
+                "request %s for model %s failed inside the proxy",
+                parsed.request_id,
+                parsed.target.model_id,
+            )
+            self._metrics.request_finished(parsed.target, "", 500)
+            return error_response(StargateError("internal proxy error"))
+        if isinstance(outcome, LocalFailure):
+            self._metrics.request_finished(parsed.target, outcome.backend_id, outcome.error.status)
+            return error_response(outcome.error)
+        return await self._relay(request, outcome, parsed.target)
 
     async def _relay(self, request: web.Request, outcome: Passthrough, target: Target) -> web.StreamResponse:
         upstream, backend = outcome.response, outcome.backend

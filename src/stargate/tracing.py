@@ -1,0 +1,45 @@
+"""Request tracing switch and the routing facts a Stargate span reports (spec stargate.md §6).
+
+Tracing is off unless ``--otel-endpoint`` (or ``OTEL_EXPORTER_OTLP_ENDPOINT``) is given; then
+``stargate.otel`` (the optional ``otel`` extra: OpenTelemetry SDK and OTLP/HTTP exporter) exports
+spans to ``URL/v1/traces``. When off, nothing of OpenTelemetry is imported and the request paths
+only test ``tracing is None``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from stargate.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stargate.otel import Tracing
+
+
+@dataclass(slots=True)
+class RouteTrace:
+    """What the attempt driver saw of one request's routing; filled only while tracing."""
+
+    rank_depth: int = 0
+    waited_s: float = 0.0
+    attempts: int = 0
+    backend_id: str = ""
+    cluster_id: str = ""
+    retry_reasons: list[str] = field(default_factory=list)
+
+
+def setup_tracing(endpoint: str | None, service_name: str, flag: str = "--otel-endpoint") -> Tracing | None:
+    """An OTLP/HTTP exporting tracer for ``endpoint``, or None when no endpoint is set."""
+    url = (endpoint or "").strip()
+    if not url:
+        return None
+    try:
+        otel = importlib.import_module("stargate.otel")  # the optional extra, loaded only when tracing
+    except ImportError as exc:
+        raise ConfigError(
+            "tracing needs the otel extra: pip install 'stargate-router[otel]'", path=flag
+        ) from exc
+    tracing: Tracing = otel.otlp_http(url, service_name)
+    return tracing

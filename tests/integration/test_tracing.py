@@ -1,0 +1,182 @@
+"""OpenTelemetry spans (in-memory exporter): one per request in Stargate with the routing decision
+and one in Pylon with admission and engine timing, joined by W3C ``traceparent`` from the gateway
+through Stargate and Pylon to the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+import pytest
+from grpc import aio
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from test_proxy_contract import FakeBackend, Reply, registration, rejection, settings
+from test_pylon_support import FakeEngine
+
+from stargate.otel import Tracing, traces_url
+from stargate.proto import stargate_pb2_grpc
+from stargate.pylon.app import PylonApp
+from stargate.pylon.config import parse_settings
+from stargate.router.app import StargateServer
+from stargate.tracing import setup_tracing
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+GATEWAY_SPAN = "00f067aa0ba902b7"
+GATEWAY = {"traceparent": f"00-{TRACE_ID}-{GATEWAY_SPAN}-01"}
+CHAT = orjson.dumps({"model": "llama", "messages": [], "stream": True})
+HEADERS = {"x-request-id": "r-traced", "x-model": "llama", "x-input-tokens": "10", **GATEWAY}
+
+
+@dataclass
+class Exported:
+    exporter: InMemorySpanExporter
+
+    def tracing(self, service: str) -> Tracing:
+        return Tracing(service, SimpleSpanProcessor(self.exporter))
+
+    def one(self, name: str) -> ReadableSpan:
+        (span,) = [s for s in self.exporter.get_finished_spans() if s.name == name]
+        return span
+
+
+@pytest.fixture
+def exported() -> Exported:
+    return Exported(InMemorySpanExporter())
+
+
+def span_id(span: ReadableSpan) -> str:
+    assert span.context is not None
+    return f"{span.context.span_id:016x}"
+
+
+def parent_id(span: ReadableSpan) -> str:
+    assert span.parent is not None
+    return f"{span.parent.span_id:016x}"
+
+
+def trace_id(span: ReadableSpan) -> str:
+    assert span.context is not None
+    return f"{span.context.trace_id:032x}"
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    e = await FakeEngine().start()
+    yield e
+    await e.close()
+
+
+async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported, engine: FakeEngine) -> None:
+    server = StargateServer(settings(), tracing=exported.tracing("stargate"))
+    bound = await server.start()
+    pylon = PylonApp(
+        parse_settings(["--upstream-http-base-url", engine.url, "--stargate-address", bound.grpc,
+                        "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--model-name", "llama",
+                        "--disable-bringup", "--initial-input-tps", "1000",
+                        "--min-update-interval-ms", "50"]),
+        out=io.StringIO(),
+        tracing=exported.tracing("pylon"),
+    )  # fmt: skip
+    try:
+        await pylon.start()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
+            async with asyncio.timeout(10):
+                while server.state.list_models(None, []) != ["llama"]:
+                    await asyncio.sleep(0.02)
+            url = f"http://{bound.http}/v1/chat/completions"
+            async with http.post(url, data=CHAT, headers=HEADERS) as resp:
+                assert resp.status == 200
+                await resp.read()
+    finally:
+        await pylon.close()
+        await server.shutdown(drain_timeout_s=1.0)
+    routed, relayed = exported.one("proxy_openai_request"), exported.one("pylon_request")
+    assert (trace_id(routed), parent_id(routed)) == (TRACE_ID, GATEWAY_SPAN)
+    assert (trace_id(relayed), parent_id(relayed)) == (TRACE_ID, span_id(routed))
+    (sent,) = [h for _, path, h, _ in engine.requests if path == "/v1/chat/completions"]
+    assert sent["traceparent"] == f"00-{TRACE_ID}-{span_id(relayed)}-01"
+    assert routed.resource.attributes["service.name"] == "stargate"
+    assert dict(routed.attributes or {}) == {
+        "request.id": "r-traced",
+        "model": "llama",
+        "routing.algorithm": "power-of-n",
+        "routing.rank_depth": 1,
+        "routing.wait_ms": 0,
+        "routing.retry_attempts": 0,
+        "proxy.attempt": 1,
+        "proxy.retry_reason": (),
+        "selected_inst.id": "pylon",
+        "selected_cluster.id": "pylon",
+        "http.response.status_code": 200,
+    }
+    attributes = dict(relayed.attributes or {})
+    assert attributes["pylon.admission.result"] == "accepted"
+    assert attributes["pylon.queue.expected_ms"] >= 0
+    assert (
+        0 < attributes["engine.time_to_response_headers_ms"] <= attributes["engine.time_to_first_output_ms"]
+    )
+    assert (attributes["engine.status_code"], attributes["http.response.status_code"]) == (200, 200)
+    assert attributes["pylon.request.state"] == "complete"
+
+
+async def test_stargate_span_records_attempts_retry_reasons_and_the_chosen_backend(
+    exported: Exported,
+) -> None:
+    server = StargateServer(settings(), tracing=exported.tracing("stargate"))
+    bound = await server.start()
+    busy, free = FakeBackend("busy", [rejection("queue_estimate_mismatch")]), FakeBackend("free", [Reply()])
+    try:
+        async with aio.insecure_channel(bound.grpc) as channel, aiohttp.ClientSession() as http:
+            stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)
+            calls = []
+            for backend, tps in ((busy, 1_000_000.0), (free, 1.0)):  # "busy" ranks first
+                await backend.start()
+                call = stub.RegisterInferenceServer(timeout=30)
+                await call.write(registration(backend, last_mean_input_tps=tps))
+                await asyncio.wait_for(call.read(), 10)
+                calls.append(call)
+            headers = {**HEADERS, "x-model": "m"}
+            async with http.post(
+                f"http://{bound.http}/v1/chat/completions", data=b"{}", headers=headers
+            ) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-inference-server-id"] == "free"
+                await resp.read()
+            for call in calls:
+                call.cancel()
+    finally:
+        await busy.stop()
+        await free.stop()
+        await server.shutdown(drain_timeout_s=1.0)
+    attributes = dict(exported.one("proxy_openai_request").attributes or {})
+    assert attributes["proxy.attempt"] == 2
+    assert attributes["routing.retry_attempts"] == 1
+    assert attributes["proxy.retry_reason"] == ("queue_estimate_mismatch",)
+    assert attributes["selected_inst.id"] == "free"
+    assert busy.requests[0][1]["traceparent"].split("-")[1] == TRACE_ID
+
+
+def test_tracing_is_off_without_an_endpoint_and_exports_to_the_traces_path() -> None:
+    assert setup_tracing(None, "stargate") is None
+    assert setup_tracing("  ", "stargate") is None
+    assert traces_url("http://collector:4318/") == "http://collector:4318/v1/traces"
+    tracing = setup_tracing("http://127.0.0.1:9", "stargate")
+    assert tracing is not None
+    tracing.shutdown()
+
+
+def test_without_tracing_no_opentelemetry_module_is_loaded() -> None:
+    code = (
+        "import sys, stargate.router.cli, stargate.pylon.cli; "
+        "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry', 'stargate.otel'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
