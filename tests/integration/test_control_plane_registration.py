@@ -19,7 +19,7 @@ from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.proto import stargate_pb2_grpc
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
-from stargate.router.health import HealthProber, wait_stopped
+from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.state import RoutingState
 
 T = Target(None, "model-a")
@@ -72,8 +72,7 @@ async def make_harness(**overrides: object) -> AsyncIterator[Harness]:
         "stargate_id": "sg-1",
         "advertise_addr": "127.0.0.1:0",
         "http_advertise_addr": "127.0.0.1:8000",
-        "health_interval_s": 60.0,
-        "health_timeout_s": 2.0,
+        "health": HealthSettings(interval_s=60.0, timeout_s=2.0),
     }
     values.update(overrides)
     settings = ControlPlaneSettings(**values)  # type: ignore[arg-type]
@@ -174,18 +173,20 @@ async def test_83_failing_health_makes_backend_unroutable_until_recovery(harness
 
 
 async def test_prober_status_follows_each_probe(harness: Harness) -> None:
-    prober = HealthProber(harness.session, harness.health.url + "/", "x", timeout_s=2.0)
+    slow = HealthSettings(timeout_s=2.0)
+    prober = HealthProber(harness.session, harness.health.url + "/", "x", settings=slow)
     assert await prober.probe() is not None
     assert prober.rtt_ns is not None
     harness.health.healthy = False
     assert await prober.rtt_for_update() == prober.rtt_ns
     assert await prober.probe() is None
-    unreachable = HealthProber(harness.session, "http://127.0.0.1:1", "y", timeout_s=2.0)
+    unreachable = HealthProber(harness.session, "http://127.0.0.1:1", "y", settings=slow)
     assert await unreachable.rtt_for_update() is None
 
 
 async def test_background_loop_updates_status_until_stopped(harness: Harness) -> None:
-    prober = HealthProber(harness.session, harness.health.url, "loop", interval_s=0.0, timeout_s=2.0)
+    settings = HealthSettings(interval_s=0.0, recheck_s=0.0, timeout_s=2.0)
+    prober = HealthProber(harness.session, harness.health.url, "loop", settings=settings)
     harness.health.healthy = False
     prober.rtt_ns = 1
     prober.start()

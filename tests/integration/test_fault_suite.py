@@ -65,8 +65,6 @@ async def run_one(scenario: Any, out: Path) -> RunOutcome:
     return outcome
 
 
-@pytest.mark.xfail(strict=True, reason="Stargate passes on the Pylon's non-retryable 503 for a refused "
-                   "engine connection instead of retrying on a sibling")
 async def test_engine_kill_mid_load_loses_nothing_that_had_not_reached_an_engine(tmp_path: Path) -> None:
     scenario = scenario_with([{"at_request": 40, "backend_index": 0, "action": "kill_engine"}], 120, tmp_path)
     outcome = await run_one(scenario, tmp_path / "out")

@@ -25,6 +25,7 @@ from stargate.proto import stargate_pb2 as pb
 from stargate.proto import stargate_pb2_grpc
 from stargate.router.app import StargateServer, StargateSettings
 from stargate.router.attempt import RetrySettings
+from stargate.router.health import HealthSettings
 from stargate.router.proxy import ProxySettings
 
 MODEL = "m"
@@ -172,7 +173,7 @@ def settings(**overrides: object) -> StargateSettings:
         metrics_host="127.0.0.1",
         metrics_port=0,
         disable_dns_discovery=True,
-        health_interval_s=30.0,
+        health=HealthSettings(interval_s=30.0),
         connect_timeout_ms=1000,
         request_timeout_ms=5000,
     )

@@ -24,6 +24,7 @@ from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
 from stargate.router.discovery import DiscoverySettings
 from stargate.router.driver import AttemptDriver
 from stargate.router.endpoints import Endpoints
+from stargate.router.health import HealthSettings
 from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
 from stargate.router.plain_client import PlainClients, PlainClientSettings
 from stargate.router.proxy import ProxyHandler, ProxySettings
@@ -68,7 +69,7 @@ class StargateSettings:
     watch_heartbeat_ms: int = 5_000
     registration_idle_timeout_ms: int = 60_000
     registration_max_idle_timeout_ms: int = 300_000
-    health_interval_s: float = 1.0
+    health: HealthSettings = field(default_factory=HealthSettings)
     tunnel_protocol: str = "raw-quic"
     direct_quic_connections: int = 1
     plain_clients: PlainClientSettings | None = None  # None = the spec's header contract only
@@ -239,8 +240,7 @@ class StargateServer:
             watch_heartbeat_ms=s.watch_heartbeat_ms,
             idle_timeout_floor_ms=s.registration_idle_timeout_ms,
             idle_timeout_cap_ms=s.registration_max_idle_timeout_ms,
-            health_interval_s=s.health_interval_s,
-            health_timeout_s=s.connect_timeout_ms / 1000.0 + 1.0,
+            health=s.health,
         )
 
     def _debug_config(self) -> Mapping[str, object]:

@@ -5,6 +5,8 @@ on every end the backend's probing stops and ``RoutingState.remove`` drops its r
 id and retires its cluster generation, in that order. Every applied update is acknowledged, also
 when the health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the
 original skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
+Between updates the backend's health prober ejects it from routing after consecutive failed probes
+and re-applies its latest update when a probe succeeds again (``router/health.py``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import aiohttp
 import grpc
 from grpc import aio
 
+from stargate.balancer.types import ModelStats
 from stargate.errors import ConfigError, RequestError
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.router import watch
 from stargate.router.discovery import DiscoveryFailed, DiscoverySettings, PeerDiscovery, with_self
-from stargate.router.health import HealthProber, wait_stopped
+from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.registration import (
     HEARTBEAT_METADATA_KEY,
     Identity,
@@ -62,8 +65,7 @@ class ControlPlaneSettings:
     watch_heartbeat_ms: int = 5000
     idle_timeout_floor_ms: int = 60000
     idle_timeout_cap_ms: int = 300000
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 2.0
+    health: HealthSettings = field(default_factory=HealthSettings)
     auth_timeout_s: float = 10.0
     max_registrations: int = 10_000
     max_models_per_registration: int = 4096
@@ -258,17 +260,33 @@ class ControlPlane:
         idle_s: float | None,
     ) -> None:
         settings = self._settings
+        backend_id = identity.inference_server_id
+        latest: dict[str, ModelStats | None] = {}  # the last update, re-applied when a backend returns
+
+        def eject(failures: int) -> None:
+            log.warning(
+                "backend %s out of routing: %d health probes in a row failed", backend_id, failures
+            )
+            self._state.apply_update(handle, dict.fromkeys(latest), None)
+
+        def restore(rtt_ns: int) -> None:
+            log.warning("backend %s back in routing: its health probe succeeded", backend_id)
+            self._state.apply_update(handle, latest, rtt_ns)
+
         prober = HealthProber(
             self._session,
             identity.inference_server_url,
-            identity.inference_server_id,
-            interval_s=settings.health_interval_s,
-            timeout_s=settings.health_timeout_s,
+            backend_id,
+            settings=settings.health,
+            on_eject=eject,
+            on_restore=restore,
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
         try:
             while message is not None:
                 updates = model_updates(message, max_models=settings.max_models_per_registration)
+                latest.clear()
+                latest.update(updates)
                 rtt_ns = await prober.rtt_for_update()
                 if self._stopping.is_set():
                     await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)

@@ -1,8 +1,15 @@
-"""RTT health probes of one registered backend (spec §1.7).
+"""Active health checks of one registered backend: RTT probes (spec §1.7) and fast ejection.
 
 A probe is ``GET <url>/health``; success is a 2xx status with the body fully read (within a size
-cap), and the RTT is the time from send to end of body. A backend without a measured RTT is not
-routable; a failing probe only takes effect at the next processed update.
+cap) before ``timeout_s``, and the RTT is the time from send to end of body. A backend without a
+measured RTT is not routable.
+
+Ejection (in the manner of Envoy's outlier detection; the original waited for the next
+registration update, which a frozen Pylon never sends): after ``unhealthy_threshold`` probes in a
+row fail, ``on_eject`` takes the backend out of routing at once; the first probe that succeeds
+again calls ``on_restore(rtt)``. While a backend fails, it is probed every ``recheck_s`` instead of
+every ``interval_s``, so with the defaults a backend that stops answering leaves routing within
+``interval + threshold x timeout + recheck`` = 2.25 s.
 """
 
 from __future__ import annotations
@@ -10,15 +17,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 
 MAX_HEALTH_BODY_BYTES = 64 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    interval_s: float = 1.0
+    """Between probes of a healthy backend (the spec's ``HEALTH_CHECK_INTERVAL``)."""
+    timeout_s: float = 0.5
+    """One probe, from send to the end of the body."""
+    recheck_s: float = 0.25
+    """Between probes once a probe failed."""
+    unhealthy_threshold: int = 2
+    """Consecutive failed probes that eject the backend from routing."""
+
+
 class HealthProber:
-    """Background ``Ready(rtt)``/``Pending`` status of one backend plus on-demand probes."""
+    """Background ``Ready(rtt)``/``Pending`` status of one backend, on-demand probes, and ejection."""
 
     def __init__(
         self,
@@ -26,9 +46,11 @@ class HealthProber:
         url: str,
         inference_server_id: str,
         *,
-        interval_s: float = 1.0,
-        timeout_s: float = 2.0,
+        settings: HealthSettings | None = None,
         clock_ns: Callable[[], int] = time.perf_counter_ns,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_eject: Callable[[int], None] | None = None,
+        on_restore: Callable[[int], None] | None = None,
     ) -> None:
         self._session = session
         self._url = url.rstrip("/") + "/health"
@@ -37,12 +59,18 @@ class HealthProber:
             "x-model": "stargate-health",
             "x-input-tokens": "0",
         }
-        self._interval_s = interval_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._settings = settings = settings or HealthSettings()
+        self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
         self._clock_ns = clock_ns
+        self._sleep = sleep
+        self._on_eject = on_eject
+        self._on_restore = on_restore
         self._task: asyncio.Task[None] | None = None
         self.rtt_ns: int | None = None
         """Latest status: the RTT of the last successful probe (``Ready``), ``None`` for ``Pending``."""
+        self.failures = 0
+        """Probes failed in a row."""
+        self.ejected = False
 
     async def probe(self) -> int | None:
         """One probe; records and returns its RTT in ns, or ``None`` on any failure."""
@@ -58,7 +86,22 @@ class HealthProber:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             ok = False
         self.rtt_ns = self._clock_ns() - started if ok else None
+        self._count(self.rtt_ns)
         return self.rtt_ns
+
+    def _count(self, rtt_ns: int | None) -> None:
+        if rtt_ns is not None:
+            self.failures = 0
+            if self.ejected:
+                self.ejected = False
+                if self._on_restore is not None:
+                    self._on_restore(rtt_ns)
+            return
+        self.failures += 1
+        if not self.ejected and self.failures >= self._settings.unhealthy_threshold:
+            self.ejected = True
+            if self._on_eject is not None:
+                self._on_eject(self.failures)
 
     async def rtt_for_update(self) -> int | None:
         """RTT for a registration update: the ready status if any, else one inline probe."""
@@ -78,8 +121,9 @@ class HealthProber:
         return task
 
     async def _run(self) -> None:
+        settings = self._settings
         while True:
-            await asyncio.sleep(self._interval_s)
+            await self._sleep(settings.recheck_s if self.failures else settings.interval_s)
             await self.probe()
 
 

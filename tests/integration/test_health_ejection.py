@@ -1,0 +1,193 @@
+"""Active health checks eject a backend that stops answering, and bring it back (real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+from grpc import aio
+
+from stargate.balancer.types import Target
+from stargate.proto import stargate_pb2 as pb
+from stargate.proto import stargate_pb2_grpc
+from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
+from stargate.router.health import HealthProber, HealthSettings
+from stargate.router.state import RoutingState
+
+T = Target(None, "model-a")
+FAST = HealthSettings(interval_s=0.0, timeout_s=0.05, recheck_s=0.0, unhealthy_threshold=2)
+
+
+@dataclass
+class StandIn:
+    """A backend's /health that answers, or hangs (a frozen Pylon) until released."""
+
+    hanging: bool = False
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if self.hanging:
+            await asyncio.wait_for(self.release.wait(), 10)
+        return web.Response(text="ok")
+
+
+@pytest.fixture
+async def stand_in() -> AsyncIterator[StandIn]:
+    backend = StandIn()
+    app = web.Application()
+    app.router.add_get("/health", backend.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    backend.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield backend
+    backend.release.set()
+    await runner.cleanup()
+
+
+async def test_consecutive_failures_eject_and_one_success_restores(stand_in: StandIn) -> None:
+    events: list[tuple[str, int]] = []
+    async with aiohttp.ClientSession() as session:
+        prober = HealthProber(
+            session,
+            stand_in.url,
+            "b1",
+            settings=FAST,
+            on_eject=lambda n: events.append(("eject", n)),
+            on_restore=lambda rtt: events.append(("restore", rtt)),
+        )
+        assert await prober.probe() is not None
+        stand_in.hanging = True
+        assert await prober.probe() is None and events == []  # one failure is not enough
+        assert await prober.probe() is None and events == [("eject", 2)]
+        assert await prober.probe() is None and events == [("eject", 2)]  # ejected once
+        stand_in.hanging = False
+        rtt = await prober.probe()
+        assert rtt is not None and events == [("eject", 2), ("restore", rtt)]
+        assert (prober.failures, prober.ejected) == (0, False)
+
+
+async def test_probe_loop_rechecks_sooner_after_a_failure(stand_in: StandIn) -> None:
+    sleeps: list[float] = []
+    settings = HealthSettings(interval_s=1.0, timeout_s=0.05, recheck_s=0.2, unhealthy_threshold=3)
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 4:
+            stand_in.hanging = False
+        if len(sleeps) > 5:
+            await asyncio.Event().wait()  # park the loop; stop() cancels it
+        await asyncio.sleep(0)
+
+    stand_in.hanging = True
+    async with aiohttp.ClientSession() as session:
+        prober = HealthProber(session, stand_in.url, "b1", settings=settings, sleep=sleep)
+        prober.start()
+        async with asyncio.timeout(5):
+            while len(sleeps) <= 5:
+                await asyncio.sleep(0.01)
+        task = prober.stop()
+        assert task is not None
+        await asyncio.gather(task, return_exceptions=True)
+    # failures: probe 1, 2, 3 fail (hanging), probe 4 succeeds, then the healthy interval again
+    assert sleeps[:6] == [1.0, 0.2, 0.2, 0.2, 1.0, 1.0]
+
+
+@dataclass
+class Plane:
+    state: RoutingState
+    stub: stargate_pb2_grpc.StargateControlPlaneStub
+
+
+async def start_plane(health: HealthSettings) -> AsyncIterator[Plane]:
+    settings = ControlPlaneSettings(
+        stargate_id="sg-1", advertise_addr="127.0.0.1:0", http_advertise_addr="127.0.0.1:8000", health=health
+    )
+    state = RoutingState()
+    async with aiohttp.ClientSession() as session:
+        plane = ControlPlane(state, settings, session)
+        grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
+        async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            yield Plane(state, stargate_pb2_grpc.StargateControlPlaneStub(channel))
+        await plane.stop(0.5)
+
+
+async def register(plane: Plane, url: str) -> aio.StreamStreamCall:
+    call = plane.stub.RegisterInferenceServer(timeout=30)
+    message = pb.InferenceServerRegistration(inference_server_id="b1", inference_server_url=url)
+    entry = message.models["model-a"]
+    entry.status = pb.INFERENCE_SERVER_STATUS_ACTIVE  # type: ignore[assignment]
+    entry.stats.last_mean_input_tps = 100.0
+    await call.write(message)
+    await call.read()
+    return call
+
+
+async def until_routable(state: RoutingState, routable: bool, timeout_s: float = 5.0) -> float:
+    """Seconds until the target's routability is ``routable`` (checked every 10 ms)."""
+    started = time.monotonic()
+    async with asyncio.timeout(timeout_s):
+        while (state.view(T) is not None) != routable:
+            await asyncio.sleep(0.01)
+    return time.monotonic() - started
+
+
+async def test_a_hung_backend_leaves_routing_without_a_heartbeat_and_returns(stand_in: StandIn) -> None:
+    async for plane in start_plane(FAST):
+        call = await register(plane, stand_in.url)
+        assert plane.state.view(T) is not None
+        stand_in.hanging = True
+        await until_routable(plane.state, False)
+        assert plane.state.is_registered("b1") and plane.state.is_advertised(T)  # 503, not 404
+        stand_in.hanging = False
+        stand_in.release.set()
+        await until_routable(plane.state, True)
+        call.cancel()
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("content-length", "2"); self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+async def test_a_frozen_backend_process_leaves_routing_within_3_s_with_the_defaults() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", HEALTH_SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert process.stdout is not None
+        port = int(await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 10))
+        async for plane in start_plane(HealthSettings()):
+            call = await register(plane, f"http://127.0.0.1:{port}")
+            assert plane.state.view(T) is not None
+            os.kill(process.pid, signal.SIGSTOP)
+            left_after = await until_routable(plane.state, False, timeout_s=10)
+            os.kill(process.pid, signal.SIGCONT)
+            await until_routable(plane.state, True)
+            call.cancel()
+        assert left_after <= 3.0
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        process.kill()
+        process.wait(5)
+        if process.stdout is not None:
+            process.stdout.close()
