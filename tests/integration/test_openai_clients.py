@@ -7,6 +7,7 @@ header contract exactly as before (non-streaming chat refused by Pylon, no /v1/c
 
 from __future__ import annotations
 
+import gzip
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,6 +113,12 @@ async def test_plain_client_mode_fills_headers_and_keeps_sent_ones(plain: str) -
                 # 11 prompt bytes at 4 bytes per token.
                 assert resp.headers["x-mock-input-tokens"] == "3"
         assert hits == ["false", "true"]
+        # A gzip body is read decoded by the router and Pylon and reaches the engine still compressed.
+        packed = gzip.compress(orjson.dumps(chat))
+        headers = {"content-encoding": "gzip", "content-type": "application/json"}
+        async with http.post(plain + "/chat/completions", data=packed, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-mock-input-tokens"] == "3"
         # A header-complete request is forwarded unparsed: the router does not look at this body.
         async with http.post(plain + "/chat/completions", data=b"not json", headers=HEADERS) as resp:
             assert resp.status == 400

@@ -277,7 +277,8 @@ class WaitAndWiden:
 
     With ``cache_affinity_yield_margin_ms`` (not in the original) the group yields to load: when
     its best estimate is worse than the best selectable global one by more than the margin, the
-    request is routed globally at once (``rank_depth`` 2), before or after X.
+    request is routed globally at once (``rank_depth`` 2), before or after X, and the key follows
+    it: its KV cache is where that request went, so that cluster becomes the key's group.
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
@@ -310,9 +311,16 @@ class WaitAndWiden:
         key = request.cache_affinity_key
         groups = self._groups
         if key and groups is not None:
-            return self._decide_with_affinity(
+            decision = self._decide_with_affinity(
                 candidates, request, groups.group(candidates, request.target, key), queue_limit, rng
             )
+            if (
+                self._yield_margin is not None
+                and isinstance(decision, Selected)
+                and decision.choice.rank_depth == GLOBAL_RANK_DEPTH
+            ):
+                groups.follow(key, decision.choice.index)
+            return decision
         return as_decision(
             selector.phase(candidates, None, request, 1.0, request.elapsed_ms, queue_limit, rng)
         )

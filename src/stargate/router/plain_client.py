@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from stargate.body_coding import decoded
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.router.headers import text_value
 
@@ -124,7 +125,8 @@ class PlainClients:
         if headers.get("x-input-tokens") is not None and text_value(headers.get("x-model")) is not None:
             return headers, None
         raw = await self._read(request)
-        body = _json_object(raw)
+        # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
+        body = _json_object(decoded(raw, headers.get("content-encoding"), self.settings.max_body_bytes))
         if text_value(headers.get("x-model")) is None:
             model = body.get("model")
             if not isinstance(model, str) or text_value(model) is None:

@@ -262,3 +262,30 @@ def test_less_loaded_of_two_equal_backends_wins_more_often(
             for _ in range(20)
         )
         assert wins > 10
+
+
+def test_a_key_that_yielded_follows_its_cache_to_the_cluster_it_went_to() -> None:
+    policy = _affinity_policy(margin=500)
+    loaded = _ring(c_queued=3000)
+    first = policy.decide(loaded, make_request(input_tokens=1000, key="prefix-a"), rng())
+    moved_to = chosen_id(loaded, first)
+    assert moved_to != "affinity-c" and chosen(first).rank_depth == 2
+    # Later turns of the key stay where its KV cache now is, even once the ring member is idle.
+    idle = _ring(c_queued=0)
+    for seed in range(10):
+        decision = policy.decide(idle, make_request(input_tokens=1000, key="prefix-a"), rng(seed))
+        assert chosen_id(idle, decision) == moved_to
+        assert chosen(decision).rank_depth == 1
+
+
+def test_without_a_margin_a_global_pick_after_x_does_not_move_the_key() -> None:
+    policy = _affinity_policy(margin=None)
+    full = (
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-c", tps=1000.0, running=8, max_concurrency=8),
+    )
+    after_x = make_request(input_tokens=1000, key="prefix-a", elapsed_ms=250.0)
+    assert chosen(policy.decide(full, after_x, rng())).rank_depth == 2
+    idle = _ring(c_queued=0)
+    assert chosen_id(idle, policy.decide(idle, make_request(key="prefix-a"), rng())) == "affinity-c"
