@@ -1,72 +1,59 @@
-"""The ``stargate`` console script.
+"""The ``stargate`` console script: the router's flags, plus the ``validate-config`` command.
 
-``stargate validate-config FILE`` checks an `lb-config.json` without starting anything; every other
-invocation runs the router (``stargate.router.cli``). Exit status 2 means bad usage or a bad file.
+``stargate [FLAGS]`` runs the router (``stargate.router.cli``); ``stargate validate-config FILE``
+checks an `lb-config.json` without starting anything. Exit status 2 means bad usage or a bad file.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 
 from stargate.balancer.config import load_lb_config
 from stargate.errors import ConfigError
+from stargate.router import cli as router_cli
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "validate-config":
-        return _exit_code(lambda: validate_config(args[1:]))
-    return _run_router(args)
-
-
-def validate_config(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="stargate validate-config",
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The router's parser with one subcommand; without a command the flags run the router."""
+    parser = router_cli.build_parser(dict(env))
+    commands = parser.add_subparsers(
+        dest="command", title="commands", metavar="COMMAND",
+        description="without one, the flags run the router",
+    )
+    validate = commands.add_parser(
+        "validate-config",
+        help="check an lb-config.json file and exit",
         description="Check an lb-config.json file and print the algorithms it configures.",
     )
-    parser.add_argument("file", metavar="FILE", help="path of the lb-config.json file to check")
-    options = parser.parse_args(argv)
+    validate.add_argument("file", metavar="FILE", help="path of the lb-config.json file to check")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = load_lb_config(options.file)
+        options = build_parser(os.environ).parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # argparse printed the usage error or the help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if options.command == "validate-config":
+        return validate_config(options.file)
+    return router_cli.run(options)
+
+
+def validate_config(file: str) -> int:
+    try:
+        config = load_lb_config(file)
     except ConfigError as exc:
         print(exc.describe(), file=sys.stderr)
         return EXIT_USAGE
-    print(f"{options.file}: valid")
+    print(f"{file}: valid")
     print(config.summary())
     return EXIT_OK
-
-
-def _run_router(args: list[str]) -> int:
-    # Imported lazily: validate-config must work without the router's dependencies being loaded.
-    try:
-        router_cli = importlib.import_module("stargate.router.cli")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("stargate.router", "stargate.router.cli"):
-            raise
-        print("stargate: the router is not available in this build (stargate.router.cli)", file=sys.stderr)
-        return EXIT_USAGE
-    run_router: Callable[[list[str]], int] = router_cli.main
-    return _exit_code(lambda: run_router(args))
-
-
-def _exit_code(run: Callable[[], int]) -> int:
-    """argparse reports usage errors and ``--help`` by raising SystemExit; keep ``main`` returning."""
-    try:
-        return run()
-    except SystemExit as exc:
-        code = exc.code
-        if code is None:
-            return EXIT_OK
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return EXIT_USAGE
 
 
 if __name__ == "__main__":

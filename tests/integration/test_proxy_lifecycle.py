@@ -12,7 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from stargate.router.cli import build_parser, main, settings_from_args
+from stargate.cli import main
+from stargate.router.cli import build_parser, settings_from_args
 
 BASE_ARGS = [
     "--stargate-id",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from stargate.balancer.admission import AdmissionRejection, check_admission
 from stargate.balancer.estimates import effective_queue_ms, has_free_slot, queue_estimate, with_reservation
-from stargate.balancer.registry import build_policy
-from stargate.balancer.settings import ALIASES, Algorithm, AlgorithmDefinition, Comparator, Policy
+from stargate.balancer.registry import ALIASES, build_policy
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Policy
 from stargate.balancer.types import (
     EMPTY_PRIORITY_MAP,
     UNAVAILABLE,

@@ -18,14 +18,15 @@ from dataclasses import fields as dataclass_fields
 from types import MappingProxyType
 from typing import Any
 
-from stargate.balancer.config_schema import (
-    child_path,
+from stargate.balancer.config_schema import child_path, describe_json, normalise, parse_fields
+from stargate.balancer.registry import (
+    ALIASES,
+    SPECS,
+    check_definition,
+    default_comparator,
     default_definition,
-    describe_json,
-    normalise,
-    parse_fields,
 )
-from stargate.balancer.settings import ALIASES, Algorithm, AlgorithmDefinition
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.errors import ConfigError, UnavailableRoutingMethod, UnknownRoutingMethod
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -35,7 +36,7 @@ MAX_NESTING = 8
 ENTRY_TYPE_ERROR = "load-balancer model config must be an algorithm name or detailed config object"
 TOP_LEVEL_KEYS = ("default", "request_algorithms", "models")
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
-_CANONICAL_NAMES = ", ".join(a.value for a in Algorithm)
+_CANONICAL_NAMES = ", ".join(a.value for a in SPECS)
 
 
 def parse_routing_method(raw: str) -> Algorithm:
@@ -78,7 +79,7 @@ class LbConfig:
         """No config file: power-of-n by default, every algorithm selectable by header (§2.1)."""
         return cls(
             default=default_definition(Algorithm.POWER_OF_N),
-            request_algorithms={a: default_definition(a) for a in Algorithm},
+            request_algorithms={a: default_definition(a) for a in SPECS},
             is_permissive=True,
         )
 
@@ -288,7 +289,10 @@ def _parse_entry(
         overrides = _parse_request_algorithms(
             value["request_algorithms"], child_path(path, "request_algorithms"), depth
         )
-    return normalise(algorithm, parse_fields(algorithm, fields, path), path), overrides
+    parsed = parse_fields(algorithm, SPECS[algorithm].fields, fields, path)
+    definition = normalise(algorithm, parsed, default_comparator(algorithm))
+    check_definition(definition, path)
+    return definition, overrides
 
 
 def _expect_object(value: object, path: str) -> Mapping[str, object]:

@@ -6,7 +6,7 @@ project's own messages so that a user sees the same wording as the original rout
 (``round-robin config does not support field(s): seed``, ``invalid type: null, ...``) and the JSON
 path of the offending field. ``algorithm`` and ``request_algorithms`` are handled by the caller.
 
-``normalise`` then applies defaults and the build-time checks of §2.5, producing the definition.
+``normalise`` then applies the defaults of §2.5, producing the definition; the registry checks it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -25,7 +25,6 @@ from stargate.errors import ConfigError
 U64_MAX = 2**64 - 1
 
 U64 = Annotated[int, Field(ge=0, le=U64_MAX)]
-ComparatorName = Literal["ttft", "queue-time", "input-work-seconds", "utilization", "num-requests-queued"]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -56,7 +55,9 @@ def describe_json(value: object) -> str:
     return type(value).__name__
 
 
-class _Fields(BaseModel):
+class Fields(BaseModel):
+    """Fields every algorithm takes; each algorithm's schema adds its own."""
+
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     require_cache_affinity_key: bool = False
@@ -64,8 +65,8 @@ class _Fields(BaseModel):
     max_input_work_seconds: float | None = None
 
 
-class _ComparatorFields(_Fields):
-    comparator: ComparatorName | None = None
+class _ComparatorFields(Fields):
+    comparator: Annotated[Comparator, Field(strict=False)] | None = None  # lax: JSON gives the value
 
     @field_validator("comparator", mode="before")
     @classmethod
@@ -76,11 +77,11 @@ class _ComparatorFields(_Fields):
         return value
 
 
-class RoundRobinFields(_Fields):
+class RoundRobinFields(Fields):
     pass
 
 
-class RandomFields(_Fields):
+class RandomFields(Fields):
     pass
 
 
@@ -89,7 +90,7 @@ class PowerOfNFields(_ComparatorFields):
     load_aware: bool = False
 
 
-class PulsarFields(_Fields):
+class PulsarFields(Fields):
     seed: str | None = None
     consider_kv_free_tokens: bool = False
 
@@ -121,30 +122,11 @@ class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
     consider_kv_free_tokens: bool = False
 
 
-AnyFields = (
-    RoundRobinFields
-    | RandomFields
-    | PowerOfNFields
-    | PulsarFields
-    | WaitAndWidenFields
-    | PulsarWaitAndWidenFields
-)
-
-SCHEMAS: dict[Algorithm, type[AnyFields]] = {
-    Algorithm.ROUND_ROBIN: RoundRobinFields,
-    Algorithm.RANDOM: RandomFields,
-    Algorithm.POWER_OF_N: PowerOfNFields,
-    Algorithm.PULSAR: PulsarFields,
-    Algorithm.WAIT_AND_WIDEN: WaitAndWidenFields,
-    Algorithm.PULSAR_WAIT_AND_WIDEN: PulsarWaitAndWidenFields,
-}
-
 COMPARATOR_NAMES = ", ".join(c.value for c in Comparator)
 
 
-def parse_fields(algorithm: Algorithm, fields: Mapping[str, Any], path: str) -> AnyFields:
+def parse_fields(algorithm: Algorithm, schema: type[Fields], fields: Mapping[str, Any], path: str) -> Fields:
     """Validate the fields of a detailed entry (without ``algorithm``/``request_algorithms``)."""
-    schema = SCHEMAS[algorithm]
     try:
         return schema.model_validate(dict(fields))
     except ValidationError as exc:
@@ -175,46 +157,37 @@ def _reason(error: ErrorDetails, field: str) -> str:
         return f"invalid type: {describe_json(value)}, expected a boolean for {field}"
     if kind == "string_type":
         return f"invalid type: {describe_json(value)}, expected a string for {field}"
-    if kind == "literal_error":
+    if kind == "enum":
         return f"unknown comparator {describe_json(value)}, expected one of: {COMPARATOR_NAMES}"
     if kind == "comparator_null":
         return f"invalid type: null, expected a comparator name (one of: {COMPARATOR_NAMES})"
     return f"{error['msg']} for {field}" if field else error["msg"]
 
 
-# §2.7: these resolve an absent comparator to `ttft`; every other algorithm has none.
-_COMPARATOR_ALGORITHMS = frozenset({Algorithm.POWER_OF_N, Algorithm.WAIT_AND_WIDEN})
+def normalise(
+    algorithm: Algorithm, fields: Fields, comparator: Comparator | None
+) -> AlgorithmDefinition:
+    """Apply the defaults of §2.5 to parsed fields; ``comparator`` is the algorithm's default (§2.7).
 
-
-def default_definition(algorithm: Algorithm) -> AlgorithmDefinition:
-    """A fresh definition with default settings (comparator resolved per §2.7)."""
-    comparator = Comparator.TTFT if algorithm in _COMPARATOR_ALGORITHMS else None
-    return AlgorithmDefinition(algorithm=algorithm, comparator=comparator)
-
-
-def normalise(algorithm: Algorithm, fields: AnyFields, path: str) -> AlgorithmDefinition:
-    """Apply defaults and the build-time validations of §2.5 to parsed fields."""
+    What the schema cannot see (ranges, settings an algorithm ignores) is checked on the result by
+    :func:`stargate.balancer.registry.check_definition`.
+    """
     settings: dict[str, Any] = {
         "require_cache_affinity_key": fields.require_cache_affinity_key,
         "require_input_tokens": fields.require_input_tokens,
         "max_input_work_seconds": fields.max_input_work_seconds,
-        "comparator": Comparator.TTFT if algorithm in _COMPARATOR_ALGORITHMS else None,
+        "comparator": comparator,
     }
+    if isinstance(fields, _ComparatorFields) and fields.comparator is not None:
+        settings["comparator"] = fields.comparator
     if isinstance(fields, PowerOfNFields):
-        if not 1 <= fields.sample_count <= 64:
-            raise ConfigError(
-                f"power-of-n sample_count must be between 1 and 64, got {fields.sample_count}",
-                path=child_path(path, "sample_count"),
-            )
         settings["sample_count"] = fields.sample_count
         settings["load_aware"] = fields.load_aware
-        if fields.comparator is not None:
-            settings["comparator"] = Comparator(fields.comparator)
     elif isinstance(fields, PulsarFields):
         settings["seed"] = fields.seed or ""
         settings["consider_kv_free_tokens"] = fields.consider_kv_free_tokens
     elif isinstance(fields, _WaitAndWidenFamilyFields):
-        settings.update(_wait_and_widen_settings(fields, path))
+        settings.update(_wait_and_widen_settings(fields))
     # `require_input_tokens` is reported true whenever the KV free-token check needs the count.
     settings["require_input_tokens"] = settings["require_input_tokens"] or settings.get(
         "consider_kv_free_tokens", False
@@ -222,37 +195,13 @@ def normalise(algorithm: Algorithm, fields: AnyFields, path: str) -> AlgorithmDe
     return AlgorithmDefinition(algorithm=algorithm, **settings)
 
 
-def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields, path: str) -> dict[str, Any]:
+def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any]:
     """§3.4 normalisation; "unset" is absent or null, an explicit 0 is not unset."""
-    pulsar = isinstance(fields, PulsarWaitAndWidenFields)
-    if pulsar and fields.comparator is not None:
-        raise ConfigError(
-            "comparator is not supported for pulsar-wait-and-widen", path=child_path(path, "comparator")
-        )
     scale = fields.cache_affinity_input_tokens_scale
-    scale = 1.0 if scale is None else scale
-    if not 0.0 <= scale <= 1.0:  # also rejects NaN
-        raise ConfigError(
-            f"cache_affinity_input_tokens_scale must be between 0.0 and 1.0, got {scale!r}",
-            path=child_path(path, "cache_affinity_input_tokens_scale"),
-        )
-    wait_ms = fields.cache_affinity_wait_ms or 0
-    if pulsar and wait_ms != 0:
-        raise ConfigError(
-            f"cache_affinity_wait_ms is not supported for pulsar-wait-and-widen (only 0), got {wait_ms}",
-            path=child_path(path, "cache_affinity_wait_ms"),
-        )
-    if pulsar and scale != 1.0:
-        raise ConfigError(
-            f"cache_affinity_input_tokens_scale is not supported for pulsar-wait-and-widen (only 1.0), "
-            f"got {scale!r}",
-            path=child_path(path, "cache_affinity_input_tokens_scale"),
-        )
     floor, ceil = fields.max_queue_time_floor_ms, fields.max_queue_time_ceil_ms
     nodes, count = fields.cache_affinity_virtual_nodes, fields.cache_affinity_backend_selection_count
     bucket, factor = fields.ttft_bucket_size_ms, fields.next_bucket_unlock_factor
     settings: dict[str, Any] = {
-        "comparator": None if pulsar else Comparator(fields.comparator or Comparator.TTFT),
         "seed": fields.seed or "",
         "virtual_nodes": max(1, 150 if nodes is None else nodes),
         "selection_count": count if count else None,
@@ -263,8 +212,8 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields, path: str) -> di
         "max_queued": fields.max_queued or 0,
         "ignore_queue_time": bool(fields.ignore_queue_time),
         "ignore_input_processing_time": bool(fields.ignore_input_processing_time),
-        "cache_affinity_wait_ms": wait_ms,
-        "cache_affinity_input_tokens_scale": float(scale),
+        "cache_affinity_wait_ms": fields.cache_affinity_wait_ms or 0,
+        "cache_affinity_input_tokens_scale": 1.0 if scale is None else float(scale),
     }
     if isinstance(fields, PulsarWaitAndWidenFields):
         settings["consider_kv_free_tokens"] = fields.consider_kv_free_tokens

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import random
 
+from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
 from stargate.balancer.comparators import score_for
+from stargate.balancer.config_schema import PowerOfNFields
 from stargate.balancer.estimates import load_running, load_tie_key
-from stargate.balancer.settings import AlgorithmDefinition, Comparator
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
 from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected
-from stargate.errors import ConfigError
 
 
 class PowerOfN:
     def __init__(self, definition: AlgorithmDefinition) -> None:
-        if not 1 <= definition.sample_count <= 64:
-            raise ConfigError(
-                f"power-of-n sample_count must be between 1 and 64, got {definition.sample_count}"
-            )
         self.definition = definition
         self._score = score_for(definition.comparator, definition.load_aware)
         self._k = definition.sample_count
@@ -94,3 +91,20 @@ class PowerOfN:
             b = int(rng.random() * (total - 1))
             return [a, b + 1 if b >= a else b]
         return rng.sample(range(total), m)
+
+
+def _check(definition: AlgorithmDefinition) -> Problem | None:
+    count = definition.sample_count
+    if not 1 <= count <= 64:
+        return "sample_count", f"power-of-n sample_count must be between 1 and 64, got {count}"
+    return None
+
+
+SPEC = AlgorithmSpec(
+    Algorithm.POWER_OF_N,
+    build=PowerOfN,
+    fields=PowerOfNFields,
+    aliases=("power-of-two", "powerOf2", "powerOfN", "powerof2", "powerofn"),
+    comparator=True,
+    check=_check,
+)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import random
 from enum import Enum
 
+from stargate.balancer.algorithm_spec import AlgorithmSpec
+from stargate.balancer.config_schema import PulsarFields
 from stargate.balancer.rendezvous import rank, rendezvous_base
 from stargate.balancer.ring import KeyCache, hash_prefix
-from stargate.balancer.settings import AlgorithmDefinition
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected, Target
 
 
@@ -105,3 +107,6 @@ class Pulsar:
                 return Selected(Choice(index, position + 1, kv_skipped))
             kv_skipped = kv_skipped or verdict.kv_skip
         return UNAVAILABLE
+
+
+SPEC = AlgorithmSpec(Algorithm.PULSAR, build=Pulsar, fields=PulsarFields, seeded=True, kv_aware=True)

@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import random
 
+from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
+from stargate.balancer.config_schema import PulsarWaitAndWidenFields
 from stargate.balancer.pulsar import Feasibility, PulsarRanker, feasibility
-from stargate.balancer.settings import AlgorithmDefinition
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected, Wait
 from stargate.balancer.wait_and_widen import Ranking, WawSelector, check_affinity_settings
-from stargate.errors import ConfigError
 
 
 class PulsarWaitAndWiden:
     def __init__(self, definition: AlgorithmDefinition) -> None:
-        if definition.comparator is not None:
-            raise ConfigError("comparator is not supported for pulsar-wait-and-widen")
-        check_affinity_settings(definition)
-        if definition.cache_affinity_wait_ms != 0:
-            raise ConfigError("cache_affinity_wait_ms is not supported for pulsar-wait-and-widen")
-        if definition.cache_affinity_input_tokens_scale != 1.0:
-            raise ConfigError("cache_affinity_input_tokens_scale is not supported for pulsar-wait-and-widen")
         self.definition = definition
         self._ranker = PulsarRanker(definition.seed)
         self._selector = WawSelector(definition, Ranking.LEAST_QUEUE)
@@ -71,3 +65,34 @@ class PulsarWaitAndWiden:
             start += width
             width = 2 if start == 1 else width * 2
         return UNAVAILABLE if hint is None else Wait(hint)
+
+
+def _check(definition: AlgorithmDefinition) -> Problem | None:
+    """The affinity wait of wait-and-widen is not part of this algorithm: only its defaults pass."""
+    problem = check_affinity_settings(definition)
+    if problem is not None:
+        return problem
+    wait_ms, scale = definition.cache_affinity_wait_ms, definition.cache_affinity_input_tokens_scale
+    if wait_ms != 0:
+        return (
+            "cache_affinity_wait_ms",
+            f"cache_affinity_wait_ms is not supported for pulsar-wait-and-widen (only 0), got {wait_ms}",
+        )
+    if scale != 1.0:
+        return (
+            "cache_affinity_input_tokens_scale",
+            f"cache_affinity_input_tokens_scale is not supported for pulsar-wait-and-widen (only 1.0), "
+            f"got {scale!r}",
+        )
+    return None
+
+
+SPEC = AlgorithmSpec(
+    Algorithm.PULSAR_WAIT_AND_WIDEN,
+    build=PulsarWaitAndWiden,
+    fields=PulsarWaitAndWidenFields,
+    aliases=("pulsar-multiregion",),
+    seeded=True,
+    kv_aware=True,
+    check=_check,
+)

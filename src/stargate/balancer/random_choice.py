@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from stargate.balancer.settings import AlgorithmDefinition
+from stargate.balancer.algorithm_spec import AlgorithmSpec
+from stargate.balancer.config_schema import RandomFields
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected
 
 _MAX_REJECTION_DRAWS = 8
@@ -30,3 +32,6 @@ class RandomChoice:
         if not eligible:
             return UNAVAILABLE
         return Selected(Choice(eligible[int(rng.random() * len(eligible))]))
+
+
+SPEC = AlgorithmSpec(Algorithm.RANDOM, build=RandomChoice, fields=RandomFields)

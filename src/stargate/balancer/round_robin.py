@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from stargate.balancer.settings import AlgorithmDefinition
+from stargate.balancer.algorithm_spec import AlgorithmSpec
+from stargate.balancer.config_schema import RoundRobinFields
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected
 
 
@@ -26,3 +28,6 @@ class RoundRobin:
             index = eligible[self._counter % len(eligible)]
         self._counter += 1
         return Selected(Choice(index))
+
+
+SPEC = AlgorithmSpec(Algorithm.ROUND_ROBIN, build=RoundRobin, fields=RoundRobinFields)

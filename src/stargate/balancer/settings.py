@@ -25,18 +25,6 @@ class Algorithm(StrEnum):
     PULSAR_WAIT_AND_WIDEN = "pulsar-wait-and-widen"
 
 
-ALIASES: dict[str, Algorithm] = {
-    **{a.value: a for a in Algorithm},
-    "power-of-two": Algorithm.POWER_OF_N,
-    "powerOf2": Algorithm.POWER_OF_N,
-    "powerOfN": Algorithm.POWER_OF_N,
-    "powerof2": Algorithm.POWER_OF_N,
-    "powerofn": Algorithm.POWER_OF_N,
-    "groq-multiregion": Algorithm.WAIT_AND_WIDEN,
-    "pulsar-multiregion": Algorithm.PULSAR_WAIT_AND_WIDEN,
-}
-
-
 class Comparator(StrEnum):
     TTFT = "ttft"
     QUEUE_TIME = "queue-time"

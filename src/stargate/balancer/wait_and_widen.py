@@ -18,9 +18,11 @@ import random
 from collections.abc import Sequence
 from enum import Enum
 
+from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
 from stargate.balancer.comparators import score_for
+from stargate.balancer.config_schema import WaitAndWidenFields
 from stargate.balancer.estimates import INF, load_queue_ms, load_running, load_tie_key, queue_ms
-from stargate.balancer.settings import AlgorithmDefinition, Comparator
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
 from stargate.balancer.types import (
     UNAVAILABLE,
     Candidate,
@@ -32,9 +34,11 @@ from stargate.balancer.types import (
     Wait,
 )
 from stargate.balancer.wait_and_widen_affinity import AffinityGroups
-from stargate.errors import ConfigError
 
 PhaseResult = Choice | float | None
+
+MAX_VIRTUAL_NODES = 1000
+"""Ring points per cluster: 64 clusters x 1000 points take most of a second to hash (default 150)."""
 
 GLOBAL_RANK_DEPTH = 2
 """rank_depth of a global (post-affinity-wait) pick: any value > 1 reports it as a fallback."""
@@ -259,10 +263,14 @@ def as_decision(result: PhaseResult) -> Decision:
     return UNAVAILABLE
 
 
-def check_affinity_settings(definition: AlgorithmDefinition) -> None:
+def check_affinity_settings(definition: AlgorithmDefinition) -> Problem | None:
     scale = definition.cache_affinity_input_tokens_scale
-    if not 0.0 <= scale <= 1.0:
-        raise ConfigError(f"cache_affinity_input_tokens_scale must be between 0.0 and 1.0, got {scale}")
+    if not 0.0 <= scale <= 1.0:  # also rejects NaN
+        return (
+            "cache_affinity_input_tokens_scale",
+            f"cache_affinity_input_tokens_scale must be between 0.0 and 1.0, got {scale!r}",
+        )
+    return None
 
 
 class WaitAndWiden:
@@ -282,11 +290,6 @@ class WaitAndWiden:
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
-        if definition.consider_kv_free_tokens:
-            raise ConfigError(
-                "consider_kv_free_tokens is supported only for pulsar and pulsar-wait-and-widen"
-            )
-        check_affinity_settings(definition)
         self.definition = definition
         comparator = definition.comparator or Comparator.TTFT
         if comparator is Comparator.TTFT:
@@ -368,3 +371,25 @@ class WaitAndWiden:
         affine = best(candidates, group, request, self._scale, queue_limit, selectable_only=False)
         public = best(candidates, None, request, 1.0, queue_limit, selectable_only=True)
         return margin is not None and public < INF and affine > public + margin
+
+
+def _check(definition: AlgorithmDefinition) -> Problem | None:
+    """The ring is rebuilt on the event loop whenever the candidates change: its size is bounded."""
+    nodes = definition.virtual_nodes
+    if nodes > MAX_VIRTUAL_NODES:
+        return (
+            "cache_affinity_virtual_nodes",
+            f"cache_affinity_virtual_nodes must be at most {MAX_VIRTUAL_NODES}, got {nodes}",
+        )
+    return check_affinity_settings(definition)
+
+
+SPEC = AlgorithmSpec(
+    Algorithm.WAIT_AND_WIDEN,
+    build=WaitAndWiden,
+    fields=WaitAndWidenFields,
+    aliases=("groq-multiregion",),
+    comparator=True,
+    seeded=True,
+    check=_check,
+)

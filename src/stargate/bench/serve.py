@@ -22,6 +22,7 @@ from stargate.balancer.config import load_lb_config
 from stargate.bench.fleet import Fleet
 from stargate.bench.plan import RunSpec
 from stargate.bench.schema import Scenario, parse_scenario
+from stargate.flags import parse_bool
 
 EXIT_OK = 0
 DEFAULT_MODEL = "mock-model"
@@ -42,20 +43,11 @@ def add_parser(sub: Any, positive: Any) -> None:
                        help=f"model the engines serve (default {DEFAULT_MODEL})")
     serve.add_argument("--max-concurrent-requests", type=positive, default=16,
                        help="slots per mock engine (default 16)")
-    serve.add_argument("--plain-clients", type=_bool, default=True, metavar="BOOL",
+    serve.add_argument("--plain-clients", type=parse_bool, default=True, metavar="BOOL",
                        help="plain-client mode on Stargate and Pylon (default true; false = the spec's "
                             "header contract, for comparisons)")
     serve.add_argument("--out", type=Path, default=Path(".bench-out") / "serve",
                        help="directory for the fleet's logs (default .bench-out/serve)")
-
-
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("true", "1", "yes"):
-        return True
-    if value in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
 
 
 def serve_scenario(engines: int, model: str, slots: int) -> Scenario:

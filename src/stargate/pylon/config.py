@@ -1,8 +1,10 @@
 """Command-line flags → one frozen ``PylonSettings`` (spec pylon.md §2).
 
 Every validation of §2 "Startup validation errors" happens here; a bad value raises
-``ConfigError`` whose ``path`` names the offending flag(s). Environment fallbacks are read from
-an injected mapping so parsing is a pure function.
+``ConfigError`` naming the offending flag(s). Each flag declares its default once, in
+:func:`build_parser`; every ``--pylon-*`` flag (and ``--auth-token``/``--auth-token-file``) takes
+its default from an environment variable when set, read from an injected mapping so parsing is a
+pure function.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ import argparse
 import ipaddress
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from stargate.errors import ConfigError
+from stargate.flags import FlagSet, parse_bool
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+T = TypeVar("T")
 
 
 class StatsStreamMode(StrEnum):
@@ -42,55 +46,58 @@ class UpstreamBackend(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class PylonSettings:
+    """Built only by :func:`parse_settings`: the flags hold the defaults, once each."""
+
     upstream_base_url: str
-    http_listen_host: str = "127.0.0.1"
-    http_listen_port: int = 0
-    http_advertise_addr: str | None = None
-    model_names: tuple[str, ...] = ()
-    discovery_poll_interval_ms: int = 5000
-    discovery_request_timeout_ms: int = 5000
-    stargate_address: str = "http://127.0.0.1:50071"
-    inference_server_id: str = "pylon"
-    cluster_id: str = "pylon"
-    disable_bringup: bool = False
-    health_paths: tuple[str, ...] = DEFAULT_HEALTH_PATHS
-    health_wait_ms: int = 60000
-    do_calibration: bool = False
-    initial_input_tps: float | None = None
-    pin_input_tps: bool = False
-    canary_interval_ms: int = 5000
-    canary_max_generation_threshold: int = 237
-    calibration_requests: int = 5
-    calibration_prompt_units: int = 4096
-    calibration_max_concurrency: int = 4
-    bringup_timeout_ms: int = 5000
-    calibration_step_timeout_ms: int = 30000
-    kv_cache_stats_url: str | None = None
-    stats_stream_mode: StatsStreamMode = StatsStreamMode.AUTO
-    stats_stream_url: str = ""
-    stats_source: StatsSource = StatsSource.STREAM
-    engine_metrics_url: str = ""
-    engine_metrics_interval_ms: int = 1000
-    min_update_interval_ms: int = 1000
-    auth_token: str | None = None
-    auth_token_file: str | None = None
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int = 9089
-    retryable_statuses: frozenset[int] = frozenset({429, 503})
-    require_upstream_retry_header: bool = True
-    upstream_retry_header: str = "x-stargate-upstream-retryable"
-    propagate_retry_after: bool = True
-    local_connect_failures_retryable: bool = True
-    queue_mismatch_enabled: bool = True
-    queue_mismatch_min_delta_ms: int = 25
-    queue_mismatch_tolerance_factor: float = 1.25
-    queue_mismatch_retry_after_ms: int | None = None
-    upstream_backend: UpstreamBackend = UpstreamBackend.DYNAMO
-    priority_ceiling: int = 3600
-    max_engine_concurrency: int | None = None
-    relay_non_streaming: bool = False
-    otel_endpoint: str | None = None
-    otel_service_name: str = "pylon"
+    http_listen_host: str
+    http_listen_port: int
+    http_advertise_addr: str | None
+    model_names: tuple[str, ...]
+    discovery_poll_interval_ms: int
+    discovery_request_timeout_ms: int
+    stargate_address: str
+    inference_server_id: str
+    cluster_id: str
+    disable_bringup: bool
+    health_paths: tuple[str, ...]
+    health_wait_ms: int
+    do_calibration: bool
+    initial_input_tps: float | None
+    pin_input_tps: bool
+    canary_interval_ms: int
+    canary_max_generation_threshold: int
+    calibration_requests: int
+    calibration_prompt_units: int
+    calibration_max_concurrency: int
+    bringup_timeout_ms: int
+    calibration_step_timeout_ms: int
+    kv_cache_stats_url: str | None
+    stats_stream_mode: StatsStreamMode
+    stats_stream_url: str
+    stats_source: StatsSource
+    engine_metrics_url: str
+    engine_metrics_interval_ms: int
+    min_update_interval_ms: int
+    auth_token: str | None
+    auth_token_file: str | None
+    metrics_host: str
+    metrics_port: int
+    retryable_statuses: frozenset[int]
+    require_upstream_retry_header: bool
+    upstream_retry_header: str
+    propagate_retry_after: bool
+    local_connect_failures_retryable: bool
+    queue_mismatch_enabled: bool
+    queue_mismatch_min_delta_ms: int
+    queue_mismatch_tolerance_factor: float
+    queue_mismatch_retry_after_ms: int | None
+    upstream_backend: UpstreamBackend
+    priority_ceiling: int
+    max_engine_concurrency: int | None
+    relay_non_streaming: bool
+    otel_endpoint: str | None
+    otel_service_name: str
+
 
     @property
     def discovery_mode(self) -> bool:
@@ -110,166 +117,65 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return True
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: …)`` unless there is none to show (unset, a switch, an empty list)."""
+def _checked(convert: Callable[[str], T], check: Callable[[T], bool], expected: str) -> Callable[[str], T]:
+    """An argparse type: ``convert`` the trimmed text, then reject values failing ``check``."""
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False, []):
-            return action.help
-        return super()._get_help_string(action)
+    def parse(raw: str) -> T:
+        try:
+            value = convert(raw.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {raw!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {raw!r}")
+        return value
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="pylon",
-        allow_abbrev=False,
-        description="Per-engine sidecar for the Stargate LLM request router.",
-        formatter_class=_HelpFormatter,
-    )
-    a = p.add_argument
-    a("--upstream-http-base-url", required=True, help="engine base URL (http:// or https://)")
-    a("--http-listen-addr", default="127.0.0.1:0", help="where Stargate sends requests (IP:port, port 0 ok)")
-    a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
-    a("--model-name", action="append", default=[], help="static model (repeatable); none = discovery")
-    a("--model-discovery-provider", default="dynamo", help="model discovery provider (only dynamo)")
-    a("--model-discovery-poll-interval-ms", type=int, default=5000, help="discovery poll period (> 0)")
-    a("--model-discovery-request-timeout-ms", type=int, default=5000, help="discovery poll timeout (> 0)")
-    a("--stargate-address", default="127.0.0.1:50071", help="seed Stargate for WatchStargates")
-    a("--inference-server-id", default="pylon", help="backend identity registered with Stargate")
-    a("--cluster-id", default=None, help="cluster identity (default: the inference server id)")
-    a("--disable-bringup", action="store_true", help="no canaries and no startup health probe")
-    a("--upstream-health-path", action="append", default=[], help="health path tried first (repeatable)")
-    a("--upstream-health-wait-ms", type=int, default=60000, help="startup health re-probing; 0 = once")
-    a("--do-calibration", action="store_true", help="run the input-TPS calibration ramp before registering")
-    a("--initial-input-tps", type=float, default=None, help="bootstrap input TPS of every model (> 0)")
-    a("--benchmark-pin-input-tps", action="store_true", help=argparse.SUPPRESS)
-    a("--active-canary-interval-ms", type=int, default=5000, help="canary period; 0 disables canaries")
-    a("--canary-max-generation-threshold", type=int, default=237, help="canary max_tokens; reached = runaway")
-    a("--calibration-requests", type=int, default=5, help="requests of the first calibration step")
-    a("--calibration-prompt-units", type=int, default=4096, help="largest calibration prompt (chars, >= 256)")
-    a("--calibration-max-concurrency", type=int, default=4, help="calibration requests in flight")
-    a("--bringup-canary-timeout-ms", type=int, default=5000, help="canary and health probe timeout")
-    a("--bringup-calibration-timeout-ms", type=int, default=30000, help="timeout of one calibration step")
-    a("--kv-cache-stats-path", default=None, help="engine path of JSON KV-cache stats, polled every 1 s")
-    a("--engine-stats-stream", default="auto", help="NDJSON stats stream: auto, required or off")
-    a("--engine-stats-stream-path", default="/pylon/v1/stats/stream", help="engine path of the stats stream")
-    a("--engine-stats-source", default="stream", help="stream (NDJSON) or prometheus (engine /metrics)")
-    a("--engine-metrics-path", default="/metrics", help="engine Prometheus path (prometheus source)")
-    a("--engine-metrics-interval-ms", type=int, default=1000, help="engine /metrics poll period")
-    a("--min-update-interval-ms", type=int, default=1000, help="registration heartbeat period")
-    a("--auth-token", default=None, help="bearer token for Stargate (env STARGATE_AUTH_TOKEN)")
-    a("--auth-token-file", default=None, help="token file, re-read per stream (env STARGATE_AUTH_TOKEN_FILE)")
-    a(
-        "--otel-endpoint",
-        default=None,
-        help="OTLP/HTTP base URL for request spans (env OTEL_EXPORTER_OTLP_ENDPOINT)",
-    )
-    a(
-        "--otel-service-name",
-        default=None,
-        help="service.name of exported spans (env OTEL_SERVICE_NAME; pylon)",
-    )
-    a("--metrics-host", default="0.0.0.0", help="Prometheus listener IP")
-    a("--metrics-port", type=int, default=9089, help="Prometheus listener port (0 = any)")
-    a(
-        "--pylon-retryable-upstream-status-codes",
-        default=None,
-        help="engine statuses that may be retried (default: 429,503)",
-    )
-    a(
-        "--pylon-require-upstream-retry-header",
-        type=_bool,
-        default=None,
-        help="retryable statuses need the engine's retry header (default: true)",
-    )
-    a(
-        "--pylon-upstream-retry-header",
-        default=None,
-        help="engine header allowing a retry (default: x-stargate-upstream-retryable)",
-    )
-    a(
-        "--pylon-propagate-retry-after",
-        type=_bool,
-        default=None,
-        help="turn engine Retry-After into x-stargate-retry-after-ms (default: true)",
-    )
-    a(
-        "--pylon-local-connect-failures-retryable",
-        type=_bool,
-        default=None,
-        help="mark engine connection failures (nothing was sent, so nothing ran) retryable "
-        "(default: true)",
-    )
-    a(
-        "--pylon-relay-non-streaming",
-        type=_bool,
-        default=None,
-        help="relay chat/responses without stream=true as JSON (OpenAI clients); false = 400 "
-        "as the spec says (default: false)",
-    )
-    a(
-        "--pylon-queue-mismatch-retry-enabled",
-        type=_bool,
-        default=None,
-        help="local queue admission (429 queue_estimate_mismatch) (default: true)",
-    )
-    a(
-        "--pylon-queue-mismatch-min-delta-ms",
-        type=int,
-        default=None,
-        help="additive admission tolerance in ms (default: 25)",
-    )
-    a(
-        "--pylon-queue-mismatch-tolerance-factor",
-        type=float,
-        default=None,
-        help="multiplicative admission tolerance (default: 1.25)",
-    )
-    a(
-        "--pylon-queue-mismatch-retry-after-ms",
-        type=int,
-        default=None,
-        help="x-stargate-retry-after-ms on admission rejections (default: none)",
-    )
-    a(
-        "--pylon-upstream-backend",
-        default=None,
-        help="dynamo (priority headers) or passthrough (default: dynamo)",
-    )
-    a("--pylon-priority-ceiling", type=int, default=None, help="dynamo priority band ceiling (default: 3600)")
-    a(
-        "--max-engine-concurrency",
-        type=int,
-        default=None,
-        help="engine slots per model until the engine reports its own (> 0)",
-    )
-    p.epilog = "Each --pylon-* flag falls back to the environment variable of the same name in capitals."
-    return p
+    return parse
 
 
-def _join(base: str, path: str) -> str:
-    return base + "/" + path.lstrip("/")
+_positive = _checked(int, lambda v: v > 0, "> 0")
+_non_negative = _checked(int, lambda v: v >= 0, ">= 0")
+_finite_positive = _checked(float, lambda v: math.isfinite(v) and v > 0, "finite and > 0")
+_ip = _checked(str, _is_ip, "an IP address")
+_port = _checked(int, lambda v: 0 <= v <= 65535, "a port number")
+_non_blank = _checked(str, bool, "not blank")
+_backend = _checked(lambda v: UpstreamBackend(v.lower()), bool, "dynamo or passthrough")
 
 
-def _split_host_port(value: str, flag: str) -> tuple[str, int]:
-    host, sep, port = value.strip().rpartition(":")
+def _base_url(raw: str) -> str:
+    base = raw.strip().rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError("must be an http:// or https:// URL")
+    return base
+
+
+def _stargate_url(raw: str) -> str:
+    address = _non_blank(raw)
+    return address if "://" in address else "http://" + address
+
+
+def _listen_addr(raw: str) -> tuple[str, int]:
+    host, sep, port = raw.strip().rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"expected IP:port, got {value!r}", path=flag)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError as exc:
-        raise ConfigError(f"host must be an IP address, got {host!r}", path=flag) from exc
+        raise argparse.ArgumentTypeError(f"expected IP:port, got {raw!r}")
+    if not _is_ip(host):
+        raise argparse.ArgumentTypeError(f"host must be an IP address, got {host!r}")
     return host, int(port)
+
+
+def _header_name(raw: str) -> str:
+    name = raw.strip().lower()
+    if not _HEADER_NAME.match(name):
+        raise argparse.ArgumentTypeError(f"invalid header name {name!r}")
+    return name
 
 
 def parse_status_codes(raw: str) -> frozenset[int]:
@@ -279,11 +185,102 @@ def parse_status_codes(raw: str) -> frozenset[int]:
         if not entry:
             continue
         if not entry.isdigit() or not 100 <= int(entry) <= 999:
-            raise ConfigError(
-                f"invalid status code {entry!r}", path="--pylon-retryable-upstream-status-codes"
-            )
+            raise argparse.ArgumentTypeError(f"invalid status code {entry!r}")
         codes.add(int(entry))
     return frozenset(codes)
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pylon",
+        allow_abbrev=False,
+        description="Per-engine sidecar for the Stargate LLM request router.",
+    )
+    flags = FlagSet(p, env or {})
+    a = flags.add
+
+    def pylon(flag: str, **kw: Any) -> None:
+        a(flag, env_var=flag.removeprefix("--").replace("-", "_").upper(), **kw)
+
+    a("--upstream-http-base-url", type=_base_url, required=True, help="engine base URL (http:// or https://)")
+    a("--http-listen-addr", type=_listen_addr, default="127.0.0.1:0",
+      help="where Stargate sends requests (IP:port, port 0 ok)")
+    a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
+    a("--model-name", type=_non_blank, action="append", default=[],
+      help="static model (repeatable); none = discovery")
+    a("--model-discovery-provider", choices=["dynamo"], default="dynamo",
+      help="model discovery provider (only dynamo)")
+    a("--model-discovery-poll-interval-ms", type=_positive, default=5000, help="discovery poll period")
+    a("--model-discovery-request-timeout-ms", type=_positive, default=5000, help="discovery poll timeout")
+    a("--stargate-address", type=_stargate_url, default="127.0.0.1:50071",
+      help="seed Stargate for WatchStargates")
+    a("--inference-server-id", default="pylon", help="backend identity registered with Stargate")
+    a("--cluster-id", default=None, help="cluster identity (default: the inference server id)")
+    a("--disable-bringup", action="store_true", help="no canaries and no startup health probe")
+    a("--upstream-health-path", action="append", default=[], help="health path tried first (repeatable)")
+    a("--upstream-health-wait-ms", type=_non_negative, default=60000,
+      help="startup health re-probing; 0 = once")
+    a("--do-calibration", action="store_true", help="run the input-TPS calibration ramp before registering")
+    a("--initial-input-tps", type=_finite_positive, default=None, help="bootstrap input TPS of every model")
+    a("--benchmark-pin-input-tps", action="store_true", help=argparse.SUPPRESS)
+    a("--active-canary-interval-ms", type=_non_negative, default=5000,
+      help="canary period; 0 disables canaries")
+    a("--canary-max-generation-threshold", type=int, default=237, help="canary max_tokens; reached = runaway")
+    a("--calibration-requests", type=int, default=5, help="requests of the first calibration step")
+    a("--calibration-prompt-units", type=int, default=4096, help="largest calibration prompt (chars, >= 256)")
+    a("--calibration-max-concurrency", type=int, default=4, help="calibration requests in flight")
+    a("--bringup-canary-timeout-ms", type=_non_negative, default=5000, help="canary and health probe timeout")
+    a("--bringup-calibration-timeout-ms", type=_non_negative, default=30000,
+      help="timeout of one calibration step")
+    a("--kv-cache-stats-path", default=None, help="engine path of JSON KV-cache stats, polled every 1 s")
+    a("--engine-stats-stream", type=StatsStreamMode, choices=list(StatsStreamMode), default="auto",
+      help="NDJSON stats stream")
+    a("--engine-stats-stream-path", default="/pylon/v1/stats/stream", help="engine path of the stats stream")
+    a("--engine-stats-source", type=StatsSource, choices=list(StatsSource), default="stream",
+      help="stream (NDJSON) or prometheus (engine /metrics)")
+    a("--engine-metrics-path", default="/metrics", help="engine Prometheus path (prometheus source)")
+    a("--engine-metrics-interval-ms", type=_positive, default=1000, help="engine /metrics poll period")
+    a("--min-update-interval-ms", type=_positive, default=1000, help="registration heartbeat period")
+    a("--auth-token", env_var="STARGATE_AUTH_TOKEN", default=None, help="bearer token for Stargate")
+    a("--auth-token-file", env_var="STARGATE_AUTH_TOKEN_FILE", default=None,
+      help="token file, re-read per stream")
+    a("--otel-endpoint", env_var="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
+      help="OTLP/HTTP base URL for request spans")
+    a("--otel-service-name", env_var="OTEL_SERVICE_NAME", default="pylon",
+      help="service.name of exported spans")
+    a("--metrics-host", type=_ip, default="0.0.0.0", help="Prometheus listener IP")
+    a("--metrics-port", type=_port, default=9089, help="Prometheus listener port (0 = any)")
+    pylon("--pylon-retryable-upstream-status-codes", type=parse_status_codes, default="429,503",
+          help="engine statuses that may be retried")
+    pylon("--pylon-require-upstream-retry-header", type=parse_bool, default=True, metavar="BOOL",
+          help="retryable statuses need the engine's retry header")
+    pylon("--pylon-upstream-retry-header", type=_header_name, default="x-stargate-upstream-retryable",
+          help="engine header allowing a retry")
+    pylon("--pylon-propagate-retry-after", type=parse_bool, default=True, metavar="BOOL",
+          help="turn engine Retry-After into x-stargate-retry-after-ms")
+    pylon("--pylon-local-connect-failures-retryable", type=parse_bool, default=True, metavar="BOOL",
+          help="mark engine connection failures (nothing was sent, so nothing ran) retryable")
+    pylon("--pylon-relay-non-streaming", type=parse_bool, default=False, metavar="BOOL",
+          help="relay chat/responses without stream=true as JSON (OpenAI clients); false = 400 "
+          "as the spec says")
+    pylon("--pylon-queue-mismatch-retry-enabled", type=parse_bool, default=True, metavar="BOOL",
+          help="local queue admission (429 queue_estimate_mismatch)")
+    pylon("--pylon-queue-mismatch-min-delta-ms", type=_non_negative, default=25,
+          help="additive admission tolerance in ms")
+    pylon("--pylon-queue-mismatch-tolerance-factor", type=_finite_positive, default=1.25,
+          help="multiplicative admission tolerance")
+    pylon("--pylon-queue-mismatch-retry-after-ms", type=_non_negative, default=None,
+          help="x-stargate-retry-after-ms on admission rejections; unset = no header")
+    pylon("--pylon-upstream-backend", type=_backend, default="dynamo",
+          help="dynamo (priority headers) or passthrough")
+    pylon("--pylon-priority-ceiling", type=_non_negative, default=3600, help="dynamo priority band ceiling")
+    a("--max-engine-concurrency", type=_positive, default=None,
+      help="engine slots per model until the engine reports its own")
+    return p
+
+
+def _join(base: str, path: str) -> str:
+    return base + "/" + path.lstrip("/")
 
 
 def health_candidates(configured: Sequence[str]) -> tuple[str, ...]:
@@ -299,123 +296,36 @@ def health_candidates(configured: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _env_or(value: object, env: Mapping[str, str], key: str) -> object:
-    return value if value is not None else env.get(key)
-
-
-def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> PylonSettings:
-    env = env or {}
-    ns = build_parser().parse_args(list(argv))
-    base = ns.upstream_http_base_url.strip().rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise ConfigError("must be an http:// or https:// URL", path="--upstream-http-base-url")
-    if ns.model_discovery_provider != "dynamo":
-        raise ConfigError("only 'dynamo' is supported", path="--model-discovery-provider")
-    models = []
-    for name in ns.model_name:
-        if not name.strip():
-            raise ConfigError("model name must not be blank", path="--model-name")
-        models.append(name.strip())
-    for flag, value in (
-        ("--model-discovery-poll-interval-ms", ns.model_discovery_poll_interval_ms),
-        ("--model-discovery-request-timeout-ms", ns.model_discovery_request_timeout_ms),
-        ("--min-update-interval-ms", ns.min_update_interval_ms),
-        ("--engine-metrics-interval-ms", ns.engine_metrics_interval_ms),
-    ):
-        if value <= 0:
-            raise ConfigError("must be > 0", path=flag)
+def _check_combinations(ns: argparse.Namespace) -> None:
     if ns.do_calibration and ns.initial_input_tps is not None:
         raise ConfigError("mutually exclusive", path="--do-calibration/--initial-input-tps")
-    tps = ns.initial_input_tps
-    if tps is not None and not (math.isfinite(tps) and tps > 0):
-        raise ConfigError("must be finite and > 0", path="--initial-input-tps")
-    if ns.benchmark_pin_input_tps and tps is None:
+    if ns.benchmark_pin_input_tps and ns.initial_input_tps is None:
         raise ConfigError("requires --initial-input-tps", path="--benchmark-pin-input-tps")
     if ns.do_calibration and ns.calibration_requests <= 0:
         raise ConfigError("must be > 0 with --do-calibration", path="--calibration-requests")
-    for flag, value in (
-        ("--upstream-health-wait-ms", ns.upstream_health_wait_ms),
-        ("--active-canary-interval-ms", ns.active_canary_interval_ms),
-        ("--bringup-canary-timeout-ms", ns.bringup_canary_timeout_ms),
-        ("--bringup-calibration-timeout-ms", ns.bringup_calibration_timeout_ms),
-    ):
-        if value < 0:
-            raise ConfigError("must be >= 0", path=flag)
-    try:
-        mode = StatsStreamMode(ns.engine_stats_stream)
-    except ValueError as exc:
-        raise ConfigError("must be auto, required or off", path="--engine-stats-stream") from exc
-    try:
-        source = StatsSource(ns.engine_stats_source)
-    except ValueError as exc:
-        raise ConfigError("must be stream or prometheus", path="--engine-stats-source") from exc
-    if ns.max_engine_concurrency is not None and ns.max_engine_concurrency <= 0:
-        raise ConfigError("must be a positive integer", path="--max-engine-concurrency")
-    listen_host, listen_port = _split_host_port(ns.http_listen_addr, "--http-listen-addr")
-    try:
-        ipaddress.ip_address(ns.metrics_host)
-    except ValueError as exc:
-        raise ConfigError(f"must be an IP address, got {ns.metrics_host!r}", path="--metrics-host") from exc
-    if not 0 <= ns.metrics_port <= 65535:
-        raise ConfigError("must be a port number", path="--metrics-port")
 
-    raw_codes = _env_or(
-        ns.pylon_retryable_upstream_status_codes, env, "PYLON_RETRYABLE_UPSTREAM_STATUS_CODES"
-    )
-    codes = parse_status_codes(str(raw_codes)) if raw_codes is not None else frozenset({429, 503})
-    retry_header = (
-        str(
-            _env_or(ns.pylon_upstream_retry_header, env, "PYLON_UPSTREAM_RETRY_HEADER")
-            or "x-stargate-upstream-retryable"
-        )
-        .strip()
-        .lower()
-    )
-    if not _HEADER_NAME.match(retry_header):
-        raise ConfigError(f"invalid header name {retry_header!r}", path="--pylon-upstream-retry-header")
-    factor = _env_float(
-        ns.pylon_queue_mismatch_tolerance_factor, env, "PYLON_QUEUE_MISMATCH_TOLERANCE_FACTOR"
-    )
-    factor = 1.25 if factor is None else factor
-    if not (math.isfinite(factor) and factor > 0):
-        raise ConfigError("must be finite and > 0", path="--pylon-queue-mismatch-tolerance-factor")
-    backend_raw = str(_env_or(ns.pylon_upstream_backend, env, "PYLON_UPSTREAM_BACKEND") or "dynamo")
-    try:
-        backend = UpstreamBackend(backend_raw.strip().lower())
-    except ValueError as exc:
-        raise ConfigError("must be dynamo or passthrough", path="--pylon-upstream-backend") from exc
-    ceiling = _env_int(ns.pylon_priority_ceiling, env, "PYLON_PRIORITY_CEILING")
-    min_delta = _env_int(ns.pylon_queue_mismatch_min_delta_ms, env, "PYLON_QUEUE_MISMATCH_MIN_DELTA_MS")
-    retry_after = _env_int(ns.pylon_queue_mismatch_retry_after_ms, env, "PYLON_QUEUE_MISMATCH_RETRY_AFTER_MS")
-    for flag, value in (
-        ("--pylon-priority-ceiling", ceiling),
-        ("--pylon-queue-mismatch-min-delta-ms", min_delta),
-        ("--pylon-queue-mismatch-retry-after-ms", retry_after),
-    ):
-        if value is not None and value < 0:
-            raise ConfigError("must be >= 0", path=flag)
-    stargate = ns.stargate_address.strip()
-    if not stargate:
-        raise ConfigError("must not be blank", path="--stargate-address")
-    if "://" not in stargate:
-        stargate = "http://" + stargate
-    kv = ns.kv_cache_stats_path
+
+def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> PylonSettings:
+    ns = build_parser(env).parse_args(list(argv))
+    _check_combinations(ns)
+    base = ns.upstream_http_base_url
+    listen_host, listen_port = ns.http_listen_addr
     return PylonSettings(
         upstream_base_url=base,
         http_listen_host=listen_host,
         http_listen_port=listen_port,
         http_advertise_addr=(ns.http_advertise_addr or "").strip() or None,
-        model_names=tuple(sorted(set(models))),
+        model_names=tuple(sorted(set(ns.model_name))),
         discovery_poll_interval_ms=ns.model_discovery_poll_interval_ms,
         discovery_request_timeout_ms=ns.model_discovery_request_timeout_ms,
-        stargate_address=stargate,
+        stargate_address=ns.stargate_address,
         inference_server_id=ns.inference_server_id,
         cluster_id=ns.cluster_id or ns.inference_server_id,
         disable_bringup=ns.disable_bringup,
         health_paths=health_candidates(ns.upstream_health_path),
         health_wait_ms=ns.upstream_health_wait_ms,
         do_calibration=ns.do_calibration,
-        initial_input_tps=tps,
+        initial_input_tps=ns.initial_input_tps,
         pin_input_tps=ns.benchmark_pin_input_tps,
         canary_interval_ms=ns.active_canary_interval_ms,
         canary_max_generation_threshold=ns.canary_max_generation_threshold,
@@ -424,79 +334,30 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         calibration_max_concurrency=ns.calibration_max_concurrency,
         bringup_timeout_ms=ns.bringup_canary_timeout_ms,
         calibration_step_timeout_ms=ns.bringup_calibration_timeout_ms,
-        kv_cache_stats_url=_join(base, kv) if kv else None,
-        stats_stream_mode=mode,
+        kv_cache_stats_url=_join(base, ns.kv_cache_stats_path) if ns.kv_cache_stats_path else None,
+        stats_stream_mode=ns.engine_stats_stream,
         stats_stream_url=base + ns.engine_stats_stream_path,
-        stats_source=source,
+        stats_source=ns.engine_stats_source,
         engine_metrics_url=_join(base, ns.engine_metrics_path),
         engine_metrics_interval_ms=ns.engine_metrics_interval_ms,
         min_update_interval_ms=ns.min_update_interval_ms,
-        auth_token=_str_env(ns.auth_token, env, "STARGATE_AUTH_TOKEN"),
-        auth_token_file=_str_env(ns.auth_token_file, env, "STARGATE_AUTH_TOKEN_FILE"),
-        otel_endpoint=_str_env(ns.otel_endpoint, env, "OTEL_EXPORTER_OTLP_ENDPOINT"),
-        otel_service_name=_str_env(ns.otel_service_name, env, "OTEL_SERVICE_NAME") or "pylon",
+        auth_token=ns.auth_token or None,
+        auth_token_file=ns.auth_token_file or None,
+        otel_endpoint=ns.otel_endpoint or None,
+        otel_service_name=ns.otel_service_name or "pylon",
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
-        retryable_statuses=codes,
-        require_upstream_retry_header=_env_bool(
-            ns.pylon_require_upstream_retry_header, env, "PYLON_REQUIRE_UPSTREAM_RETRY_HEADER", True
-        ),
-        upstream_retry_header=retry_header,
-        propagate_retry_after=_env_bool(
-            ns.pylon_propagate_retry_after, env, "PYLON_PROPAGATE_RETRY_AFTER", True
-        ),
-        local_connect_failures_retryable=_env_bool(
-            ns.pylon_local_connect_failures_retryable, env, "PYLON_LOCAL_CONNECT_FAILURES_RETRYABLE", True
-        ),
-        relay_non_streaming=_env_bool(ns.pylon_relay_non_streaming, env, "PYLON_RELAY_NON_STREAMING", False),
-        queue_mismatch_enabled=_env_bool(
-            ns.pylon_queue_mismatch_retry_enabled, env, "PYLON_QUEUE_MISMATCH_RETRY_ENABLED", True
-        ),
-        queue_mismatch_min_delta_ms=25 if min_delta is None else min_delta,
-        queue_mismatch_tolerance_factor=factor,
-        queue_mismatch_retry_after_ms=retry_after,
-        upstream_backend=backend,
-        priority_ceiling=3600 if ceiling is None else ceiling,
+        retryable_statuses=ns.pylon_retryable_upstream_status_codes,
+        require_upstream_retry_header=ns.pylon_require_upstream_retry_header,
+        upstream_retry_header=ns.pylon_upstream_retry_header,
+        propagate_retry_after=ns.pylon_propagate_retry_after,
+        local_connect_failures_retryable=ns.pylon_local_connect_failures_retryable,
+        relay_non_streaming=ns.pylon_relay_non_streaming,
+        queue_mismatch_enabled=ns.pylon_queue_mismatch_retry_enabled,
+        queue_mismatch_min_delta_ms=ns.pylon_queue_mismatch_min_delta_ms,
+        queue_mismatch_tolerance_factor=ns.pylon_queue_mismatch_tolerance_factor,
+        queue_mismatch_retry_after_ms=ns.pylon_queue_mismatch_retry_after_ms,
+        upstream_backend=ns.pylon_upstream_backend,
+        priority_ceiling=ns.pylon_priority_ceiling,
         max_engine_concurrency=ns.max_engine_concurrency,
     )
-
-
-def _str_env(value: str | None, env: Mapping[str, str], key: str) -> str | None:
-    raw = value if value is not None else env.get(key)
-    return raw if raw else None
-
-
-def _env_bool(value: bool | None, env: Mapping[str, str], key: str, default: bool) -> bool:
-    if value is not None:
-        return value
-    raw = env.get(key)
-    if raw is None:
-        return default
-    try:
-        return _bool(raw)
-    except argparse.ArgumentTypeError as exc:
-        raise ConfigError(str(exc), path=key) from exc
-
-
-def _env_int(value: int | None, env: Mapping[str, str], key: str) -> int | None:
-    if value is not None:
-        return value
-    raw = env.get(key)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        return int(raw.strip())
-    except ValueError as exc:
-        raise ConfigError(f"expected an integer, got {raw!r}", path=key) from exc
-
-
-def _env_float(value: float | None, env: Mapping[str, str], key: str) -> float | None:
-    if value is not None:
-        return value
-    raw = env.get(key)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        return float(raw.strip())
-    except ValueError as exc:
-        raise ConfigError(f"expected a number, got {raw!r}", path=key) from exc

@@ -21,6 +21,7 @@ from typing import Any
 
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
+from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
 from stargate.router.app import StargateServer, StargateSettings
 from stargate.router.attempt import RetrySettings
 from stargate.router.discovery_cli import add_discovery_flags, discovery_settings
@@ -46,64 +47,19 @@ TUNNEL_PROTOCOLS = {
 log = logging.getLogger("stargate")
 
 
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("true", "1", "yes"):
-        return True
-    if value in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
-
-
-def _non_negative(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {raw!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {raw!r}")
-    return value
-
-
-def _positive(raw: str) -> int:
-    value = _non_negative(raw)
-    if value == 0:
-        raise argparse.ArgumentTypeError("value must be greater than 0")
-    return value
-
-
-def _port(raw: str) -> int:
-    value = _non_negative(raw)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"port out of range: {value}")
-    return value
-
-
 def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stargate", description="LLM request router.")
-
-    def add(flag: str, *, env_var: str | None = None, **kw: Any) -> None:
-        if env_var is not None and env_var in env:
-            kw["default"] = [env[env_var]] if kw.get("action") == "append" else env[env_var]
-            kw.pop("required", None)
-        notes = [kw.get("help") or ""]
-        if kw.get("default") not in (None, False, []):
-            notes.append("(default: %(default)s)")
-        if env_var is not None:
-            notes.append(f"(env {env_var})")
-        kw["help"] = " ".join(n for n in notes if n) or None
-        p.add_argument(flag, **kw)
-
-    add("--stargate-id", required=True, help="identity in WatchStargates and /debug/state")
+    add = FlagSet(p, env).add
+    add("--stargate-id", default=None, help="identity in WatchStargates and /debug/state (required)")
     add("--listen-addr", default="0.0.0.0:50071", help="gRPC control plane address")
     add("--model-discovery-listen-addr", default="0.0.0.0:50073", help="gRPC ListModels address")
     add("--http-listen-addr", default="0.0.0.0:8000", help="HTTP proxy address")
-    add("--advertise-addr", required=True, help="self gRPC address published in discovery")
-    add("--metrics-port", type=_port, default=9090, help="Prometheus port (0.0.0.0:PORT/metrics)")
+    add("--advertise-addr", default=None, help="self gRPC address published in discovery (required)")
+    add("--metrics-port", type=port, default=9090, help="Prometheus port (0.0.0.0:PORT/metrics)")
     add("--metrics-host", default="0.0.0.0", help="Prometheus bind host")
     add(
         "--shutdown-drain-timeout-ms",
-        type=_non_negative,
+        type=non_negative_int,
         default=30_000,
         help="on SIGTERM, how long in-flight requests may finish",
     )
@@ -111,28 +67,28 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add(
         "--proxy-max-connect-retries",
         env_var="STARGATE_PROXY_MAX_CONNECT_RETRIES",
-        type=_non_negative,
+        type=non_negative_int,
         default=2,
         help="retries after a backend connect failure",
     )
     add(
         "--proxy-max-request-retries",
         env_var="STARGATE_PROXY_MAX_REQUEST_RETRIES",
-        type=_non_negative,
+        type=non_negative_int,
         default=2,
         help="retries after a retryable backend answer",
     )
     add(
         "--proxy-max-replay-body-bytes",
         env_var="STARGATE_PROXY_MAX_REPLAY_BODY_BYTES",
-        type=_non_negative,
+        type=non_negative_int,
         default=67_108_864,
         help="largest request body kept for replay; larger ones get 413",
     )
     add(
         "--default-max-wait-ms",
         env_var="STARGATE_DEFAULT_MAX_WAIT_MS",
-        type=_non_negative,
+        type=non_negative_int,
         default=0,
         help="routing wait for requests without x-max-wait-ms (capped at 60000); 0 = the spec's "
         "immediate 503 when nothing is selectable",
@@ -140,7 +96,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add(
         "--proxy-require-pylon-retry-signal",
         env_var="STARGATE_PROXY_REQUIRE_PYLON_RETRY_SIGNAL",
-        type=_bool,
+        type=parse_bool,
         default=True,
         metavar="BOOL",
         help="retry 429/503 only when Pylon marks them x-stargate-retryable",
@@ -154,14 +110,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add(
         "--registration-update-idle-timeout-ms",
         env_var="STARGATE_REGISTRATION_UPDATE_IDLE_TIMEOUT_MS",
-        type=_non_negative,
+        type=non_negative_int,
         default=60_000,
         help="floor of the registration idle timeout (3 x the Pylon heartbeat); 0 disables",
     )
     add(
         "--registration-update-max-idle-timeout-ms",
         env_var="STARGATE_REGISTRATION_UPDATE_MAX_IDLE_TIMEOUT_MS",
-        type=_non_negative,
+        type=non_negative_int,
         default=300_000,
         help="cap of the registration idle timeout; 0 disables",
     )
@@ -179,9 +135,9 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         help="remote watch seed (repeatable, comma-delimited)",
     )
     add("--grpc-pylon-dial-addr", default=None, help="written into every StargateInfo")
-    add("--dns-poll-ms", type=_positive, default=1000, help="peer discovery interval")
+    add("--dns-poll-ms", type=positive_int, default=1000, help="peer discovery interval")
     add_discovery_flags(add)
-    add("--watch-heartbeat-ms", type=_positive, default=5000, help="WatchStargates resend interval")
+    add("--watch-heartbeat-ms", type=positive_int, default=5000, help="WatchStargates resend interval")
     add(
         "--backend-connectivity",
         choices=("direct",),
@@ -192,14 +148,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add(
         "--direct-quic-connections",
         env_var="STARGATE_DIRECT_QUIC_CONNECTIONS",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="informational",
     )
-    add("--quic-connect-timeout-ms", type=_positive, default=2000, help="backend connect timeout")
+    add("--quic-connect-timeout-ms", type=positive_int, default=2000, help="backend connect timeout")
     add(
         "--quic-request-timeout-ms",
-        type=_positive,
+        type=positive_int,
         default=30_000,
         help="time allowed until response headers",
     )
@@ -217,7 +173,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add(
         "--plain-clients",
         env_var="STARGATE_PLAIN_CLIENTS",
-        type=_bool,
+        type=parse_bool,
         nargs="?",
         const=True,
         default=False,
@@ -228,7 +184,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     )
     add(
         "--plain-client-max-body-bytes",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest body read to fill x-model/x-input-tokens; larger ones get 413",
     )
@@ -239,7 +195,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     )
     add(
         "--plain-client-bytes-per-token",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_BYTES_PER_TOKEN,
         help="x-input-tokens estimate without a tokenizer: ceil(prompt UTF-8 bytes / N)",
     )
@@ -254,6 +210,9 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
 
 def settings_from_args(options: argparse.Namespace) -> StargateSettings:
     """Turn parsed flags into settings; every semantic problem is a ``ConfigError`` naming the flag."""
+    for flag, value in (("--stargate-id", options.stargate_id), ("--advertise-addr", options.advertise_addr)):
+        if not (value or "").strip():
+            raise ConfigError("required to run the router", path=flag)
     if not options.disable_dns_discovery and not (options.stargate_discovery_dns_name or "").strip():
         raise ConfigError(
             "required unless --disable-dns-discovery is set", path="--stargate-discovery-dns-name"
@@ -325,11 +284,8 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
     )
 
 
-def main(argv: list[str]) -> int:
-    try:
-        options = build_parser(dict(os.environ)).parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the usage error (or --help)
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+def run(options: argparse.Namespace) -> int:
+    """Run the router from parsed flags until a termination signal; returns the exit status."""
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )

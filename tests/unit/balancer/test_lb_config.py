@@ -17,13 +17,13 @@ from stargate.balancer.config import (
     parse_lb_config,
     parse_routing_method,
 )
-from stargate.balancer.config_schema import SCHEMAS
-from stargate.balancer.settings import ALIASES, Algorithm, Comparator
+from stargate.balancer.registry import ALIASES, SPECS
+from stargate.balancer.settings import Algorithm, Comparator
 from stargate.errors import ConfigError
 
 FIELD_WORDS = sorted(
     {"algorithm", "request_algorithms", "unknown", *ALIASES, *(c.value for c in Comparator)}
-    | {name for schema in SCHEMAS.values() for name in schema.model_fields}
+    | {name for spec in SPECS.values() for name in spec.fields.model_fields}
 )
 
 

@@ -7,7 +7,7 @@ from builders import chosen, chosen_id, make_candidate, make_request, rng, waw
 
 from stargate.balancer import Candidate, Comparator, Unavailable, Wait, build_policy
 from stargate.balancer.estimates import has_capacity
-from stargate.balancer.wait_and_widen import Ranking, WaitAndWiden, WawSelector
+from stargate.balancer.wait_and_widen import Ranking, WawSelector
 from stargate.errors import ConfigError
 
 
@@ -234,8 +234,8 @@ def test_n_one_samples_uniformly_among_unlocked() -> None:
 def test_invalid_settings_are_config_errors() -> None:
     for scale in (1.5, -0.1, float("nan")):
         with pytest.raises(ConfigError, match="cache_affinity_input_tokens_scale"):
-            WaitAndWiden(waw(cache_affinity_input_tokens_scale=scale))
+            build_policy(waw(cache_affinity_input_tokens_scale=scale))
     for scale in (0.0, 1.0):
-        WaitAndWiden(waw(cache_affinity_input_tokens_scale=scale))
+        build_policy(waw(cache_affinity_input_tokens_scale=scale))
     with pytest.raises(ConfigError, match="consider_kv_free_tokens is supported only for pulsar"):
         build_policy(waw(consider_kv_free_tokens=True))

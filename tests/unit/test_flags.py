@@ -1,0 +1,56 @@
+"""Flags declared once: an environment variable replaces a default, the command line wins, help says both."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from stargate.cli import build_parser as stargate_parser
+from stargate.errors import ConfigError
+from stargate.flags import FlagSet, non_negative_int, parse_bool
+from stargate.pylon.config import build_parser as pylon_parser
+from stargate.pylon.config import parse_settings
+
+BASE = ["--upstream-http-base-url", "http://127.0.0.1:8090"]
+
+
+def flag_set(env: dict[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="t", exit_on_error=False)
+    add = FlagSet(parser, env).add
+    add("--retries", env_var="T_RETRIES", type=non_negative_int, default=2, help="retries")
+    add("--strict", env_var="T_STRICT", type=parse_bool, default=False, help="strict")
+    return parser
+
+
+def test_environment_replaces_the_default_and_the_command_line_wins() -> None:
+    assert flag_set({}).parse_args([]).retries == 2
+    assert flag_set({"T_RETRIES": "5", "T_STRICT": "yes"}).parse_args([]).retries == 5
+    assert flag_set({"T_STRICT": "yes"}).parse_args([]).strict is True
+    assert flag_set({"T_RETRIES": "5"}).parse_args(["--retries", "7"]).retries == 7
+
+
+def test_a_bad_environment_value_is_checked_by_the_flags_type() -> None:
+    with pytest.raises(argparse.ArgumentError, match="--retries"):
+        flag_set({"T_RETRIES": "-1"}).parse_args([])
+
+
+def test_help_shows_the_default_once_and_the_variable() -> None:
+    text = " ".join(flag_set({}).format_help().split())
+    assert "retries (default: 2) (env T_RETRIES)" in text
+    assert "strict (default: false) (env T_STRICT)" in text
+
+
+@pytest.mark.parametrize("parser", [stargate_parser({}), pylon_parser()], ids=["stargate", "pylon"])
+def test_every_flag_states_at_most_one_default(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        assert (action.help or "").count("(default:") <= 1, action.option_strings
+
+
+def test_pylon_environment_values_are_typed_like_their_flags() -> None:
+    settings = parse_settings(BASE, {"PYLON_PRIORITY_CEILING": "7", "PYLON_UPSTREAM_BACKEND": "Passthrough"})
+    assert settings.priority_ceiling == 7 and settings.upstream_backend == "passthrough"
+    assert parse_settings([*BASE, "--pylon-priority-ceiling", "9"], {"PYLON_PRIORITY_CEILING": "7"}) \
+        .priority_ceiling == 9
+    with pytest.raises(ConfigError, match="--pylon-queue-mismatch-min-delta-ms"):
+        parse_settings(BASE, {"PYLON_QUEUE_MISMATCH_MIN_DELTA_MS": "soon"})
