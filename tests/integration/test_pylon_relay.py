@@ -230,6 +230,33 @@ async def test_engine_down_is_retryable_by_default(client: aiohttp.ClientSession
         await app.close()
 
 
+async def test_an_unanswered_request_is_retryable_only_once_the_engine_is_gone(
+    client: aiohttp.ClientSession,
+) -> None:
+    """The engine closes the connection without answering. If it still accepts connections it may be
+    running the request; if it refuses them (it was killed) nothing can be, so Stargate may retry."""
+    listening: list[asyncio.Server] = []
+    for gone, expected in ((False, "false"), (True, "true")):
+
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, gone: bool = gone) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if gone and head.startswith(b"POST"):  # the chat request, not a health probe
+                listening[-1].close()
+            writer.transport.abort()
+
+        server = await asyncio.start_server(drop, "127.0.0.1", 0)
+        listening.append(server)
+        port = server.sockets[0].getsockname()[1]
+        app = await started(FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off")
+        try:
+            async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+                assert resp.status == 503
+                assert resp.headers["x-stargate-retryable"] == expected
+        finally:
+            await app.close()
+            server.close()
+
+
 async def test_b95_read_timeout_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
     engine.chat_mode = "hang"
     app = await started(engine, read_s=0.2)

@@ -3,7 +3,9 @@
 The four scenarios (``benches/fault-*.yaml``) share a fleet and a workload and differ in the fault on
 backend-0: engine kill (SIGKILL), engine hang (SIGSTOP for 8 s), Pylon kill, Pylon freeze. Per fault the
 table gives requests sent, failed, failed without reaching an engine (goal 0) and how long the faulty
-backend stayed routable (goal at most 3 s). ``--strict`` turns a missed goal into exit status 1.
+backend stayed routable (goal at most 3 s), one row per run (``--repeats``: the window in which a
+fault can cost requests is short, so a single run says little). ``--strict`` turns a missed goal into
+exit status 1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stargate.bench import plan
-from stargate.bench.console import EXIT_FAILED, EXIT_OK, resolve_scenario, run_async
+from stargate.bench.console import EXIT_FAILED, EXIT_OK, positive, resolve_scenario, run_async
 from stargate.bench.faults import ActionReport, FaultReport, routable_cell
 from stargate.bench.runner import run_suite
 from stargate.bench.schema import Scenario, load_scenario
@@ -37,6 +39,7 @@ def add_parser(sub: Any) -> None:
                         help="comma list of fault scenarios (default: the four of the suite)")
     faults.add_argument("--algorithm", default=None,
                         help="algorithm of each scenario to run (default: its first)")
+    faults.add_argument("--repeats", type=positive, default=1, help="runs per fault, a row each (default 1)")
     faults.add_argument("--out", type=Path, default=Path(".bench-out/faults"), help="output directory")
     faults.add_argument("--strict", action="store_true", help="exit 1 when a fault misses a goal")
 
@@ -75,16 +78,17 @@ def _single_algorithm(sc: Scenario, name: str | None) -> Scenario:
     return sc.select_algorithms([name or sc.algorithms[0].name])
 
 
-async def run_fault_suite(names: Sequence[str], out: Path, algorithm: str | None,
-                          argv: Sequence[str]) -> list[tuple[str, FaultReport | None, str | None]]:
+async def run_fault_suite(names: Sequence[str], out: Path, algorithm: str | None, argv: Sequence[str],
+                          repeats: int = 1) -> list[tuple[str, FaultReport | None, str | None]]:
     scenarios = [_single_algorithm(load_scenario(resolve_scenario(n)), algorithm) for n in names]
     results: list[tuple[str, FaultReport | None, str | None]] = []
     for name, sc in zip(names, scenarios, strict=True):
         seed = sc.effective_seed()
         result = await run_suite(sc, build_workload(sc, seed), out / name, runs=plan.runs(sc), seed=seed,
-                                 argv=argv)
-        outcome = result.outcomes[0]
-        results.append((name, outcome.faults, outcome.error))
+                                 repeats=repeats, argv=argv)
+        for outcome in result.outcomes:
+            label = name if repeats == 1 else f"{name} #{outcome.planned.repeat}"
+            results.append((label, outcome.faults, outcome.error))
     return results
 
 
@@ -93,7 +97,7 @@ def faults_command(console: Console, args: argparse.Namespace, argv: list[str]) 
     if not names:
         raise ConfigError("no fault scenarios given", path="--scenarios")
     with console.status("running the fault suite (about 40 s per fault)"):
-        results = run_async(run_fault_suite(names, args.out, args.algorithm, argv))
+        results = run_async(run_fault_suite(names, args.out, args.algorithm, argv, args.repeats))
     rows = summary_rows(results)
     table = Table(*HEADERS, title=f"fault suite ({args.out})")
     for row in rows:

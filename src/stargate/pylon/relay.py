@@ -7,6 +7,7 @@ chunk with ``iter_any`` while the observer scans the bytes → finish.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from stargate.body_coding import decoded
 from stargate.errors import (
@@ -57,6 +59,28 @@ ENDPOINTS = {
 }
 MAX_OBSERVED_JSON = 1024 * 1024  # a JSON answer larger than this is relayed without reading its usage
 _RELAY_HINT = "pylon --pylon-relay-non-streaming true relays JSON answers"
+
+
+ENGINE_PROBE_TIMEOUT_S = 0.5
+
+
+async def engine_refuses(url: str) -> bool:
+    """True when the engine's address refuses a TCP connection (the process is gone); bounded."""
+    target = URL(url)
+    if target.host is None or target.port is None:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(target.host, target.port), ENGINE_PROBE_TIMEOUT_S
+        )
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,9 +307,15 @@ class Relay:
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
             # Nothing reached the engine: safe to run elsewhere (unless configured off).
             return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
-        except (TimeoutError, aiohttp.ClientConnectionError):
-            # Sent, then no answer: the engine may be running it, so never retryable.
+        except TimeoutError:
+            # Sent, then no answer in time: the engine may be running it, so never retryable.
             return _problem(LocalConnectFailure(retryable=False))
+        except aiohttp.ClientConnectionError:
+            # Sent, then the connection closed unanswered. An engine that no longer accepts connections
+            # is gone and runs nothing (a request written on a keep-alive connection it was closing as
+            # it died); otherwise it may be running the request, so never retryable.
+            gone = await engine_refuses(url)
+            return _problem(LocalConnectFailure(retryable=gone and self.s.local_connect_failures_retryable))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy
