@@ -21,7 +21,7 @@ from enum import Enum
 from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
 from stargate.balancer.comparators import score_for
 from stargate.balancer.config_schema import WaitAndWidenFields
-from stargate.balancer.estimates import INF, load_queue_ms, load_running, load_tie_key, queue_ms
+from stargate.balancer.estimates import INF, load_queue_ms, load_running, load_tie_key, queue_ms, raw_queue_ms
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
 from stargate.balancer.types import (
     UNAVAILABLE,
@@ -120,8 +120,24 @@ class WawSelector:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
-                queue = load_queue_ms(candidate, priority)
-                running = load_running(candidate)
+                # load_running and load_queue_ms, written flat: this runs per candidate per decision.
+                own = candidate.in_flight
+                running = stats.num_running_queries
+                if own.requests > running:
+                    running = own.requests
+                backlog = stats.queued_input_size
+                if own.prefill_tokens > backlog:
+                    backlog = own.prefill_tokens
+                if backlog == 0:
+                    queue = 0.0
+                else:
+                    tps = stats.last_mean_input_tps
+                    queue = backlog * 1000.0 / tps if 0.0 < tps < INF else INF
+                limit = stats.max_engine_concurrency
+                if not (limit > 0 and running < limit):
+                    spec = raw_queue_ms(stats, priority)
+                    if spec > queue:
+                        queue = spec
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:

@@ -232,7 +232,7 @@ class Fleet:
         ]
         for seed in seeds:
             argv += ["--remote-stargate-url", seed]
-        argv += self.stargate_args
+        argv += [*self.run.stargate_args, *self.stargate_args]
         return ManagedProcess(f"stargate-{index}", argv, self.log_dir, parse_stargate_ready)
 
     def _pylon_proc(self, spec: BackendSpec, suffix: str = "") -> ManagedProcess[PylonAddrs]:

@@ -37,6 +37,7 @@ class RunSpec:
     name: str
     lb_config: dict[str, object]
     pylon_args: list[str]
+    stargate_args: tuple[str, ...] = ()
 
 
 def _num(value: float) -> str:

@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 from builders import chosen, chosen_id, make_candidate, make_request, rng, waw
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from stargate.balancer import Algorithm, AlgorithmDefinition, Candidate, Comparator, build_policy
@@ -289,3 +289,38 @@ def test_without_a_margin_a_global_pick_after_x_does_not_move_the_key() -> None:
     assert chosen(policy.decide(full, after_x, rng())).rank_depth == 2
     idle = _ring(c_queued=0)
     assert chosen_id(idle, policy.decide(idle, make_request(key="prefix-a"), rng())) == "affinity-c"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    queued=st.integers(0, 50_000),
+    running=st.integers(0, 12),
+    limit=st.integers(0, 8),
+    own=st.tuples(st.integers(0, 12), st.integers(0, 50_000)),
+    tps=st.sampled_from([500.0, 1000.0]),
+    qmap=st.sampled_from([{}, {0: 700}]),
+    reference_queued=st.integers(0, 50_000),
+)
+def test_the_flat_waw_ranking_follows_the_load_ttft_estimate(
+    queued: int,
+    running: int,
+    limit: int,
+    own: tuple[int, int],
+    tps: float,
+    qmap: dict[int, int],
+    reference_queued: int,
+) -> None:
+    """wait-and-widen inlines the load-aware estimates: with every bucket open and no tie
+    resolution its pick must be the lower ``load_ttft_ms``."""
+    candidate = with_in_flight(
+        make_candidate("a", tps=tps, queued=queued, running=running, max_concurrency=limit, queue_map=qmap),
+        own[0],
+        min(own[0], 1),
+        own[1],
+    )
+    reference = make_candidate("b", tps=1000.0, queued=reference_queued)
+    a, b = load_ttft_ms(candidate, 300, 0), load_ttft_ms(reference, 300, 0)
+    assume(a != b and (limit == 0 or load_running(candidate) < limit))  # a has capacity
+    policy = build_policy(waw(n=2, load_aware=True, ttft_bucket_size_ms=0, next_bucket_unlock_factor=0.0))
+    decision = policy.decide((candidate, reference), make_request(input_tokens=300), rng())
+    assert chosen_id((candidate, reference), decision) == ("a" if a < b else "b")

@@ -10,7 +10,13 @@ import pytest
 
 from stargate.balancer.config import load_lb_config
 from stargate.bench import plan
-from stargate.bench.peers.compare import RECOMMENDED_FILE, recommended_lb_config
+from stargate.bench.peers.compare import (
+    RECOMMENDED_FILE,
+    RECOMMENDED_STARGATE_ARGS,
+    PeerOptions,
+    recommended_lb_config,
+    resolve_routers,
+)
 from stargate.bench.schema import load_scenario
 from stargate.errors import ConfigError
 
@@ -35,3 +41,10 @@ def test_a_recommended_file_without_exactly_one_model_is_a_config_error(tmp_path
     path.write_bytes(orjson.dumps({"models": {"a": {"algorithm": "random"}, "b": {"algorithm": "random"}}}))
     with pytest.raises(ConfigError, match="recommended"):
         recommended_lb_config("m", path)
+
+
+def test_compare_runs_recommended_with_its_router_flag() -> None:
+    demo = load_scenario(ROOT / "benches" / "uniform-4-backends.yaml")
+    (choice,) = resolve_routers(demo, "stargate:recommended", PeerOptions())
+    assert choice.spec.lb_config == recommended_lb_config(demo.model)
+    assert choice.spec.stargate_args == RECOMMENDED_STARGATE_ARGS == ("--default-max-wait-ms", "60000")

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import orjson
@@ -36,10 +35,7 @@ def test_write_report_produces_markdown_json_and_charts(tmp_path: Path) -> None:
     }
     by_run["round-robin"][-1].status, by_run["round-robin"][-1].error_class = 503, "http_503"
     summaries = [summarize(run, recs, scenario, 2.0, 50.0) for run, recs in by_run.items()]
-    started = time.perf_counter()
     report = write_report(tmp_path / "out", scenario, summaries, by_run)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 10  # typically well under 2 s; generous for a shared 2-core machine
     out = tmp_path / "out"
     for name in ("report.md", "comparison.json", "ttft-cdf.png", "backend-load.png", "cache-goodput.png"):
         assert (out / name).stat().st_size > 0, name

@@ -85,12 +85,16 @@ class RouterChoice:
 
 
 RECOMMENDED = "recommended"
+RECOMMENDED_STARGATE_ARGS = ("--default-max-wait-ms", "60000")
+"""The recommended deployment's router flag (docs/configuration.md): requests without x-max-wait-ms
+wait for a free slot instead of getting the spec's immediate 503."""
 RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
 
 
 def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
     """``examples/lb-config/recommended.json`` with its one model entry renamed to ``model``: what
-    ``stargate:recommended`` runs unless the scenario defines an algorithm of that name."""
+    ``stargate:recommended`` runs (with ``RECOMMENDED_STARGATE_ARGS``) unless the scenario defines an
+    algorithm of that name."""
     try:
         config = orjson.loads(path.read_bytes())
         (settings,) = config["models"].values()
@@ -113,11 +117,11 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
         if kind == "stargate":
             spec = entries.get(name)
             if spec is None and name == RECOMMENDED:
-                spec = RunSpec(name, recommended_lb_config(scenario.model), [])
+                spec = RunSpec(name, recommended_lb_config(scenario.model), [], RECOMMENDED_STARGATE_ARGS)
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])
-            spec = RunSpec(label, spec.lb_config, spec.pylon_args)
+            spec = RunSpec(label, spec.lb_config, spec.pylon_args, spec.stargate_args)
             choices.append(RouterChoice(label, kind, spec, functools.partial(StargateAdapter, label)))
         elif kind == "direct":
             choices.append(RouterChoice(label, kind, RunSpec(label, {}, []), DirectAdapter))
@@ -172,6 +176,7 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
     (planned.run_dir / "run-info.json").write_bytes(orjson.dumps(
         {"name": planned.name, "router": choice.label, "kind": choice.kind, "signal": adapter.signal,
          "repeat": planned.repeat, "lb_config": planned.spec.lb_config, "pylon_args": planned.spec.pylon_args,
+         "stargate_args": list(planned.spec.stargate_args),
          "kv_mode": scenario.mock.kv_mode}, option=orjson.OPT_INDENT_2))
     env = {TOKENIZER_ENV: str(tokenizer_dir)} if tokenizer_dir is not None else None
     truth_path = planned.run_dir / GROUND_TRUTH_FILE
