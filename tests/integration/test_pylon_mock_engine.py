@@ -4,32 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from test_pylon_support import FakeStargate
+from test_pylon_support import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 
 from stargate.pylon.models import ModelStatus
-
-MOCK_LINE = "stargate-mock-engine listening on "
-
-
-async def spawn(*args: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-    )
-
-
-async def read_line(proc: asyncio.subprocess.Process, prefix: str) -> str:
-    assert proc.stdout is not None
-    while True:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-        if not line:
-            raise AssertionError(f"process exited before printing {prefix!r}")
-        if line.startswith(prefix):
-            return line[len(prefix) :].strip()
 
 
 @pytest.fixture
@@ -123,15 +104,12 @@ async def test_b39_canary_failure_advertises_inactive_until_recovery(stargate: F
     try:
         engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
         pylon = await spawn(
-            "stargate.pylon.cli",
-            "--upstream-http-base-url", engine_url,
-            "--stargate-address", stargate.address,
-            "--http-listen-addr", "127.0.0.1:0",
-            "--metrics-host", "127.0.0.1",
-            "--metrics-port", "0",
-            "--model-name", "llama",
-            "--min-update-interval-ms", "20",
-            "--active-canary-interval-ms", "50",
+            *pylon_args(
+                engine_url,
+                stargate.address,
+                "--min-update-interval-ms", "20",
+                "--active-canary-interval-ms", "50",
+            )
         )  # fmt: skip
         await read_line(pylon, "pylon ready ")
 

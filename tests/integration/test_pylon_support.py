@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,3 +184,37 @@ class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
     async def close(self) -> None:
         if self._server is not None:
             await self._server.stop(0)
+
+
+MOCK_LINE = "stargate-mock-engine listening on "
+
+
+async def spawn(*args: str) -> asyncio.subprocess.Process:
+    """``python -m <args>`` with stdout piped (for its ready line) and stderr dropped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+
+
+async def read_line(proc: asyncio.subprocess.Process, prefix: str) -> str:
+    assert proc.stdout is not None
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        if not line:
+            raise AssertionError(f"process exited before printing {prefix!r}")
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+
+
+def pylon_args(engine_url: str, stargate_address: str, *extra: str) -> tuple[str, ...]:
+    """``spawn`` arguments of a Pylon for model ``llama`` on loopback ephemeral ports."""
+    return (
+        "stargate.pylon.cli",
+        "--upstream-http-base-url", engine_url,
+        "--stargate-address", stargate_address,
+        "--http-listen-addr", "127.0.0.1:0",
+        "--metrics-host", "127.0.0.1",
+        "--metrics-port", "0",
+        "--model-name", "llama",
+        *extra,
+    )  # fmt: skip

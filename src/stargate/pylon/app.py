@@ -235,7 +235,9 @@ class PylonApp:
             interval_ms=s.min_update_interval_ms,
             token=token_source(s.auth_token, s.auth_token_file),
             on_connected=self._on_router,
+            coalesce_ms=s.stats_update_coalesce_ms,
         )
+        self.hub.on_change = self.registration.notify
         discovery = StargateDiscovery([s.stargate_address], self.registration.update_routers)
         self._spawn(discovery.run(), "stargate-discovery")
         if s.discovery_mode:

@@ -78,6 +78,7 @@ class PylonSettings:
     engine_metrics_url: str
     engine_metrics_interval_ms: int
     min_update_interval_ms: int
+    stats_update_coalesce_ms: int
     auth_token: str | None
     auth_token_file: str | None
     metrics_host: str
@@ -241,6 +242,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--engine-metrics-path", default="/metrics", help="engine Prometheus path (prometheus source)")
     a("--engine-metrics-interval-ms", type=_positive, default=1000, help="engine /metrics poll period")
     a("--min-update-interval-ms", type=_positive, default=1000, help="registration heartbeat period")
+    a("--stats-update-coalesce-ms", type=_non_negative, default=0,
+      help="send the snapshot this long after a load change (0 = heartbeats only; 10 recommended)")
     a("--auth-token", env_var="STARGATE_AUTH_TOKEN", default=None, help="bearer token for Stargate")
     a("--auth-token-file", env_var="STARGATE_AUTH_TOKEN_FILE", default=None,
       help="token file, re-read per stream")
@@ -341,6 +344,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         engine_metrics_url=_join(base, ns.engine_metrics_path),
         engine_metrics_interval_ms=ns.engine_metrics_interval_ms,
         min_update_interval_ms=ns.min_update_interval_ms,
+        stats_update_coalesce_ms=ns.stats_update_coalesce_ms,
         auth_token=ns.auth_token or None,
         auth_token_file=ns.auth_token_file or None,
         otel_endpoint=ns.otel_endpoint or None,

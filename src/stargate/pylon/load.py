@@ -9,7 +9,7 @@ count nothing. Every update is O(1); estimates cost O(distinct priorities).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
@@ -98,12 +98,21 @@ def estimate_ms(tokens: int, tps: float) -> int:
     return min(value, U64_MAX) if math.isfinite(value) else U64_MAX
 
 
+def _unchanged(_generation: Generation) -> None:
+    return None
+
+
 class LiveLoad:
-    """Request id → tracked request, plus incremental per-generation aggregates."""
+    """Request id → tracked request, plus incremental per-generation aggregates.
+
+    ``on_change(generation)`` runs after every change of a generation's counts (set once at
+    startup), so the change can be published without waiting for the next heartbeat.
+    """
 
     def __init__(self) -> None:
         self._requests: dict[str, _Tracked] = {}
         self._generations: dict[Generation, _GenerationLoad] = {}
+        self.on_change: Callable[[Generation], None] = _unchanged
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -114,6 +123,7 @@ class LiveLoad:
         t = _Tracked(generation, Phase.PENDING, priority, input_tokens)
         self._requests[request_id] = t
         self._generations.setdefault(generation, _GenerationLoad()).add(t, 1)
+        self.on_change(generation)
 
     def advance(self, request_id: str, phase: Phase) -> None:
         t = self._requests.get(request_id)
@@ -123,11 +133,13 @@ class LiveLoad:
         agg.add(t, -1)
         t.phase = phase
         agg.add(t, 1)
+        self.on_change(t.generation)
 
     def release(self, request_id: str) -> None:
         t = self._requests.pop(request_id, None)
         if t is not None:
             self._generations[t.generation].add(t, -1)
+            self.on_change(t.generation)
 
     def generation_of(self, request_id: str) -> Generation | None:
         t = self._requests.get(request_id)

@@ -4,7 +4,9 @@
 announced watch URL; a URL whose stream ends loses its routers until it reconnects (retry 1 s).
 The first router set is published once every desired URL delivered a snapshot, or after 5 s
 with at least one router. ``RegistrationClient`` keeps one ``RegisterInferenceServer`` stream
-per published router and sends the full snapshot every ``--min-update-interval-ms``.
+per published router and sends the full snapshot every ``--min-update-interval-ms``, and
+``--stats-update-coalesce-ms`` after a change of Pylon's own load (``notify``), so what Stargate
+sees of Pylon's in-flight requests is at most that old instead of up to a heartbeat old.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,14 +146,17 @@ class RegistrationClient:
         token: Callable[[], str | None],
         on_connected: Callable[[str, bool], None] = lambda _router, _up: None,
         retry_s: float = RETRY_S,
+        coalesce_ms: int = 0,
     ) -> None:
         self._snapshot = snapshot
         self._interval_s = interval_ms / 1000.0
         self._interval_ms = interval_ms
+        self._coalesce_s = coalesce_ms / 1000.0
         self._token = token
         self._on_connected = on_connected
         self._retry_s = retry_s
         self._streams: dict[str, asyncio.Task[None]] = {}
+        self._changed: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
 
     @property
     def routers(self) -> list[str]:
@@ -164,10 +170,22 @@ class RegistrationClient:
             if router_id not in self._streams:
                 self._streams[router_id] = loop.create_task(self._run_router(info))
 
+    def notify(self) -> None:
+        """The snapshot changed: each stream sends it after the coalesce delay (0 = heartbeats only)."""
+        if self._coalesce_s > 0:
+            for changed in self._changed:
+                changed.set()
+
     async def _messages(self) -> AsyncIterator[stargate_pb2.InferenceServerRegistration]:
+        changed = asyncio.Event()
+        self._changed.add(changed)
         while True:
+            changed.clear()
             yield self._snapshot()
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval_s):
+                    await changed.wait()
+                    await asyncio.sleep(self._coalesce_s)  # later changes ride along
 
     def _metadata(self) -> list[tuple[str, str]]:
         md = [(HEARTBEAT_METADATA, str(self._interval_ms))]

@@ -147,6 +147,13 @@ def test_max_engine_concurrency_must_be_positive() -> None:
         parse("--max-engine-concurrency", "0")
 
 
+def test_stats_update_coalesce() -> None:
+    assert parse().stats_update_coalesce_ms == 0  # the spec's heartbeats only
+    assert parse("--stats-update-coalesce-ms", "10").stats_update_coalesce_ms == 10
+    with pytest.raises(ConfigError, match="--stats-update-coalesce-ms"):
+        parse("--stats-update-coalesce-ms", "-1")
+
+
 def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*BASE, "--do-calibration", "--initial-input-tps", "5"]) == 2
     assert "--do-calibration/--initial-input-tps" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 from stargate.balancer.types import ModelStats
 from stargate.proto import stargate_pb2
+from stargate.pylon.load import Phase
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
 from stargate.pylon.registration import RouterInfo, router_from_info, stats_to_proto
 from stargate.pylon.stats.hub import ConcurrencyUpdate, LimitSource
@@ -61,3 +62,19 @@ def test_b117_pending_omitted_retired_cannot_publish_or_update() -> None:
     r.registry.retire(old.model_id)
     assert not r.hub.apply_concurrency(ConcurrencyUpdate(old, LimitSource.ENGINE, 40))
     assert r.hub.snapshot(old) == ModelStats()
+
+
+def test_every_change_of_pylons_own_load_asks_for_a_prompt_publication() -> None:
+    r = make_rig()
+    changes: list[int] = []
+    r.hub.on_change = lambda: changes.append(r.clock.wall_ms())
+    r.load.track("a", r.gen, 0, 5)
+    r.load.advance("a", Phase.INPUT_PROCESSING)
+    r.load.advance("a", Phase.INPUT_PROCESSING)  # no change: phases only move forward
+    r.load.advance("a", Phase.OUTPUT_GENERATION)
+    r.load.release("a")
+    r.load.release("a")  # already gone
+    assert len(changes) == 4
+    r.clock.advance(2.0)
+    r.load.track("b", r.gen, 0, 5)
+    assert r.hub.snapshot(r.gen).stats_observed_at_unix_ms == changes[-1]

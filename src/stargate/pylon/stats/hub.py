@@ -8,6 +8,7 @@ is no longer current is dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
@@ -82,6 +83,8 @@ class StatsHub:
         self._fallback_limit = max_engine_concurrency or 0
         self._gens: dict[Generation, _GenState] = {}
         self._counters = CounterTracker(floor_s)
+        self.on_change: Callable[[], None] = lambda: None
+        load.on_change = self.on_load_change
 
     # -- generation lifecycle -------------------------------------------------------------
     def init_generation(self, gen: Generation, *, calibrating: bool = False) -> None:
@@ -254,10 +257,20 @@ class StatsHub:
         state = self._state(gen) if gen is not None else None
         if state is None:
             return False
+        changed = state.engine_load != load
         state.engine_load = load
         state.throughput.add_labels(agg.CAP_PROMETHEUS, agg.SRC_PROMETHEUS)
         self._touch(state, agg.SRC_PROMETHEUS, "engine_load")
+        if changed:
+            self.on_change()
         return True
+
+    def on_load_change(self, gen: Generation) -> None:
+        """Pylon's own counts of ``gen`` changed: a change to publish promptly (``on_change``)."""
+        state = self._gens.get(gen)
+        if state is not None:
+            self._touch(state, "request_observation", "load_change")
+            self.on_change()
 
     # -- staleness ----------------------------------------------------------------------------
     def sweep(self) -> None:

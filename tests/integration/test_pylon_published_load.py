@@ -1,0 +1,141 @@
+"""What Pylon publishes of its load tracks its own in-flight requests, with a real mock engine and a
+real Pylon process, while the engine's own report lags (paused engine) or counts extra requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+from test_pylon_support import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
+
+from stargate.proto import stargate_pb2
+
+TOKENS = 40
+HEARTBEAT_MS = 5000  # changes must reach Stargate long before a heartbeat would carry them
+BODY = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+@pytest.fixture
+async def stargate() -> AsyncIterator[FakeStargate]:
+    s = await FakeStargate().start()
+    yield s
+    await s.close()
+
+
+def latest(stargate: FakeStargate) -> stargate_pb2.ModelStats | None:
+    if not stargate.messages or "llama" not in stargate.messages[-1].models:
+        return None
+    return stargate.messages[-1].models["llama"].stats
+
+
+async def published(
+    stargate: FakeStargate,
+    what: str,
+    check: Callable[[stargate_pb2.ModelStats], bool],
+    timeout_s: float = 3.0,
+) -> stargate_pb2.ModelStats:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (stats := latest(stargate)) is None or not check(stats):
+        assert loop.time() < deadline, f"not published within {timeout_s} s: {what}; last {stats}"
+        await asyncio.sleep(0.01)
+    return stats
+
+
+async def stream(client: aiohttp.ClientSession, url: str, request_id: str) -> None:
+    headers = {"x-request-id": request_id, "x-model": "llama", "x-input-tokens": str(TOKENS)}
+    async with client.post(f"{url}/v1/chat/completions", json=BODY, headers=headers) as resp:
+        await resp.read()
+
+
+@pytest.mark.parametrize("source", ["prometheus", "stream"])
+async def test_published_load_tracks_pylon_in_flight_while_engine_lags(
+    stargate: FakeStargate, source: str
+) -> None:
+    engine = await spawn(
+        "stargate.mock_engine.cli",
+        "--http-listen-addr", "127.0.0.1:0",
+        "--model-name", "llama",
+        "--max-concurrent-requests", "8",
+        "--num-tokens", "400",
+        "--token-delay-ms", "25",
+    )  # fmt: skip
+    pylon: asyncio.subprocess.Process | None = None
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
+        source_flags = (
+            ["--engine-stats-source", "prometheus", "--engine-stats-stream", "off"]
+            if source == "prometheus"
+            else ["--engine-stats-stream", "required"]
+        )
+        pylon = await spawn(
+            *pylon_args(
+                engine_url,
+                stargate.address,
+                "--disable-bringup",
+                "--initial-input-tps", "1000",
+                "--max-engine-concurrency", "8",
+                "--engine-metrics-interval-ms", "50",
+                "--min-update-interval-ms", str(HEARTBEAT_MS),
+                "--stats-update-coalesce-ms", "10",
+                *source_flags,
+            )
+        )  # fmt: skip
+        ready = await read_line(pylon, "pylon ready ")
+        pylon_url = "http://" + dict(part.split("=", 1) for part in ready.split())["http"]
+        await stargate.wait_messages(1, timeout=20)
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{engine_url}/test-control/pause") as resp:
+                assert resp.status == 200
+            tasks = [asyncio.create_task(stream(client, pylon_url, f"r{i}")) for i in range(3)]
+            # A request Pylon does not relay: only the engine's own report can count it.
+            tasks.append(asyncio.create_task(stream(client, engine_url, "foreign")))
+
+            # The paused engine reports nothing running; Pylon publishes its three pending requests.
+            stats = await published(stargate, "3 pending", lambda s: s.num_running_queries == 3)
+            assert (stats.queue_size, stats.queued_input_size, stats.total_query_input_size) == (
+                3,
+                3 * TOKENS,
+                3 * TOKENS,
+            )
+            assert (stats.input_processing_queries, stats.output_generation_queries) == (0, 0)
+            async with client.get(f"{engine_url}/metrics") as resp:
+                assert 'vllm:num_requests_running{model_name="llama"} 0.0' in await resp.text()
+
+            async with client.post(f"{engine_url}/test-control/resume") as resp:
+                assert resp.status == 200
+            stats = await published(stargate, "3 decoding", lambda s: s.output_generation_queries == 3)
+            assert (stats.queue_size, stats.queued_input_size, stats.total_query_input_size) == (
+                0,
+                0,
+                3 * TOKENS,
+            )
+            # The engine runs 4 (the foreign one too) under vLLM's and SGLang's names: the Prometheus
+            # Pylon publishes max(3 own, 4 engine) = 4, never a sum (8 before the fix, 7 with a sum).
+            expected = 3
+            if source == "prometheus":
+                expected = 4
+                stats = await published(stargate, "engine report", lambda s: s.num_running_queries != 3)
+                assert stats.num_running_queries == expected
+            running = [
+                m.models["llama"].stats.num_running_queries for m in stargate.messages if "llama" in m.models
+            ]
+            assert max(running) == expected
+
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await published(stargate, "all released", lambda s: s.num_running_queries == 0, timeout_s=10)
+        assert len(stargate.messages) < 200  # coalesced, not one message per chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        for proc in (pylon, engine):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    await proc.wait()
