@@ -36,7 +36,7 @@ async def until(check: object, timeout: float = 5.0) -> None:
 
 
 async def test_vllm_mode_reports_waiting_and_reuses_the_prefix_cache() -> None:
-    timing = TimingConfig(num_tokens=4, token_delay_ms=40.0, prefill_tokens_per_s=20000.0, batching="vllm")
+    timing = TimingConfig(num_tokens=4, token_delay_ms=250.0, prefill_tokens_per_s=20000.0, batching="vllm")
     config = EngineConfig(
         timing=timing,
         max_concurrent_requests=1,
@@ -70,6 +70,8 @@ async def test_vllm_mode_reports_waiting_and_reuses_the_prefix_cache() -> None:
                 return await gauge(session, url, "vllm:num_requests_running") == 0.0
 
             await until(idle)
+            prompt_tokens = float(first.headers["x-mock-input-tokens"]) * 2
+            assert await gauge(session, url, "vllm:prompt_tokens_total") == prompt_tokens
             async with session.get(url + "/kv-cache/stats") as r:
                 kv = await r.json()
             assert kv["kv_cache_hit_count"] == 1 and kv["kv_cache_miss_count"] == 1

@@ -1,5 +1,5 @@
 """The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, serve,
-list-scenarios, validate.
+gen-trace, list-scenarios, validate.
 
 Exit status: see :mod:`stargate.bench.console`.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from stargate.bench import fault_suite, plan, serve
+from stargate.bench import fault_suite, plan, serve, tracegen
 from stargate.bench.console import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parsers(sub)
     serve.add_parser(sub, positive)
     fault_suite.add_parser(sub)
+    tracegen.add_parser(sub)
     return parser
 
 
@@ -100,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return handler(console, args, list(sys.argv if argv is None else argv))
         if args.command == "serve":
             return asyncio.run(serve.serve(args))
+        if args.command == "gen-trace":
+            return tracegen.gen_trace_command(console, args)
         return demo_command(console, args)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc.describe()}", highlight=False)

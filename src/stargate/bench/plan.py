@@ -81,6 +81,8 @@ def _engine_args(scenario: Scenario, upstream: int, pylons: int) -> list[str]:
         "--batching", mock.batching,
         "--backend-id", f"engine-{upstream}",
     ]  # fmt: skip
+    if mock.batching == "vllm":
+        args += ["--max-num-batched-tokens", str(mock.max_num_batched_tokens)]
     if mock.kv_mode == "prefix":
         args += ["--kv-block-size", str(mock.block_tokens)]
     if mock.health_delay_ms:

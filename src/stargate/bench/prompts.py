@@ -22,6 +22,7 @@ from stargate.mock_engine.tokens import BYTES_PER_TOKEN
 _POOL_SENTENCES = 1024
 _CHUNK_SENTENCES = 64
 _MAX_CACHED_KEYS = 65536
+_MAX_CACHED_BLOCKS = 16384
 
 
 def _role_overhead(role: str) -> int:
@@ -59,6 +60,7 @@ class PromptBuilder:
             for _ in range(_POOL_SENTENCES)
         ]
         self._streams: dict[str, tuple[random.Random, list[str], int]] = {}
+        self._blocks: dict[str, str] = {}
         self._system = self._stream_text("__shared_system_prompt__", shared_prefix_tokens * BYTES_PER_TOKEN)
         self._streams.clear()
 
@@ -80,6 +82,26 @@ class PromptBuilder:
             parts[:] = ["".join(parts)]
         self._streams[key] = (rng, parts, size)
         return parts[0][:length]
+
+    def block(self, key: str, length: int) -> str:
+        """The first ``length`` characters of a text fixed by ``key`` and the seed (a trace block).
+
+        Unlike the per-key streams, nothing is generated beyond what was asked; recent blocks are
+        kept so a block shared by many prompts is built once.
+        """
+        text = self._blocks.get(key)
+        if text is None or len(text) < length:
+            rng = random.Random(f"stargate-bench:block:{self._seed}:{key}")
+            parts = [f"[{key}] "]
+            size = len(parts[0])
+            while size < length:
+                parts.append(rng.choice(self._pool))
+                size += len(parts[-1])
+            text = "".join(parts)
+            if len(self._blocks) >= _MAX_CACHED_BLOCKS:
+                self._blocks.pop(next(iter(self._blocks)))
+            self._blocks[key] = text
+        return text[:length]
 
     def messages(self, key: str, input_tokens: int) -> list[dict[str, str]]:
         total = max(1, input_tokens) * BYTES_PER_TOKEN

@@ -188,9 +188,12 @@ class Execution(Strict):
 
 
 class Mock(Strict):
+    """Mock engine flags; ``max_num_batched_tokens`` is the step budget of ``batching: vllm``."""
+
     kv_mode: Literal["affinity", "prefix"] = "affinity"
     block_tokens: Positive = 16
-    batching: Literal["independent", "continuous"] = "independent"
+    batching: Literal["independent", "continuous", "vllm"] = "independent"
+    max_num_batched_tokens: Positive = 2048
     health_delay_ms: U64 = 0
 
 

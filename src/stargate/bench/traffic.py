@@ -173,14 +173,19 @@ class SessionsTraffic(Strict):
 
 
 class TraceTraffic(Strict):
-    """Extension: replay a JSONL trace (path relative to the scenario file).
+    """Extension: replay a JSONL trace (path relative to the scenario file), open loop by timestamp.
 
-    Each line: ``timestamp_ms``, ``session`` (or null), ``input_tokens``, ``output_tokens`` and
-    optionally ``prompt`` (text sent verbatim) and ``routing_key``.
+    ``format: stargate`` lines: ``timestamp_ms``, ``session`` (or null), ``input_tokens``,
+    ``output_tokens`` and optionally ``prompt`` (text sent verbatim) and ``routing_key``.
+    ``format: mooncake`` lines: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``
+    of ``block_tokens``-token blocks (:mod:`stargate.bench.mooncake`). Offsets are multiplied by
+    ``time_scale``.
     """
 
     kind: Literal["trace"]
     path: str = Field(min_length=1)
+    format: Literal["stargate", "mooncake"] = "stargate"
+    block_tokens: Positive = 512
     time_scale: PositiveFloat = 1.0
 
 

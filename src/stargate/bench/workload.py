@@ -19,6 +19,7 @@ from typing import Literal
 
 import orjson
 
+from stargate.bench import mooncake
 from stargate.bench.prompts import PromptBuilder
 from stargate.bench.schema import Scenario
 from stargate.bench.traffic import (
@@ -247,16 +248,31 @@ def _sessions(scenario: Scenario, traffic: SessionsTraffic, rngs: dict[str, rand
     return shapes
 
 
-def _trace(scenario: Scenario, traffic: TraceTraffic) -> list[_Shape]:
+def _trace_lines(scenario: Scenario, traffic: TraceTraffic) -> tuple[Path, list[bytes]]:
     path = (scenario.base_dir / traffic.path).resolve()
-    shapes: list[_Shape] = []
-    turns: dict[str, int] = {}
-    start: float | None = None
     try:
-        lines = Path(path).read_bytes().splitlines()
+        return path, Path(path).read_bytes().splitlines()
     except OSError as exc:
         reason = f"cannot read trace {path}: {exc.strerror or exc}"
         raise ConfigError(reason, path="$.traffic_pattern.path") from exc
+
+
+def _enough(scenario: Scenario, shapes: list[_Shape]) -> list[_Shape]:
+    if len(shapes) < scenario.request_count:
+        raise ConfigError(
+            f"trace has {len(shapes)} requests, fewer than request_count ({scenario.request_count})",
+            path="$.traffic_pattern.path",
+        )
+    return shapes
+
+
+def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) -> list[_Shape]:
+    if traffic.format == "mooncake":
+        return _mooncake(scenario, traffic, prompts)
+    path, lines = _trace_lines(scenario, traffic)
+    shapes: list[_Shape] = []
+    turns: dict[str, int] = {}
+    start: float | None = None
     for number, line in enumerate(lines, 1):
         if len(shapes) >= scenario.request_count:
             break
@@ -282,12 +298,24 @@ def _trace(scenario: Scenario, traffic: TraceTraffic) -> list[_Shape]:
         routing = routing if isinstance(routing, str) else None
         shapes.append(_Shape((stamp - start) * traffic.time_scale, routing, session, input_tokens,
                              output_tokens, "trace", session=session, turn=turn, prompt=prompt))  # fmt: skip
-    if len(shapes) < scenario.request_count:
-        raise ConfigError(
-            f"trace has {len(shapes)} requests, fewer than request_count ({scenario.request_count})",
-            path="$.traffic_pattern.path",
-        )
-    return shapes
+    return _enough(scenario, shapes)
+
+
+def _mooncake(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) -> list[_Shape]:
+    """Mooncake rows: prompts rebuilt block by block, the conversation key as the cache key."""
+    path, lines = _trace_lines(scenario, traffic)
+    rows: list[mooncake.MooncakeRow] = []
+    for number, line in enumerate(lines, 1):
+        if len(rows) >= scenario.request_count:
+            break
+        if line.strip():
+            rows.append(mooncake.parse_row(line, f"$.traffic_pattern.path ({path}:{number})"))
+    requests = mooncake.replay_requests(rows, prompts, traffic.block_tokens, traffic.time_scale)
+    return _enough(scenario, [
+        _Shape(r.at_ms, None, r.conversation, r.input_tokens, r.output_tokens, "trace",
+               session=r.conversation, turn=r.turn, prompt=r.prompt)
+        for r in requests
+    ])  # fmt: skip
 
 
 def _render(scenario: Scenario, seed: int, index: int, shape: _Shape, prompts: PromptBuilder,
@@ -341,13 +369,6 @@ def build_workload(scenario: Scenario, seed: int | None = None) -> Workload:
     effective = scenario.effective_seed(seed)
     rngs = streams(effective)
     traffic = scenario.traffic_pattern
-    if isinstance(traffic, SessionsTraffic):
-        shapes = _sessions(scenario, traffic, rngs)
-    elif isinstance(traffic, TraceTraffic):
-        shapes = _trace(scenario, traffic)
-    else:
-        shapes = _synthetic(scenario, rngs)
-    closed = scenario.effective_mode == "closed_loop"
     prompts = PromptBuilder(
         seed=effective,
         vocabulary_size=scenario.prompts.vocabulary_size,
@@ -355,6 +376,13 @@ def build_workload(scenario: Scenario, seed: int | None = None) -> Workload:
         shared_prefix_tokens=scenario.prompts.shared_prefix_tokens,
         repeat=scenario.prompts.text == "repeat",
     )
+    if isinstance(traffic, SessionsTraffic):
+        shapes = _sessions(scenario, traffic, rngs)
+    elif isinstance(traffic, TraceTraffic):
+        shapes = _trace(scenario, traffic, prompts)
+    else:
+        shapes = _synthetic(scenario, rngs)
+    closed = scenario.effective_mode == "closed_loop"
     requests = [_render(scenario, effective, i, shape, prompts, closed) for i, shape in enumerate(shapes)]
     if not closed:
         requests.sort(key=lambda r: (r.at_ms or 0.0, r.index))

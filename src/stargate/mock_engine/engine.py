@@ -187,8 +187,9 @@ class Engine:
         self.arrivals = ArrivalLog(config.arrival_log, config.backend_id) if config.arrival_log else None
         continuous = config.timing.batching == "continuous" and config.timing.prefill_enabled
         self._pool = PrefillPool(config.timing.prefill_tokens_per_s) if continuous else None
-        self.prefilling = 0
-        self.prefill_tokens = 0
+        self._prefilling = 0
+        self._prefill_tokens = 0
+        self.prompt_tokens_total = 0  # prompt tokens of requests whose prefill completed
         self.requests_total = 0
         self.generated_tokens_total = 0
         self._wall_offset = wall_clock() - clock()
@@ -211,7 +212,12 @@ class Engine:
     @property
     def prefill_tokens_pending(self) -> int:
         """Uncached prompt tokens of admitted requests not yet prefilled."""
-        return self.steps.prefill_tokens_pending if self.steps is not None else self.prefill_tokens
+        return self.steps.prefill_tokens_pending if self.steps is not None else self._prefill_tokens
+
+    @property
+    def prefilling(self) -> int:
+        """Requests computing their prompt right now."""
+        return self.steps.prefilling if self.steps is not None else self._prefilling
 
     async def enter(self, admit: Callable[[], int], *, immediate: bool) -> Seat:
         """Queue for a seat; raises :class:`QueueFull`. ``immediate``: no first-token delay."""
@@ -255,16 +261,16 @@ class Engine:
         """Spend the prefill time of ``uncached_tokens`` under the configured batching mode."""
         if uncached_tokens <= 0 or not self.timing.prefill_enabled:
             return
-        self.prefilling += 1
-        self.prefill_tokens += uncached_tokens
+        self._prefilling += 1
+        self._prefill_tokens += uncached_tokens
         try:
             if self._pool is not None:
                 await self._pool.run(uncached_tokens)
             else:
                 await self.sleep(prefill_seconds(uncached_tokens, self.timing.prefill_tokens_per_s))
         finally:
-            self.prefilling -= 1
-            self.prefill_tokens -= uncached_tokens
+            self._prefilling -= 1
+            self._prefill_tokens -= uncached_tokens
 
     async def sleep_until(self, deadline: float) -> None:
         delay = deadline - self.clock()

@@ -171,6 +171,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
         return failure_response(Failure(429, True, 1))
     try:
         await engine.prefill_seat(seat)
+        engine.prompt_tokens_total += input_tokens
         record.prefill_ms = (engine.clock() - admit.prefill_start) * 1000.0
         lookup = admit.lookup
         eviction = engine.kv.commit(lookup, input_tokens)

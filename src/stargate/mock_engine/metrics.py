@@ -45,6 +45,13 @@ def render(engine: Engine) -> str:
             vllm,
             engine.requests_total,
         ),
+        (
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Prompt tokens of requests whose prefill completed.",
+            vllm,
+            engine.prompt_tokens_total,
+        ),
         ("vllm:generation_tokens_total", "counter", "Tokens generated.", vllm, engine.generated_tokens_total),
         ("sglang:num_running_reqs", "gauge", "Requests holding a slot.", sglang, running),
         ("sglang:num_queue_reqs", "gauge", "Requests waiting for a slot.", sglang, waiting),

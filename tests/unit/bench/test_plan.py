@@ -58,6 +58,14 @@ def test_prefix_mode_adds_the_block_size_flag() -> None:
     assert args[args.index("--kv-cache-mode") + 1] == "prefix"
     assert args[args.index("--kv-block-size") + 1] == "32"
     assert args[args.index("--batching") + 1] == "continuous"
+    assert "--max-num-batched-tokens" not in args
+
+
+def test_vllm_batching_passes_the_step_budget() -> None:
+    data = base() | {"mock": {"batching": "vllm", "max_num_batched_tokens": 512}}
+    args = plan.engines(parse_scenario(data))[0].args
+    assert args[args.index("--batching") + 1] == "vllm"
+    assert args[args.index("--max-num-batched-tokens") + 1] == "512"
 
 
 @pytest.mark.parametrize("path", BENCHES, ids=lambda p: p.stem)

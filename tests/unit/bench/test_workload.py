@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from stargate.bench.schema import parse_scenario
+from stargate.bench.schema import load_scenario, parse_scenario
 from stargate.bench.traffic import LognormalTokens
 from stargate.bench.workload import build_workload, poisson_gap_ms, round_half_away, sample_tokens, streams
 from stargate.errors import ConfigError
@@ -206,3 +206,35 @@ def test_trace_replay_is_relative_to_the_scenario_file(tmp_path: Path) -> None:
     (tmp_path / "t.jsonl").write_text('{"timestamp_ms": 1}\n')
     with pytest.raises(ConfigError, match="bad trace line"):
         build(data | {"request_count": 1}, base_dir=tmp_path)
+
+
+def test_mooncake_trace_rebuilds_prompts_and_keys_conversations(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 5000, "input_length": 600, "output_length": 40, "hash_ids": [1, 2]},
+        {"timestamp": 5400, "input_length": 300, "output_length": 8, "hash_ids": [7]},
+        {"timestamp": 6000, "input_length": 1100, "output_length": 20, "hash_ids": [1, 3, 4]},
+    ]
+    (tmp_path / "mc.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    traffic = {"kind": "trace", "format": "mooncake", "path": "mc.jsonl", "time_scale": 0.5}
+    data = scenario(traffic) | {"request_count": 3}
+    work = build(data, base_dir=tmp_path)
+    assert [(r.at_ms, r.cache_affinity_key, r.turn) for r in work.requests] == [
+        (0, "mc-0", 0), (200, "mc-1", 0), (500, "mc-0", 1)
+    ]
+    third = work.requests[2]
+    assert third.headers["x-cache-affinity-key"] == "mc-0" and third.headers["x-input-tokens"] == "1100"
+    prompts = [chat_prompt_bytes(orjson.loads(r.body)["messages"]) for r in work.requests]
+    assert [len(p) for p in prompts] == [4 * 600, 4 * 300, 4 * 1100]
+    assert prompts[0][: 5 + 2048] == prompts[2][: 5 + 2048] != prompts[1][: 5 + 2048]  # block 1 shared
+    (tmp_path / "mc.jsonl").write_text('{"timestamp": 1, "input_length": 5}\n')
+    with pytest.raises(ConfigError, match="bad Mooncake trace line") as bad:
+        build(data | {"request_count": 1}, base_dir=tmp_path)
+    assert "mc.jsonl:1" in bad.value.describe()
+
+
+def test_the_checked_in_synthetic_trace_replays() -> None:
+    scenario_path = Path(__file__).resolve().parents[3] / "benches" / "trace-conversations.yaml"
+    work = build_workload(load_scenario(scenario_path))
+    keys = Counter(r.cache_affinity_key for r in work.requests)
+    assert len(work.requests) == 343 and 100 <= len(keys) <= 140 and max(keys.values()) <= 6
+    assert work.requests[-1].at_ms is not None and 20_000 < work.requests[-1].at_ms < 30_000

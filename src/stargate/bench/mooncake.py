@@ -1,0 +1,146 @@
+"""Replay of the public Mooncake trace format: JSONL rows of block hash ids, rebuilt into prompts.
+
+A row is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}``;
+``hash_ids[j]`` names the ``j``-th block of ``block_tokens`` (512) prompt tokens, and two rows with
+the same id at the same position share that block and everything before it. The last block of a row
+may be partial.
+
+Prompts are rebuilt block by block: block ``h`` is the same deterministic text wherever it appears
+(:meth:`PromptBuilder.block`, ``4 x block_tokens`` bytes), so text-reading routers and the mock's
+prefix cache see exactly the reuse the trace describes. The conversation key (sent as
+``x-cache-affinity-key``) follows :func:`conversation_keys`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from stargate.bench.prompts import PromptBuilder
+from stargate.errors import ConfigError
+from stargate.mock_engine.tokens import BYTES_PER_TOKEN
+
+USER_OVERHEAD = len("user") + 2  # the engine's canonical chat bytes: role NUL content NUL
+_MAX_REGISTRATIONS = 8
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One replayed row: offset from the earliest row (scaled), conversation, turn and prompt text."""
+
+    at_ms: float
+    conversation: str
+    turn: int
+    input_tokens: int
+    output_tokens: int
+    prompt: str
+
+
+@dataclass(frozen=True)
+class MooncakeRow:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_row(line: bytes, where: str) -> MooncakeRow:
+    """One JSONL line; errors name ``where`` (file and line)."""
+    try:
+        row = orjson.loads(line)
+        stamp = float(row["timestamp"])
+        input_length, output_length = int(row["input_length"]), int(row["output_length"])
+        hash_ids = tuple(int(h) for h in row["hash_ids"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"bad Mooncake trace line: {exc!r}", path=where) from exc
+    if input_length < 1 or output_length < 1 or not math.isfinite(stamp):
+        raise ConfigError("trace lengths must be >= 1 and timestamps finite", path=where)
+    return MooncakeRow(stamp, input_length, output_length, hash_ids)
+
+
+def prompt_text(builder: PromptBuilder, row: MooncakeRow, block_tokens: int, row_number: int) -> str:
+    """User-message text whose canonical chat bytes are exactly ``4 x input_length`` long.
+
+    Blocks the row's ``hash_ids`` do not cover (a trace listing too few) get text unique to the row.
+    """
+    length = max(1, row.input_length * BYTES_PER_TOKEN - USER_OVERHEAD)
+    block_bytes = block_tokens * BYTES_PER_TOKEN
+    parts: list[str] = []
+    size = 0
+    position = 0
+    while size < length:
+        known = position < len(row.hash_ids)
+        key = f"b{row.hash_ids[position]}" if known else f"row{row_number}-{position}"
+        take = min(block_bytes, length - size)
+        parts.append(builder.block(key, take))
+        size += take
+        position += 1
+    return "".join(parts)
+
+
+class _Node:
+    __slots__ = ("children", "conversations", "registrations")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.registrations: list[tuple[str, int]] = []  # (conversation, input + output tokens)
+        self.conversations: set[str] = set()
+
+
+def conversation_keys(rows: Sequence[MooncakeRow], block_tokens: int) -> list[str]:
+    """One conversation key per row, in order (docs/bench.md states the rule).
+
+    A row continues the conversation of an earlier row ``A`` when (a) ``A``'s full blocks (at least
+    one) are a prefix of the row's ``hash_ids``, (b) the row is at least as long as ``A``'s prompt
+    plus its answer (the next turn contains both), and (c) no other conversation's prompt ended on
+    the same full-block prefix (then it is a shared prefix, such as a system prompt, not a
+    conversation). The deepest such ``A`` wins, the latest on ties. Otherwise the row starts a
+    conversation keyed ``mc-<row index>``.
+    """
+    root = _Node()
+    keys: list[str] = []
+    for index, row in enumerate(rows):
+        full = min(len(row.hash_ids), row.input_length // block_tokens)
+        node = root
+        found: str | None = None
+        for hash_id in row.hash_ids[:full]:
+            child = node.children.get(hash_id)
+            if child is None:
+                break
+            node = child
+            if len(node.conversations) == 1:
+                for conversation, needed in reversed(node.registrations):
+                    if row.input_length >= needed:
+                        found = conversation
+                        break
+        key = found or f"mc-{index}"
+        keys.append(key)
+        if full == 0:
+            continue
+        node = root
+        for hash_id in row.hash_ids[:full]:
+            node = node.children.setdefault(hash_id, _Node())
+        if len(node.conversations) < 2:  # one or "shared" is all the rule needs
+            node.conversations.add(key)
+        node.registrations.append((key, row.input_length + row.output_length))
+        del node.registrations[:-_MAX_REGISTRATIONS]
+    return keys
+
+
+def replay_requests(rows: Sequence[MooncakeRow], builder: PromptBuilder, block_tokens: int,
+                    time_scale: float) -> list[TraceRequest]:  # fmt: skip
+    """The rows as requests: prompts rebuilt, conversations keyed, turns numbered per conversation."""
+    keys = conversation_keys(rows, block_tokens)
+    start = min((row.timestamp_ms for row in rows), default=0.0)
+    turns: dict[str, int] = {}
+    out = []
+    for index, (row, key) in enumerate(zip(rows, keys, strict=True)):
+        turn = turns.get(key, 0)
+        turns[key] = turn + 1
+        text = prompt_text(builder, row, block_tokens, index)
+        out.append(TraceRequest((row.timestamp_ms - start) * time_scale, key, turn, row.input_length,
+                                row.output_length, text))  # fmt: skip
+    return out

@@ -1,0 +1,60 @@
+"""Mooncake trace rows: parsing, prompts rebuilt block by block, conversation keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from stargate.bench.mooncake import MooncakeRow, conversation_keys, parse_row, prompt_text
+from stargate.bench.prompts import PromptBuilder, prompt_bytes_length
+from stargate.errors import ConfigError
+
+
+def row(input_length: int, hash_ids: tuple[int, ...], output_length: int = 100) -> MooncakeRow:
+    return MooncakeRow(0.0, input_length, output_length, hash_ids)
+
+
+def test_parse_row_and_errors_name_the_line() -> None:
+    line = b'{"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47]}'
+    assert parse_row(line, "t.jsonl:1") == MooncakeRow(27482.0, 6955, 52, (46, 47))
+    with pytest.raises(ConfigError, match="input_length") as missing:
+        parse_row(b'{"timestamp": 1, "output_length": 2, "hash_ids": []}', "t.jsonl:7")
+    assert "t.jsonl:7" in missing.value.describe()
+    with pytest.raises(ConfigError, match=">= 1"):
+        parse_row(b'{"timestamp": 1, "input_length": 0, "output_length": 2, "hash_ids": []}', "x")
+
+
+def test_same_hash_ids_give_the_same_block_text() -> None:
+    builder = PromptBuilder(seed=3)
+    first = prompt_text(builder, row(1024, (1, 2)), 512, 0)
+    second = prompt_text(PromptBuilder(seed=3), row(700, (1, 3)), 512, 1)
+    block = 512 * 4
+    assert first[:block] == second[:block]  # block 1: 512 tokens of 4 bytes
+    assert first[block : block + 16] != second[block : block + 16]  # blocks 2 and 3 differ at once
+    longer = prompt_text(builder, row(1600, (1, 2, 9, 10)), 512, 2)
+    assert longer.startswith(first)  # a turn extending the previous prompt extends its text
+
+
+def test_prompt_length_matches_the_token_count() -> None:
+    builder = PromptBuilder(seed=0)
+    for tokens in (1, 511, 512, 1300):
+        text = prompt_text(builder, row(tokens, (4, 5, 6)), 512, 0)
+        assert prompt_bytes_length([{"role": "user", "content": text}]) == max(4 * tokens, 7)
+
+
+def test_blocks_beyond_the_listed_hash_ids_are_unique_to_the_row() -> None:
+    builder = PromptBuilder(seed=0)
+    one = prompt_text(builder, row(1024, (1,)), 512, 0)
+    two = prompt_text(builder, row(1024, (1,)), 512, 1)
+    assert one[:2048] == two[:2048] and one[2048:] != two[2048:]
+
+
+def test_conversation_keys_follow_turns_and_skip_shared_prefixes() -> None:
+    rows = [
+        row(600, (1, 2)),  # A: one full block [1]
+        row(1100, (1, 3, 4)),  # A's next turn: contains [1], long enough for A + its answer
+        row(650, (1, 5)),  # too short to contain A's prompt and answer: a new conversation on [1]
+        row(2000, (1, 6, 7, 8)),  # [1] now ends prompts of two conversations: shared, new again
+        row(1400, (1, 3, 9)),  # contains A's second turn's full blocks [1, 3]: A
+        row(300, (1,)),  # no full block: always its own key
+    ]
+    assert conversation_keys(rows, 512) == ["mc-0", "mc-0", "mc-2", "mc-3", "mc-0", "mc-5"]

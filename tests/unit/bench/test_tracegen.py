@@ -1,0 +1,85 @@
+"""The synthetic Mooncake-format trace generator: deterministic, and shaped as documented."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import orjson
+
+from stargate.bench.mooncake import MooncakeRow, conversation_keys
+from stargate.bench.tracegen import TraceRow, TraceShape, generate_trace, write_trace
+
+SHAPE = TraceShape(conversations=60, system_prompts=2, system_tokens=1536, max_turns=4)
+
+
+def by_conversation(rows: list[TraceRow]) -> dict[int, list[TraceRow]]:
+    groups: dict[int, list[TraceRow]] = defaultdict(list)
+    for row in rows:
+        groups[row.conversation].append(row)
+    return groups
+
+
+def test_same_seed_same_trace_other_seed_other_trace(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_trace(first, generate_trace(SHAPE, 7))
+    write_trace(second, generate_trace(SHAPE, 7))
+    assert first.read_bytes() == second.read_bytes()
+    assert generate_trace(SHAPE, 8) != generate_trace(SHAPE, 7)
+    line = orjson.loads(first.read_bytes().splitlines()[0])
+    assert set(line) == {"timestamp", "input_length", "output_length", "hash_ids"}
+
+
+def test_rows_are_sorted_and_blocks_cover_the_prompt() -> None:
+    rows = generate_trace(SHAPE, 1)
+    assert [r.timestamp_ms for r in rows] == sorted(r.timestamp_ms for r in rows)
+    assert all(len(r.hash_ids) == math.ceil(r.input_length / 512) for r in rows)
+    assert all(r.input_length <= SHAPE.max_input_tokens for r in rows)
+
+
+def test_turns_extend_the_previous_prompt() -> None:
+    groups = by_conversation(generate_trace(SHAPE, 2))
+    multi = [turns for turns in groups.values() if len(turns) > 1]
+    assert len(multi) > 10
+    for turns in multi:
+        for before, after in itertools.pairwise(turns):
+            assert after.timestamp_ms - before.timestamp_ms >= SHAPE.min_think_s * 1000 - 1
+            assert after.input_length > before.input_length + before.output_length
+            full = before.input_length // 512
+            assert after.hash_ids[:full] == before.hash_ids[:full]
+
+
+def test_system_prompts_are_shared_across_conversations() -> None:
+    rows = generate_trace(SHAPE, 3)
+    first_blocks = {r.hash_ids[0] for r in rows}
+    assert len(first_blocks) == SHAPE.system_prompts  # every prompt starts inside a system prompt
+    firsts = [turns[0] for turns in by_conversation(rows).values()]
+    assert len({r.hash_ids[1] for r in firsts}) <= SHAPE.system_prompts  # a second shared block
+
+
+def test_bursts_start_more_conversations() -> None:
+    shape = TraceShape(conversations=400, burst_factor=8.0, burst_period_s=20.0, burst_s=4.0)
+    starts = [turns[0].timestamp_ms / 1000 for turns in by_conversation(generate_trace(shape, 4)).values()]
+    inside = sum(1 for t in starts if t % 20.0 < 4.0)
+    # 4 s at rate 8 against 16 s at rate 1 per period: about two thirds start inside a burst
+    assert inside / len(starts) > 0.5
+
+
+def test_conversation_keys_mostly_recover_the_generated_conversations() -> None:
+    rows = generate_trace(TraceShape(), 5)
+    keys = conversation_keys(
+        [MooncakeRow(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) for r in rows], 512
+    )
+    conversations_of_key: dict[str, set[int]] = defaultdict(set)
+    later_keys: dict[int, set[str]] = defaultdict(set)
+    for row, key in zip(rows, keys, strict=True):
+        conversations_of_key[key].add(row.conversation)
+        if row.turn >= 1:
+            later_keys[row.conversation].add(key)
+    merged = sum(1 for found in conversations_of_key.values() if len(found) > 1)
+    assert merged <= 0.05 * len(conversations_of_key)  # a key rarely spans two conversations
+    # a first turn with no full block of its own may keep a key of its own; later turns share one
+    kept = sum(1 for found in later_keys.values() if len(found) == 1)
+    assert len(later_keys) > 50 and kept >= 0.95 * len(later_keys)
