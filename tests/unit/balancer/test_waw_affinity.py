@@ -251,3 +251,18 @@ def test_affinity_group_cache_is_bounded() -> None:
     groups = policy._groups  # type: ignore[attr-defined]
     assert len(groups._cache) <= 4096
     assert groups._cache.get("x" * 300) is None
+
+
+def test_replicas_agree_on_every_keys_affinity_group() -> None:
+    """Two Stargate replicas load the same lb-config and see the same clusters (in different orders):
+    every key gets the same affinity cluster on both, with no coordination between them."""
+    clusters = tuple(make_candidate(f"cluster-{i}", rtt_ms=1.0) for i in range(7))
+    shuffled = tuple(reversed(clusters))
+    one, two = _policy(count=1), _policy(count=1)
+    chosen_clusters = set()
+    for n in range(200):
+        request = make_request(key=f"session-{n}")
+        first = chosen_id(clusters, one.decide(clusters, request, random.Random(n)))
+        assert chosen_id(shuffled, two.decide(shuffled, request, random.Random(n + 1))) == first
+        chosen_clusters.add(first)
+    assert len(chosen_clusters) == len(clusters)  # and the keys spread over every cluster
