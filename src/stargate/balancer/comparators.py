@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stargate.balancer.estimates import (
+    load_backlog,
     load_queue_ms,
     load_running,
     load_ttft_ms,
@@ -66,9 +67,7 @@ def load_queue_time_score(candidate: Candidate, priority: int, input_tokens: int
 
 
 def load_input_work_seconds_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
-    stats = candidate.stats
-    backlog = max(stats.queued_input_size, candidate.in_flight.prefill_tokens)
-    return work(backlog + input_tokens, usable_tps(stats))
+    return work(load_backlog(candidate) + input_tokens, usable_tps(candidate.stats))
 
 
 def load_utilization_score(candidate: Candidate, priority: int, input_tokens: int) -> float:

@@ -121,6 +121,13 @@ def load_running(candidate: Candidate) -> int:
     return published if published >= own else own
 
 
+def load_backlog(candidate: Candidate) -> int:
+    """Prompt tokens waiting for their first byte: published (with reservations) or own, the larger."""
+    published = candidate.stats.queued_input_size
+    own = candidate.in_flight.prefill_tokens
+    return published if published >= own else own
+
+
 def load_queue_ms(candidate: Candidate, priority: int) -> float:
     """Queue delay that sees work in progress below the slot limit.
 
@@ -131,10 +138,7 @@ def load_queue_ms(candidate: Candidate, priority: int) -> float:
     estimate (which may come from the engine's priority map) also applies; the larger wins.
     """
     stats = candidate.stats
-    backlog = stats.queued_input_size
-    own = candidate.in_flight.prefill_tokens
-    if own > backlog:
-        backlog = own
+    backlog = load_backlog(candidate)
     if backlog == 0:
         load = 0.0
     else:

@@ -21,7 +21,15 @@ from enum import Enum
 from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
 from stargate.balancer.comparators import score_for
 from stargate.balancer.config_schema import WaitAndWidenFields
-from stargate.balancer.estimates import INF, load_queue_ms, load_running, load_tie_key, queue_ms, raw_queue_ms
+from stargate.balancer.estimates import (
+    INF,
+    load_queue_ms,
+    load_running,
+    load_tie_key,
+    prefill_ms,
+    queue_ms,
+    raw_queue_ms,
+)
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
 from stargate.balancer.types import (
     UNAVAILABLE,
@@ -241,9 +249,7 @@ class WawSelector:
             limit = stats.max_engine_concurrency
             if selectable_only and not (limit == 0 or running < limit + self._max_queued):
                 continue
-            tps = stats.last_mean_input_tps
-            prefill = 0.0 if tokens == 0 else (tokens * scale * 1000.0 / tps if 0.0 < tps < INF else INF)
-            estimate = candidate.rtt_s * 1000.0 + queue + prefill
+            estimate = candidate.rtt_s * 1000.0 + queue + prefill_ms(stats, tokens, scale)
             if estimate < best:
                 best = estimate
         return best
