@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TypeVar
 
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
+from stargate.wire import headers as h
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -255,7 +256,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
           help="engine statuses that may be retried")
     pylon("--pylon-require-upstream-retry-header", type=parse_bool, default=True, metavar="BOOL",
           help="retryable statuses need the engine's retry header")
-    pylon("--pylon-upstream-retry-header", type=_header_name, default="x-stargate-upstream-retryable",
+    pylon("--pylon-upstream-retry-header", type=_header_name, default=h.UPSTREAM_RETRYABLE,
           help="engine header allowing a retry")
     pylon("--pylon-propagate-retry-after", type=parse_bool, default=True, metavar="BOOL",
           help="turn engine Retry-After into x-stargate-retry-after-ms")

@@ -22,16 +22,15 @@ import grpc
 from grpc import aio
 
 from stargate.balancer.types import ModelStats
-from stargate.errors import ConfigError, RequestError
+from stargate.errors import ConfigError, DiscoveryFailed, RegistrationRejected, RequestError
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.router import watch
-from stargate.router.discovery import DiscoveryFailed, DiscoverySettings, PeerDiscovery, with_self
+from stargate.router.discovery import DiscoverySettings, PeerDiscovery, with_self
 from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.registration import (
     HEARTBEAT_METADATA_KEY,
     Identity,
     OpenAuthenticator,
-    RegistrationRejected,
     WorkerAuthenticator,
     admit_first,
     bearer_token,
@@ -239,7 +238,7 @@ class ControlPlane:
         try:
             identity = admit_first(first, reverse_listener=False)
         except RegistrationRejected as exc:
-            await _abort(context, exc.grpc_code, exc.message)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         if self._state.registration_count() >= self._settings.max_registrations:
             await _abort(
                 context,
@@ -303,7 +302,7 @@ class ControlPlane:
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
-            await _abort(context, exc.grpc_code, exc.message)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         finally:
             self._end(prober, handle)
 

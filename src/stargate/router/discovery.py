@@ -20,6 +20,7 @@ import dns.exception
 import dns.rdtypes.IN.SRV
 import dns.resolver
 
+from stargate.errors import DiscoveryFailed
 from stargate.router.watch import StargateEntry
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,6 @@ class DiscoverySettings:
     @property
     def srv_mode(self) -> bool:
         return bool((self.pod_name or "").strip() and (self.pod_namespace or "").strip())
-
-
-class DiscoveryFailed(Exception):
-    """The DNS lookup failed; the caller publishes self only."""
 
 
 def join_host_port(host: str, port: int) -> str:
