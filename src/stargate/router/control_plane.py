@@ -40,6 +40,7 @@ from stargate.router.registration import (
     model_updates,
 )
 from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.wire.address import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,14 @@ async def _abort(
     raise AssertionError("ServicerContext.abort returned")
 
 
-def _port_of(addr: str) -> str:
-    return addr.rsplit(":", 1)[-1] if ":" in addr else ""
+def _bound_advertise(advertise: str, listen: str, port: int) -> str:
+    """``advertise`` with the bound port when it names the listener's port (``:0`` becomes real)."""
+    try:
+        host, advertised = split_host_port(advertise)
+        _, listening = split_host_port(listen)
+    except ValueError:
+        return advertise
+    return join_host_port(host, port) if advertised == listening else advertise
 
 
 class ControlPlane:
@@ -146,8 +153,7 @@ class ControlPlane:
         except ConfigError:
             await self.stop(0)
             raise
-        if _port_of(self._settings.advertise_addr) == _port_of(listen_addr):
-            self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
+        self.advertise_addr = _bound_advertise(self._settings.advertise_addr, listen_addr, control_port)
         self._control_port = control_port
         self._discovery = PeerDiscovery(self._settings.discovery, control_port)
         self._publisher = watch.WatchPublisher(
