@@ -50,8 +50,8 @@ from stargate.router.replay import ReplayBody
 from stargate.router.retry_signal import retry_signal
 from stargate.router.transport import BackendRef, Transport, UpstreamResponse
 from stargate.tracing import RouteTrace
+from stargate.wire import headers as h
 
-EXPECTED_QUEUE_HEADER = "x-stargate-expected-queue-ms"
 START = Start()
 WOKE = Woke()
 
@@ -174,7 +174,7 @@ class AttemptDriver:
                 )
                 attempt_headers = headers.copy()
                 if action.expected_queue_ms is not None:
-                    attempt_headers[EXPECTED_QUEUE_HEADER] = str(action.expected_queue_ms)
+                    attempt_headers[h.EXPECTED_QUEUE_MS] = str(action.expected_queue_ms)
                 if trace is not None:
                     trace.attempts += 1
                     trace.backend_id, trace.cluster_id = backend_id, backend.cluster_id
