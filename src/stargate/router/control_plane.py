@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import aiohttp
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from stargate.balancer.types import ModelStats
@@ -50,6 +51,7 @@ _add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServi
 
 _EMPTY_ACK = stargate_pb2.InferenceServerAck()
 SHUTDOWN_MESSAGE = "stargate is shutting down"
+UNDECODABLE_MESSAGE = "registration message is not a valid InferenceServerRegistration"
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,11 @@ class ControlPlane:
             await _abort(
                 context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s"
             )
-        message = read.result()
+        try:
+            message = read.result()
+        except DecodeError:
+            # Bytes that are no InferenceServerRegistration: the client's error, not the servicer's.
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
         if message is aio.EOF:
             return None
         assert isinstance(message, stargate_pb2.InferenceServerRegistration)
