@@ -20,12 +20,18 @@ StargateError                      status 500 internal_error: anything raised on
  │    ├── ModelNotAdmitted         503 model_generation_unavailable
  │    ├── QueueEstimateMismatch    429 queue_estimate_mismatch (extra fields of pylon.md §8.3)
  │    └── LocalConnectFailure      503 local_connect_failure (the engine could not be reached)
+ ├── FaultError                    400: a mock engine test-control body field is invalid (plain-text body)
+ ├── RegistrationRejected          a gRPC registration breaks the contract: the stream ends INVALID_ARGUMENT
  ├── StartupError                  Pylon could not become ready (never an HTTP response)
- ├── DiscoveryError                Pylon's model discovery poll failed
+ │    └── CalibrationError         the input-TPS calibration ramp produced no usable figure
+ ├── DiscoveryError                a discovery poll failed: Pylon's model list
+ │    └── DiscoveryFailed          Stargate's peer DNS lookup (the caller publishes itself only)
  ├── ProcessError                  a bench fleet process failed to start or died
- ├── PeerInstallError              a peer router for the bench could not be installed
- └── (not yet moved here) RegistrationRejected (router/registration.py: a gRPC registration fails
-      admission) and CalibrationError (pylon/calibration.py)
+ └── PeerInstallError              a peer router for the bench could not be installed
+
+Private control-flow signals that never leave their module stay beside it, each saying so:
+``PromptTooLong`` (pylon/calibration.py), ``EventTooLarge`` (pylon/observer.py), ``QueueFull``
+(mock_engine/steps.py), ``InvalidNumber`` (wire/headers.py, always re-raised as a ``RequestError``).
 
 Every class carries its HTTP ``status``, its error ``code`` (the ``x-stargate-error-code`` value for
 the two codes the spec puts on the wire) and a ``message``; ``stargate.responses.error_response``
@@ -38,6 +44,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
+
+from stargate.wire import headers as h
 
 if TYPE_CHECKING:
     from stargate.balancer.settings import Algorithm
@@ -98,7 +106,7 @@ class UnknownRoutingMethod(RoutingMethodError):
 
     def __init__(self, requested: str) -> None:
         self.requested = requested
-        super().__init__(f"unknown x-routing-method {json.dumps(requested)}")
+        super().__init__(f"unknown {h.ROUTING_METHOD} {json.dumps(requested)}")
 
 
 class UnavailableRoutingMethod(RoutingMethodError):
@@ -108,7 +116,7 @@ class UnavailableRoutingMethod(RoutingMethodError):
         self.algorithm = algorithm
         self.model_id = model_id
         super().__init__(
-            f"x-routing-method {algorithm.value} is not configured for model {json.dumps(model_id)}"
+            f"{h.ROUTING_METHOD} {algorithm.value} is not configured for model {json.dumps(model_id)}"
         )
 
 
@@ -201,8 +209,8 @@ class BackendRejected(StargateError):
 
     def retry_headers(self) -> Mapping[str, str]:
         return {
-            "x-stargate-retryable": "true" if self.retryable else "false",
-            "x-stargate-retry-reason": self.code,
+            h.RETRYABLE: "true" if self.retryable else "false",
+            h.RETRY_REASON: self.code,
         }
 
 
@@ -240,7 +248,7 @@ class QueueEstimateMismatch(BackendRejected):
     def retry_headers(self) -> Mapping[str, str]:
         headers = dict(super().retry_headers())
         if self.retry_after_ms is not None:
-            headers["x-stargate-retry-after-ms"] = str(self.retry_after_ms)
+            headers[h.RETRY_AFTER_MS] = str(self.retry_after_ms)
         return headers
 
     def extra_fields(self) -> Mapping[str, object]:
@@ -256,12 +264,34 @@ class LocalConnectFailure(BackendRejected):
         super().__init__("local upstream connection failed", retryable=retryable)
 
 
+class FaultError(RequestError):
+    """A mock engine test-control body field is invalid; the message names it (answered as plain text)."""
+
+    code = "invalid_fault"
+
+
+class RegistrationRejected(StargateError):
+    """A registration message breaks the contract (§5.4); the stream ends with INVALID_ARGUMENT."""
+
+    status = 400
+    code = "invalid_registration"
+    kind = "invalid_request_error"
+
+
 class StartupError(StargateError):
     """Pylon could not become ready; nothing was registered."""
 
 
+class CalibrationError(StartupError):
+    """Calibration could not produce a usable input throughput."""
+
+
 class DiscoveryError(StargateError):
     """One model discovery poll failed."""
+
+
+class DiscoveryFailed(DiscoveryError):
+    """Stargate's peer DNS lookup failed; the caller publishes itself only."""
 
 
 class ProcessError(StargateError):

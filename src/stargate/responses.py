@@ -17,8 +17,8 @@ import orjson
 from aiohttp import web
 
 from stargate.errors import StargateError
+from stargate.wire import headers as h
 
-ERROR_CODE_HEADER = "x-stargate-error-code"
 REASONS = {
     400: "Bad Request",
     413: "Content Too Large",
@@ -51,7 +51,7 @@ def error_response(exc: StargateError, *, problem: bool = False) -> web.Response
     """The response for ``exc``; ``problem`` selects Pylon's RFC 7807 form (pylon.md §11)."""
     headers = dict(exc.retry_headers())
     if exc.wire_code and not problem:
-        headers[ERROR_CODE_HEADER] = exc.code
+        headers[h.ERROR_CODE] = exc.code
     return web.Response(
         status=exc.status,
         body=orjson.dumps(error_body(exc, problem=problem)),

@@ -13,10 +13,11 @@ import xxhash
 
 from stargate.balancer.ring import tagged
 from stargate.balancer.types import Candidate, valid_tps
+from stargate.wire.limits import U64_MAX
 
 _xxh3 = xxhash.xxh3_64_intdigest
-# float(2**64 - 1) + 2.0 rounds to exactly 2**64 in IEEE doubles, as the reference does.
-_DENOMINATOR = float(2**64 - 1) + 2.0
+# float(U64_MAX) + 2.0 rounds to exactly 2**64 in IEEE doubles, as the reference does.
+_DENOMINATOR = float(U64_MAX) + 2.0
 
 
 def rendezvous_base(prefix: bytes, cache_affinity_key: str | None) -> bytes:

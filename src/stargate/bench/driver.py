@@ -27,6 +27,7 @@ import aiohttp
 
 from stargate.bench.score import RequestRecord
 from stargate.bench.workload import PlannedRequest, Workload
+from stargate.wire import headers as h
 
 Clock = Callable[[], float]
 RecordSink = Callable[[RequestRecord], None]
@@ -190,11 +191,11 @@ class Driver:
             last_token_s=attempt.last_token_s,
             status=attempt.status,
             error_class=attempt.error,
-            backend_id=attempt.got.get("x-inference-server-id"),
-            cluster_id=attempt.got.get("x-stargate-cluster-id"),
-            engine_id=attempt.got.get("x-mock-backend-id"),
-            cache_hit=_bool_header(attempt.got.get("x-kv-cache-hit")),
-            cache_hit_tokens=_int_header(attempt.got.get("x-kv-cache-reused-input-tokens")),
+            backend_id=attempt.got.get(h.INFERENCE_SERVER_ID),
+            cluster_id=attempt.got.get(h.CLUSTER_ID),
+            engine_id=attempt.got.get(h.MOCK_BACKEND_ID),
+            cache_hit=_bool_header(attempt.got.get(h.KV_CACHE_HIT)),
+            cache_hit_tokens=_int_header(attempt.got.get(h.KV_CACHE_REUSED_INPUT_TOKENS)),
             input_tokens=req.input_tokens,
             output_tokens=req.output_tokens,
             chunks=attempt.chunks,
@@ -202,8 +203,8 @@ class Driver:
             end_s=self._now(),
             cache_affinity_key=req.cache_affinity_key,
             session=req.session,
-            evicted_entries=_int_header(attempt.got.get("x-kv-cache-evicted-entries")),
-            evicted_tokens=_int_header(attempt.got.get("x-kv-cache-evicted-tokens")),
+            evicted_entries=_int_header(attempt.got.get(h.KV_CACHE_EVICTED_ENTRIES)),
+            evicted_tokens=_int_header(attempt.got.get(h.KV_CACHE_EVICTED_TOKENS)),
         )
         self.records.append(record)
         if self._on_record is not None:

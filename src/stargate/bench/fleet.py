@@ -30,6 +30,7 @@ from stargate.bench.plan import BackendSpec, EngineSpec, RunSpec
 from stargate.bench.procs import ManagedProcess, stop_all
 from stargate.bench.schema import Scenario
 from stargate.errors import ProcessError
+from stargate.wire import headers as h
 
 PROBE_REQUEST_PREFIX = "__stargate_bench_ready-probe"
 PROBE_CACHE_KEY_PREFIX = "__stargate_bench_benchmark-ready-probe"
@@ -304,9 +305,9 @@ class Fleet:
         probe_id = f"{PROBE_REQUEST_PREFIX}-{index}"
         body = orjson.dumps({"model": model, "stream": True, "max_tokens": 1,
                              "messages": [{"role": "user", "content": "benchmark-ready"}]})
-        headers = {"content-type": "application/json", "x-request-id": probe_id, "x-model": model,
-                   "x-input-tokens": "15", "x-output-tokens": "1",
-                   "x-cache-affinity-key": f"{PROBE_CACHE_KEY_PREFIX}-{index}"}
+        headers = {"content-type": "application/json", h.REQUEST_ID: probe_id, h.MODEL: model,
+                   h.INPUT_TOKENS: "15", h.OUTPUT_TOKENS: "1",
+                   h.CACHE_AFFINITY_KEY: f"{PROBE_CACHE_KEY_PREFIX}-{index}"}
         async with http.post(f"http://{sg.http}/v1/chat/completions", data=body, headers=headers) as resp:
             await resp.read()
             if resp.status != 200:

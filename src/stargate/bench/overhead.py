@@ -44,6 +44,7 @@ from stargate.bench.score import RequestRecord
 from stargate.bench.workload import PlannedRequest
 from stargate.errors import ConfigError
 from stargate.mock_engine.peer_compat import TOKENIZER_ENV
+from stargate.wire import headers as h
 
 MODEL = "overhead-model"
 OUTPUT_TOKENS = 32  # the mock's default length, so the output is fixed even if a router drops max_tokens
@@ -114,8 +115,8 @@ def _request(index: int) -> PlannedRequest:
     body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": OUTPUT_TOKENS,
                          "messages": [{"role": "user", "content": INPUT_TEXT}]})
     rid = f"overhead-{index}"
-    headers = {"content-type": "application/json", "x-request-id": rid, "x-model": MODEL,
-               "x-input-tokens": "48", "x-output-tokens": str(OUTPUT_TOKENS)}
+    headers = {"content-type": "application/json", h.REQUEST_ID: rid, h.MODEL: MODEL,
+               h.INPUT_TOKENS: "48", h.OUTPUT_TOKENS: str(OUTPUT_TOKENS)}
     return PlannedRequest(index=index, request_id=rid, model=MODEL, at_ms=None, session=None, turn=0,
                           input_tokens=48, output_tokens=OUTPUT_TOKENS, routing_key=None,
                           cache_affinity_key=None, headers=headers, body=body, behavior_class="overhead")

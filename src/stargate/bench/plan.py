@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from stargate.bench.schema import QueueAdmission, Scenario
 from stargate.errors import ConfigError
+from stargate.wire.limits import U64_MAX
 
 MOCK_NUM_TOKENS = 32
 
@@ -65,7 +66,7 @@ def _engine_args(scenario: Scenario, upstream: int, pylons: int) -> list[str]:
     mock = scenario.mock
     slots = (profile.max_concurrent_requests or 0) * pylons
     capacity = profile.kv_cache_capacity_tokens * pylons
-    if slots >= 2**64 or capacity >= 2**64:
+    if slots > U64_MAX or capacity > U64_MAX:
         raise ConfigError("concurrency or KV capacity times pylons_per_cluster overflows", path="$.backends")
     args = [
         "--model-name", scenario.model,

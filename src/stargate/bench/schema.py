@@ -24,19 +24,21 @@ from stargate.bench.traffic import (
     TrafficPattern,
 )
 from stargate.errors import ConfigError
+from stargate.wire import headers as h
+from stargate.wire.limits import U32_MAX
 
 _GENERATED_HEADERS = frozenset(
     {
         "content-type",
-        "x-request-id",
-        "x-model",
-        "x-input-tokens",
-        "x-output-tokens",
-        "x-routing-key",
-        "x-cache-affinity-key",
-        "x-priority",
-        "x-max-wait-ms",
-        "x-request-slo-ms",
+        h.REQUEST_ID,
+        h.MODEL,
+        h.INPUT_TOKENS,
+        h.OUTPUT_TOKENS,
+        h.ROUTING_KEY,
+        h.CACHE_AFFINITY_KEY,
+        h.PRIORITY,
+        h.MAX_WAIT_MS,
+        h.REQUEST_SLO_MS,
     }
 )
 
@@ -129,7 +131,7 @@ class DegradationAction(Strict):
     backend_index: U64
     action: Literal["delete_backend_pod", "scale_backend", "kill_engine", "kill_pylon", "freeze_engine",
                     "freeze_pylon", "kill_stargate"]
-    replicas: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    replicas: Annotated[int, Field(ge=0, le=U32_MAX)] | None = None
     resume_after_ms: U64 | None = None
 
     @model_validator(mode="after")
@@ -168,7 +170,7 @@ class Client(Strict):
     stream: bool = True
     request_slo_ms: U64 | None = None
     max_wait_ms: U64 | None = None
-    priority: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    priority: Annotated[int, Field(ge=0, le=U32_MAX)] | None = None
     headers: dict[str, str] = {}
 
     @model_validator(mode="after")

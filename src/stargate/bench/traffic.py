@@ -10,7 +10,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+from stargate.wire.limits import U64_MAX
+
+U64 = Annotated[int, Field(ge=0, le=U64_MAX)]
 Positive = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]

@@ -42,6 +42,7 @@ from stargate.bench.traffic import (
     ZipfTraffic,
 )
 from stargate.errors import ConfigError
+from stargate.wire import headers as h
 
 DIMENSIONS = ("arrivals", "keys", "classes", "input", "output", "turns", "think")
 
@@ -324,21 +325,21 @@ def _render(scenario: Scenario, seed: int, index: int, shape: _Shape, prompts: P
     client = scenario.client
     headers = {
         "content-type": "application/json",
-        "x-request-id": request_id,
-        "x-model": scenario.model,
-        "x-input-tokens": str(shape.input_tokens),
-        "x-output-tokens": str(shape.output_tokens),
+        h.REQUEST_ID: request_id,
+        h.MODEL: scenario.model,
+        h.INPUT_TOKENS: str(shape.input_tokens),
+        h.OUTPUT_TOKENS: str(shape.output_tokens),
     }
     if shape.routing_key is not None:
-        headers["x-routing-key"] = shape.routing_key
+        headers[h.ROUTING_KEY] = shape.routing_key
     if shape.cache_key is not None:
-        headers["x-cache-affinity-key"] = shape.cache_key
+        headers[h.CACHE_AFFINITY_KEY] = shape.cache_key
     if client.priority is not None:
-        headers["x-priority"] = str(client.priority)
+        headers[h.PRIORITY] = str(client.priority)
     if client.max_wait_ms is not None:
-        headers["x-max-wait-ms"] = str(client.max_wait_ms)
+        headers[h.MAX_WAIT_MS] = str(client.max_wait_ms)
     if client.request_slo_ms is not None:
-        headers["x-request-slo-ms"] = str(client.request_slo_ms)
+        headers[h.REQUEST_SLO_MS] = str(client.request_slo_ms)
     headers.update({name.lower(): value for name, value in client.headers.items()})
     if shape.prompt is not None:
         messages = [{"role": "user", "content": shape.prompt}]

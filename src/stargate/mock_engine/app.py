@@ -7,6 +7,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from stargate.wire import headers as h
+
 from . import control as control_module
 from . import metrics
 from . import openai_format as fmt
@@ -17,7 +19,7 @@ from .generate import error_response, failure_response, generate, new_id, read_j
 from .steps import QueueFull
 
 ENGINE_KEY = web.AppKey("engine", Engine)
-BACKEND_HEADER = "x-mock-backend-id"
+BACKEND_HEADER = h.MOCK_BACKEND_ID
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
@@ -32,7 +34,7 @@ async def embeddings(engine: Engine, request: web.Request) -> web.Response:
     if encoding not in ("float", "base64"):
         raise web.HTTPUnprocessableEntity(text="field 'encoding_format' must be 'float' or 'base64'")
     model = resolve_model(engine, body)
-    header_id = request.headers.get("x-request-id", "")
+    header_id = request.headers.get(h.REQUEST_ID, "")
     klass = request_class(header_id)
     engine.control.count("embeddings", model, klass)
     await engine.control.bringup_hold(model, klass)
@@ -46,7 +48,7 @@ async def embeddings(engine: Engine, request: web.Request) -> web.Response:
     try:
         value = body["input"]
         items = tok.embeddings_item_count(value)
-        header = tok.parse_token_header(request.headers.get("x-input-tokens"))
+        header = tok.parse_token_header(request.headers.get(h.INPUT_TOKENS))
         prompt_tokens = max(1, header) if header is not None else tok.embeddings_input_estimate(value)
         engine.stats.emit(header_id or new_id("embd-mock-"), model, prompt_tokens, None, True)
         return _json(fmt.embeddings_body(model, items, prompt_tokens, encoding == "base64"))

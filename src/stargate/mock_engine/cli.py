@@ -8,31 +8,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import math
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
+
+from stargate.wire import runner
+from stargate.wire.address import split_ip_port
 
 from .app import start_server
 from .engine import Engine, EngineConfig
 from .timing import BATCHING_MODES, TimingConfig
 
+parse_listen_addr = split_ip_port
+"""``IP:PORT`` or ``[IPv6]:PORT``; raises ValueError otherwise."""
+
 LISTEN_LINE = "stargate-mock-engine listening on "
 log = logging.getLogger("stargate.mock_engine")
-
-
-def parse_listen_addr(value: str) -> tuple[str, int]:
-    """``IP:PORT`` or ``[IPv6]:PORT``; raises ValueError otherwise."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"not a socket address: {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    ipaddress.ip_address(host)
-    return host, int(port)
 
 
 def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -207,23 +201,10 @@ async def serve(config: EngineConfig, host: str, port: int) -> None:
         await runner.cleanup()
 
 
-def _runner() -> Callable[[Coroutine[Any, Any, None]], None]:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-
-    def run(coro: Coroutine[Any, Any, None]) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(coro)
-
-    return run
-
-
 def main(argv: list[str] | None = None) -> int:
     config, host, port = config_from_args(build_parser(), argv)
     try:
-        _runner()(serve(config, host, port))
+        runner.run(serve(config, host, port))
     except KeyboardInterrupt:
         return 0
     return 0

@@ -13,11 +13,15 @@ runtime (0 = an explicit withdrawal).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from stargate.errors import FaultError
+from stargate.wire.limits import U32_MAX
 
 ENDPOINTS = ("chat_completions", "responses", "completions", "embeddings")
 CLASSES = ("pylon_generated", "api_gateway")
@@ -48,10 +52,6 @@ class FaultPlan:
 
 
 NO_FAULT = FaultPlan()
-
-
-class FaultError(ValueError):
-    """A fault body field is invalid; the message names it."""
 
 
 def _int(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
@@ -218,9 +218,9 @@ class TestControl:
             if name in body and not isinstance(body[name], bool):
                 raise FaultError(f"{name} must be a boolean")
         limit = body.get("max_engine_concurrency")
-        bad_limit = not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit < 1 << 32
+        bad_limit = not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit <= U32_MAX
         if limit is not None and bad_limit:
-            raise FaultError("max_engine_concurrency must be an integer in [0, 4294967295] or null")
+            raise FaultError(f"max_engine_concurrency must be an integer in [0, {U32_MAX}] or null")
         if model not in self.models and len(self.models) >= MAX_MODELS:
             raise FaultError("too many models under test control")
         if "max_engine_concurrency" in body:
@@ -265,30 +265,33 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     return body
 
 
+@contextlib.contextmanager
+def _answer_400() -> Iterator[None]:
+    """A ``FaultError`` becomes the spec's 400 with its message as plain text."""
+    try:
+        yield
+    except FaultError as exc:
+        raise web.HTTPBadRequest(text=exc.message) from exc
+
+
 def routes(control: TestControl) -> list[web.RouteDef]:
     async def snapshot(_: web.Request) -> web.Response:
         return web.json_response(control.snapshot())
 
     async def put_model(request: web.Request) -> web.Response:
-        try:
+        with _answer_400():
             control.set_model(request.match_info["model"], await _json_object(request))
-        except FaultError as exc:
-            raise web.HTTPBadRequest(text=str(exc)) from exc
         return web.json_response(control.snapshot())
 
     async def put_discovery(request: web.Request) -> web.Response:
         body = await _json_object(request)
-        try:
+        with _answer_400():
             control.set_discovery(body.get("models"))
-        except FaultError as exc:
-            raise web.HTTPBadRequest(text=str(exc)) from exc
         return web.json_response(control.snapshot())
 
     async def put_faults(request: web.Request) -> web.Response:
-        try:
+        with _answer_400():
             control.faults.update(await _json_object(request))
-        except FaultError as exc:
-            raise web.HTTPBadRequest(text=str(exc)) from exc
         return web.json_response(control.snapshot())
 
     async def clear_faults(_: web.Request) -> web.Response:

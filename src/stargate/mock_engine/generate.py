@@ -17,6 +17,8 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
+from stargate.wire import headers as h
+
 from . import openai_format as fmt
 from . import tokens as tok
 from .control import Failure, request_class
@@ -48,7 +50,7 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 def failure_response(failure: Failure) -> web.Response:
     headers: dict[str, str] = {}
     if failure.retryable:
-        headers["x-stargate-upstream-retryable"] = "true"
+        headers[h.UPSTREAM_RETRYABLE] = "true"
     if failure.retry_after_s is not None:
         headers["retry-after"] = str(failure.retry_after_s)
     return error_response(failure.status, "mock injected failure", headers)
@@ -117,13 +119,13 @@ def _validate(kind: Kind, body: dict[str, Any]) -> Any:
 
 def kv_headers(engine: Engine, lookup: Lookup, eviction: Eviction, inp: int, out: int) -> dict[str, str]:
     return {
-        "x-kv-cache-hit": "true" if lookup.hit else "false",
-        "x-kv-cache-evicted-entries": str(eviction.entries),
-        "x-kv-cache-evicted-tokens": str(eviction.tokens),
-        "x-kv-cache-reused-input-tokens": str(lookup.reused),
-        "x-kv-cache-uncached-input-tokens": str(lookup.uncached),
-        "x-mock-input-tokens": str(inp),
-        "x-mock-output-tokens": str(out),
+        h.KV_CACHE_HIT: "true" if lookup.hit else "false",
+        h.KV_CACHE_EVICTED_ENTRIES: str(eviction.entries),
+        h.KV_CACHE_EVICTED_TOKENS: str(eviction.tokens),
+        h.KV_CACHE_REUSED_INPUT_TOKENS: str(lookup.reused),
+        h.KV_CACHE_UNCACHED_INPUT_TOKENS: str(lookup.uncached),
+        h.MOCK_INPUT_TOKENS: str(inp),
+        h.MOCK_OUTPUT_TOKENS: str(out),
     }
 
 
@@ -136,7 +138,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
         return web.json_response({"error": "mock-dynamo /v1/responses requires stream=true"}, status=400)
     limit = _validate(kind, body)
     headers_in = request.headers
-    header_id = headers_in.get("x-request-id", "")
+    header_id = headers_in.get(h.REQUEST_ID, "")
     ident = new_id(_ID_PREFIX[kind])
     request_id = header_id or ("" if kind == "responses" else ident)
     if engine.arrivals is not None:
@@ -154,13 +156,13 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
         await control.wait_resumed()
     record = RequestRecord(request_id, _ENDPOINT[kind], model, engine.to_wall(arrival), stream)
     input_tokens, prompt = _input_tokens(
-        engine, kind, body, tok.parse_token_header(headers_in.get("x-input-tokens"))
+        engine, kind, body, tok.parse_token_header(headers_in.get(h.INPUT_TOKENS))
     )
     output_tokens = tok.output_tokens(
-        tok.parse_token_header(headers_in.get("x-output-tokens")), limit, engine.timing.num_tokens
+        tok.parse_token_header(headers_in.get(h.OUTPUT_TOKENS)), limit, engine.timing.num_tokens
     )
     admit = _Admit(
-        engine, record, headers_in.get("x-cache-affinity-key"), prompt, input_tokens, output_tokens
+        engine, record, headers_in.get(h.CACHE_AFFINITY_KEY), prompt, input_tokens, output_tokens
     )
     immediate = plan.delay_s <= 0 and first_token_delay_s(engine.timing, request_id) <= 0
     try:

@@ -17,6 +17,8 @@ import time
 
 import aiohttp
 
+from stargate.wire import headers as h
+
 from .cli import LISTEN_LINE
 
 
@@ -33,7 +35,7 @@ async def drive(url: str, pid: int, requests: int, concurrency: int, tokens: int
     Returns (wall seconds, server CPU seconds) of the measured part.
     """
     body = {"model": "perf", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    headers = {"x-output-tokens": str(tokens), "x-input-tokens": "16"}
+    headers = {h.OUTPUT_TOKENS: str(tokens), h.INPUT_TOKENS: "16"}
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
     remaining = concurrency  # warm-up: open the connections before measuring

@@ -33,7 +33,7 @@ WAITING, PREFILL, READY, DECODE, DONE = range(5)
 
 
 class QueueFull(Exception):
-    """The waiting queue is at ``--max-waiting-requests``."""
+    """Private signal: the waiting queue is at ``--max-waiting-requests`` (the handler answers 429)."""
 
 
 class Sequence:

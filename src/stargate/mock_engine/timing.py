@@ -20,12 +20,14 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from stargate.wire.limits import U64_MAX
+
 Batching = Literal["independent", "continuous", "vllm"]
 BATCHING_MODES: tuple[Batching, ...] = ("independent", "continuous", "vllm")
 
 _FNV_START = 1469598103934665603  # the source's literal; not the standard FNV-1a offset basis
 _FNV_PRIME = 1099511628211
-_MASK = (1 << 64) - 1
+_MASK = U64_MAX
 
 
 def _fnv(state: int, data: bytes) -> int:

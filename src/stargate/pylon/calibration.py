@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 
 from stargate.balancer.types import valid_tps
-from stargate.errors import StargateError
+from stargate.errors import CalibrationError
 from stargate.pylon.ids import CALIBRATION, RequestIds
 from stargate.pylon.models import Generation
 from stargate.pylon.observer import RequestObserver
@@ -56,12 +56,8 @@ def engine_chat(
     return orjson.dumps(body), headers
 
 
-class CalibrationError(StargateError):
-    """Calibration could not produce a usable input throughput."""
-
-
 class PromptTooLong(Exception):
-    pass
+    """Private signal: the engine refused a prompt as too long, so the ramp caps its prompt size."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,13 +27,12 @@ from stargate.wire.headers import (
 from stargate.wire.limits import I31_MAX, U32_MAX, U64_MAX, sat_u64
 
 RETRY_CONTROL = frozenset({h.UPSTREAM_RETRYABLE, h.RETRYABLE, h.RETRY_REASON, h.RETRY_AFTER_MS})
-DYNAMO_PRIORITY = "x-dynamo-request-priority"
-DYNAMO_STRICT = "x-dynamo-request-strict-priority"
 _REQUEST_DROP = (
     HOP_BY_HOP
     | RETRY_CONTROL
     | IDENTITY
-    | {"host", "x-method", "x-path", h.EXPECTED_QUEUE_MS, DYNAMO_PRIORITY, DYNAMO_STRICT, "content-length"}
+    | {"host", "content-length", h.TUNNEL_METHOD, h.TUNNEL_PATH, h.EXPECTED_QUEUE_MS}
+    | {h.DYNAMO_PRIORITY, h.DYNAMO_STRICT_PRIORITY}
 )
 _RESPONSE_DROP = HOP_BY_HOP | RETRY_CONTROL | {"content-length"}
 
@@ -91,8 +90,8 @@ def upstream_headers(
     """Filtered request headers for the engine; ``dynamo_ceiling`` None = no priority headers."""
     out = forwardable(headers, _request_drop(retry_header))
     if dynamo_ceiling is not None:
-        out[DYNAMO_PRIORITY] = str(dynamo_priority(priority, dynamo_ceiling))
-        out[DYNAMO_STRICT] = "0"
+        out[h.DYNAMO_PRIORITY] = str(dynamo_priority(priority, dynamo_ceiling))
+        out[h.DYNAMO_STRICT_PRIORITY] = "0"
     return out
 
 

@@ -29,7 +29,7 @@ _COMPLETION_PAIRS = ((b'"text":"', b'"text":""'), (b'"text": "', b'"text": ""'))
 
 
 class EventTooLarge(Exception):
-    """An unterminated SSE event exceeded the 1 MiB buffer limit."""
+    """Private signal to the relay: an unterminated SSE event exceeded 1 MiB, so the stream ends."""
 
 
 def _uint(value: object) -> int | None:

@@ -274,7 +274,7 @@ class Relay:
             self.metrics.admission_actual.observe(decision.actual_ms)
 
     def _reject(self, decision: admission.Decision) -> web.Response:
-        self.metrics.retryable.labels(self.s.inference_server_id, "queue_estimate_mismatch", "429").inc()
+        self.metrics.retryable.labels(self.s.inference_server_id, QueueEstimateMismatch.code, "429").inc()
         return _problem(
             QueueEstimateMismatch(
                 expected_ms=decision.expected_ms,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from stargate.errors import DiscoveryError, StargateError, StartupError
-from stargate.pylon.calibration import CalibrationError, Calibrator
+from stargate.errors import CalibrationError, DiscoveryError, StargateError, StartupError
+from stargate.pylon.calibration import Calibrator
 from stargate.pylon.config import PylonSettings
 from stargate.pylon.health import HealthProber
 from stargate.pylon.metrics import PylonMetrics

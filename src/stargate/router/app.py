@@ -31,6 +31,8 @@ from stargate.router.proxy import ProxyHandler, ProxySettings
 from stargate.router.state import RoutingState
 from stargate.router.transport import HttpTransport, make_session
 from stargate.tracing import setup_tracing
+from stargate.wire import address
+from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.http_server import GuardedAppRunner
 
@@ -94,14 +96,10 @@ class BoundAddresses:
 
 def split_host_port(addr: str, flag: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port``; a malformed address is a ``ConfigError`` naming the flag."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"expected HOST:PORT, got {addr!r}", path=flag)
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        return address.split_host_port(addr)
+    except ValueError as exc:
+        raise ConfigError(str(exc), path=flag) from None
 
 
 class StargateServer:
@@ -135,8 +133,8 @@ class StargateServer:
     async def start(self) -> BoundAddresses:
         s = self.settings
         http_host, http_port = split_host_port(s.http_listen_addr, "--http-listen-addr")
-        split_host_port(s.listen_addr, "--listen-addr")
-        split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
+        grpc_host, _ = split_host_port(s.listen_addr, "--listen-addr")
+        discovery_host, _ = split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
         advertise_host, _ = split_host_port(s.advertise_addr, "--advertise-addr")
         plain = PlainClients(s.plain_clients) if s.plain_clients is not None else None  # may load a tokenizer
         if self.tracing is None:
@@ -173,10 +171,10 @@ class StargateServer:
             await self._close()
             raise
         self.addresses = BoundAddresses(
-            grpc=_join(split_host_port(s.listen_addr, "")[0], grpc_port),
-            model_discovery=_join(split_host_port(s.model_discovery_listen_addr, "")[0], discovery_port),
-            http=_join(http_host, http_bound[1]),
-            metrics=_join(s.metrics_host, metrics_bound[1]),
+            grpc=join_host_port(grpc_host, grpc_port),
+            model_discovery=join_host_port(discovery_host, discovery_port),
+            http=join_host_port(http_host, http_bound[1]),
+            metrics=join_host_port(s.metrics_host, metrics_bound[1]),
         )
         return self.addresses
 
@@ -225,7 +223,7 @@ class StargateServer:
             await site.start()
         except OSError as exc:
             raise ConfigError(
-                f"cannot listen on {_join(host, port)}: {exc.strerror or exc}", path=flag
+                f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}", path=flag
             ) from exc
         return host, int(runner.addresses[0][1])
 
@@ -250,7 +248,7 @@ class StargateServer:
         return ControlPlaneSettings(
             stargate_id=s.stargate_id,
             advertise_addr=s.advertise_addr,
-            http_advertise_addr=_join(advertise_host, http_port),
+            http_advertise_addr=join_host_port(advertise_host, http_port),
             grpc_pylon_dial_addr=s.grpc_pylon_dial_addr,
             remote_stargate_urls=s.remote_stargate_urls,
             discovery_dns_name=None if s.disable_dns_discovery else s.stargate_discovery_dns_name,
@@ -268,7 +266,7 @@ class StargateServer:
             "grpc_listen_addr": bound.grpc if bound else s.listen_addr,
             "model_discovery_listen_addr": bound.model_discovery if bound else s.model_discovery_listen_addr,
             "http_listen_addr": bound.http if bound else s.http_listen_addr,
-            "metrics_listen_addr": bound.metrics if bound else _join(s.metrics_host, s.metrics_port),
+            "metrics_listen_addr": bound.metrics if bound else join_host_port(s.metrics_host, s.metrics_port),
             "advertise_addr": self.control_plane.advertise_addr if self.control_plane else s.advertise_addr,
             "stargate_discovery_dns_name": s.stargate_discovery_dns_name,
             "tunnel_protocol": s.tunnel_protocol,

@@ -16,8 +16,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
@@ -34,6 +32,7 @@ from stargate.router.plain_client import (
     PlainClientSettings,
 )
 from stargate.router.proxy import ProxySettings
+from stargate.wire import runner
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 TUNNEL_PROTOCOLS = {
@@ -301,7 +300,7 @@ def run(options: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"stargate: {exc.describe()}", file=sys.stderr)
         return EXIT_USAGE
-    return _run(serve(settings))
+    return runner.run(serve(settings))
 
 
 async def serve(settings: StargateSettings, stop: asyncio.Event | None = None) -> int:
@@ -335,14 +334,3 @@ async def serve(settings: StargateSettings, stop: asyncio.Event | None = None) -
             loop.remove_signal_handler(sig)
     return EXIT_OK if drained else EXIT_FAILURE
 
-
-def _run(coro: Coroutine[Any, Any, int]) -> int:
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)

@@ -19,19 +19,19 @@ from typing import NoReturn
 
 import aiohttp
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from stargate.balancer.types import ModelStats
-from stargate.errors import ConfigError, RequestError
+from stargate.errors import ConfigError, DiscoveryFailed, RegistrationRejected, RequestError
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.router import watch
-from stargate.router.discovery import DiscoveryFailed, DiscoverySettings, PeerDiscovery, with_self
+from stargate.router.discovery import DiscoverySettings, PeerDiscovery, with_self
 from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.registration import (
     HEARTBEAT_METADATA_KEY,
     Identity,
     OpenAuthenticator,
-    RegistrationRejected,
     WorkerAuthenticator,
     admit_first,
     bearer_token,
@@ -41,6 +41,7 @@ from stargate.router.registration import (
     model_updates,
 )
 from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.wire.address import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ _add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServi
 
 _EMPTY_ACK = stargate_pb2.InferenceServerAck()
 SHUTDOWN_MESSAGE = "stargate is shutting down"
+UNDECODABLE_MESSAGE = "registration message is not a valid InferenceServerRegistration"
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,14 @@ async def _abort(
     raise AssertionError("ServicerContext.abort returned")
 
 
-def _port_of(addr: str) -> str:
-    return addr.rsplit(":", 1)[-1] if ":" in addr else ""
+def _bound_advertise(advertise: str, listen: str, port: int) -> str:
+    """``advertise`` with the bound port when it names the listener's port (``:0`` becomes real)."""
+    try:
+        host, advertised = split_host_port(advertise)
+        _, listening = split_host_port(listen)
+    except ValueError:
+        return advertise
+    return join_host_port(host, port) if advertised == listening else advertise
 
 
 class ControlPlane:
@@ -147,8 +155,7 @@ class ControlPlane:
         except ConfigError:
             await self.stop(0)
             raise
-        if _port_of(self._settings.advertise_addr) == _port_of(listen_addr):
-            self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
+        self.advertise_addr = _bound_advertise(self._settings.advertise_addr, listen_addr, control_port)
         self._control_port = control_port
         self._discovery = PeerDiscovery(self._settings.discovery, control_port)
         self._publisher = watch.WatchPublisher(
@@ -239,7 +246,7 @@ class ControlPlane:
         try:
             identity = admit_first(first, reverse_listener=False)
         except RegistrationRejected as exc:
-            await _abort(context, exc.grpc_code, exc.message)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         if self._state.registration_count() >= self._settings.max_registrations:
             await _abort(
                 context,
@@ -303,7 +310,7 @@ class ControlPlane:
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
-            await _abort(context, exc.grpc_code, exc.message)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         finally:
             self._end(prober, handle)
 
@@ -333,7 +340,11 @@ class ControlPlane:
             await _abort(
                 context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s"
             )
-        message = read.result()
+        try:
+            message = read.result()
+        except DecodeError:
+            # Bytes that are no InferenceServerRegistration: the client's error, not the servicer's.
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
         if message is aio.EOF:
             return None
         assert isinstance(message, stargate_pb2.InferenceServerRegistration)

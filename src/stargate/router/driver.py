@@ -50,8 +50,8 @@ from stargate.router.replay import ReplayBody
 from stargate.router.retry_signal import retry_signal
 from stargate.router.transport import BackendRef, Transport, UpstreamResponse
 from stargate.tracing import RouteTrace
+from stargate.wire import headers as h
 
-EXPECTED_QUEUE_HEADER = "x-stargate-expected-queue-ms"
 START = Start()
 WOKE = Woke()
 
@@ -62,7 +62,9 @@ class RoutingStateView(Protocol):
 
     def view(self, target: Target) -> TargetSnapshot | None: ...
     def is_advertised(self, target: Target) -> bool: ...
-    def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Any: ...
+    def reserve(
+        self, target: Target, backend_id: str, input_tokens: int, priority: int, prefill_tokens: int | None
+    ) -> Any: ...
     def release(self, reservation: Any) -> None: ...
     def first_byte(self, reservation: Any) -> None: ...
     def finish(self, reservation: Any) -> None: ...
@@ -166,10 +168,13 @@ class AttemptDriver:
                 if not routing_observed:
                     metrics.routing_duration(target, clock() - routing_started)
                     routing_observed = True
-                reservation = self._state.reserve(target, backend_id, request.input_tokens, request.priority)
+                prefill_tokens = action.choice.prefill_tokens if action.choice is not None else None
+                reservation = self._state.reserve(
+                    target, backend_id, request.input_tokens, request.priority, prefill_tokens
+                )
                 attempt_headers = headers.copy()
                 if action.expected_queue_ms is not None:
-                    attempt_headers[EXPECTED_QUEUE_HEADER] = str(action.expected_queue_ms)
+                    attempt_headers[h.EXPECTED_QUEUE_MS] = str(action.expected_queue_ms)
                 if trace is not None:
                     trace.attempts += 1
                     trace.backend_id, trace.cluster_id = backend_id, backend.cluster_id

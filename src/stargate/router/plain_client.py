@@ -23,11 +23,12 @@ from multidict import CIMultiDict
 
 from stargate.body_coding import decoded
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
+from stargate.wire import headers as h
 from stargate.wire.headers import text_value
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BYTES_PER_TOKEN = 4
-DEFAULT_SESSION_HEADER = "x-session-id"
+DEFAULT_SESSION_HEADER = h.SESSION_ID
 REQUEST_ID_PREFIX = "sg-"
 # Body fields that hold the prompt, in the order OpenAI endpoints use them.
 PROMPT_FIELDS = ("messages", "prompt", "input", "instructions")
@@ -103,44 +104,44 @@ class PlainClients:
     def incomplete(self, headers: Mapping[str, str]) -> bool:
         """True when a header this mode fills is missing (a few dictionary lookups)."""
         return (
-            headers.get("x-input-tokens") is None
-            or text_value(headers.get("x-model")) is None
-            or text_value(headers.get("x-request-id")) is None
+            headers.get(h.INPUT_TOKENS) is None
+            or text_value(headers.get(h.MODEL)) is None
+            or text_value(headers.get(h.REQUEST_ID)) is None
             or (
                 self._session_header is not None
                 and self._session_header in headers
-                and text_value(headers.get("x-cache-affinity-key")) is None
+                and text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None
             )
         )
 
     async def complete(self, request: web.Request) -> tuple[CIMultiDict[str], bytes | None]:
         """The request's headers with the missing ones filled, and its body when it had to be read."""
         headers = CIMultiDict(request.headers)
-        if text_value(headers.get("x-request-id")) is None:
-            headers["x-request-id"] = REQUEST_ID_PREFIX + uuid.uuid4().hex
-        if text_value(headers.get("x-cache-affinity-key")) is None and self._session_header is not None:
+        if text_value(headers.get(h.REQUEST_ID)) is None:
+            headers[h.REQUEST_ID] = REQUEST_ID_PREFIX + uuid.uuid4().hex
+        if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None and self._session_header is not None:
             session = text_value(headers.get(self._session_header))
             if session is not None:
-                headers["x-cache-affinity-key"] = session
-        if headers.get("x-input-tokens") is not None and text_value(headers.get("x-model")) is not None:
+                headers[h.CACHE_AFFINITY_KEY] = session
+        if headers.get(h.INPUT_TOKENS) is not None and text_value(headers.get(h.MODEL)) is not None:
             return headers, None
         raw = await self._read(request)
         # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
         body = _json_object(decoded(raw, headers.get("content-encoding"), self.settings.max_body_bytes))
-        if text_value(headers.get("x-model")) is None:
+        if text_value(headers.get(h.MODEL)) is None:
             model = body.get("model")
             if not isinstance(model, str) or text_value(model) is None:
                 raise RequestError(
                     "the request names no model: set the body's model field or an x-model header"
                 )
-            headers["x-model"] = model.strip(" \t")
-        if headers.get("x-input-tokens") is None:
-            headers["x-input-tokens"] = str(self.input_tokens(body))
+            headers[h.MODEL] = model.strip(" \t")
+        if headers.get(h.INPUT_TOKENS) is None:
+            headers[h.INPUT_TOKENS] = str(self.input_tokens(body))
         user = body.get("user")
-        if text_value(headers.get("x-cache-affinity-key")) is None and isinstance(user, str):
+        if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None and isinstance(user, str):
             key = text_value(user)
             if key is not None:
-                headers["x-cache-affinity-key"] = key
+                headers[h.CACHE_AFFINITY_KEY] = key
         return headers, raw
 
     def input_tokens(self, body: Mapping[str, Any]) -> int:

@@ -34,6 +34,7 @@ from stargate.router.metrics import RouterMetrics
 from stargate.router.plain_client import PlainClients
 from stargate.router.replay import ReplayBody
 from stargate.tracing import RouteTrace
+from stargate.wire import headers as h
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.http_server import report_client_gone
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     max_replay_body_bytes: int = 67_108_864
-    retry_budget_header: str | None = "x-stargate-max-wait-ms"
+    retry_budget_header: str | None = h.RETRY_BUDGET_MS
     default_max_wait_ms: int | None = None  # the routing wait of requests without x-max-wait-ms
 
 
@@ -194,9 +195,9 @@ class ProxyHandler:
             return error_response(StargateError("backend identity cannot be sent as a header value"))
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(filter_headers(upstream.headers, RESPONSE_DROPPED))
-        response.headers["x-inference-server-id"] = backend.inference_server_id
-        response.headers["x-inference-server-url"] = backend.url
-        response.headers["x-stargate-cluster-id"] = backend.cluster_id
+        response.headers[h.INFERENCE_SERVER_ID] = backend.inference_server_id
+        response.headers[h.INFERENCE_SERVER_URL] = backend.url
+        response.headers[h.CLUSTER_ID] = backend.cluster_id
         first = True
         started = False
         try:

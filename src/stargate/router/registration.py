@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-import grpc
-
 from stargate.balancer.types import ModelStats
-from stargate.errors import StargateError
+from stargate.errors import RegistrationRejected
 from stargate.proto import stargate_pb2
 from stargate.wire import headers as h
 from stargate.wire.limits import U64_MAX
@@ -23,14 +21,6 @@ from stargate.wire.proto import stats_from_proto as convert_stats
 HEARTBEAT_METADATA_KEY = h.HEARTBEAT_METADATA
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _ACTIVE = stargate_pb2.INFERENCE_SERVER_STATUS_ACTIVE
-
-
-class RegistrationRejected(StargateError):
-    """A registration message breaks the contract; the stream ends with ``grpc_code`` and ``message``."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-        self.grpc_code = code
-        super().__init__(message)
 
 
 @dataclass(frozen=True, slots=True)

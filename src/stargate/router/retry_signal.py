@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from stargate.errors import QueueEstimateMismatch
+from stargate.wire import headers as h
+
 RETRYABLE_STATUSES = frozenset({429, 503})
-QUEUE_ESTIMATE_MISMATCH = "queue_estimate_mismatch"
+QUEUE_ESTIMATE_MISMATCH = QueueEstimateMismatch.code
 DEFAULT_RETRY_REASON = "retryable_upstream_response"
 
 
@@ -30,8 +33,8 @@ def retry_signal(status: int, header: Callable[[str], str | None], require_signa
     """
     if 200 <= status < 300:
         return NOT_RETRYABLE
-    flag = header("x-stargate-retryable")
-    raw_reason = header("x-stargate-retry-reason")
+    flag = header(h.RETRYABLE)
+    raw_reason = header(h.RETRY_REASON)
     reason = (raw_reason or "").strip() or DEFAULT_RETRY_REASON
     explicit_true = flag is not None and flag.strip().lower() == "true"
     release = status == 429 and explicit_true and reason == QUEUE_ESTIMATE_MISMATCH

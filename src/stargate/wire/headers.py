@@ -35,6 +35,25 @@ INFERENCE_SERVER_URL = "x-inference-server-url"
 CLUSTER_ID = "x-stargate-cluster-id"
 HEARTBEAT_METADATA = "x-stargate-registration-heartbeat-ms"
 """gRPC metadata key of a registration stream: the Pylon's heartbeat interval."""
+SESSION_ID = "x-session-id"
+"""Plain-client mode's default session header (and vLLM's router's session key)."""
+TUNNEL_METHOD = "x-method"
+TUNNEL_PATH = "x-path"
+"""Set only by the original's tunnel transport (pylon.md §1); Pylon drops them before the engine."""
+DYNAMO_PRIORITY = "x-dynamo-request-priority"
+DYNAMO_STRICT_PRIORITY = "x-dynamo-request-strict-priority"
+"""Pylon → Dynamo engine priority band (pylon.md §8.4)."""
+
+# The mock engine's contract (mock-engine.md), read back by the bench.
+OUTPUT_TOKENS = "x-output-tokens"
+MOCK_BACKEND_ID = "x-mock-backend-id"
+MOCK_INPUT_TOKENS = "x-mock-input-tokens"
+MOCK_OUTPUT_TOKENS = "x-mock-output-tokens"
+KV_CACHE_HIT = "x-kv-cache-hit"
+KV_CACHE_EVICTED_ENTRIES = "x-kv-cache-evicted-entries"
+KV_CACHE_EVICTED_TOKENS = "x-kv-cache-evicted-tokens"
+KV_CACHE_REUSED_INPUT_TOKENS = "x-kv-cache-reused-input-tokens"
+KV_CACHE_UNCACHED_INPUT_TOKENS = "x-kv-cache-uncached-input-tokens"
 
 HOP_BY_HOP = frozenset(
     {"connection", "proxy-connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}

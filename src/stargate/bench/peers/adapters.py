@@ -34,6 +34,7 @@ from stargate.bench.peers.nodelay import preload_env
 from stargate.bench.procs import ManagedProcess, stop_all
 from stargate.bench.workload import PlannedRequest
 from stargate.errors import ConfigError, ProcessError
+from stargate.wire import headers as h
 
 Kind = Literal["stargate", "sglang", "vllm", "direct"]
 
@@ -233,7 +234,7 @@ class PeerRouterAdapter:
         if self.label != "vllm:consistent_hash":
             return req.headers
         key = req.session or req.cache_affinity_key or req.request_id
-        return {**req.headers, "x-session-id": key}
+        return {**req.headers, h.SESSION_ID: key}
 
     def router_pids(self) -> dict[str, int]:
         pid = self._proc.pid if self._proc else None
