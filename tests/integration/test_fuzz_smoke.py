@@ -21,7 +21,8 @@ def test_fuzz_command_reports_every_category_and_the_fleet_survives(tmp_path: Pa
     assert report["registration_drops"] == 0
     assert report["routable_at_end"] == {"backend-0": True, "backend-1": True}
     assert report["final_status"] == 200
-    assert code == (0 if not report["tracebacks"] else 1)
+    assert report["tracebacks"] == {}
+    assert code == 0
     assert "goals met" in (out / "fuzz.md").read_text()
 
 
