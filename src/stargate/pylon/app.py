@@ -33,8 +33,10 @@ from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
 from stargate.tracing import setup_tracing
+from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
 from stargate.wire.http_client import client_session
+from stargate.wire.http_server import GuardedAppRunner
 
 if TYPE_CHECKING:
     from stargate.otel import Tracing
@@ -53,9 +55,11 @@ class PylonApp:
         out: IO[str] | None = None,
         relay_timeouts: RelayTimeouts | None = None,
         tracing: Tracing | None = None,
+        client_faults: ClientFaults | None = None,
     ) -> None:
         """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.s = settings
+        self.client_faults = client_faults or ClientFaults(logging.getLogger("stargate.pylon.clients"))
         self.tracing = tracing
         self.clock = clock or SystemClock()
         self._out = out
@@ -101,7 +105,14 @@ class PylonApp:
 
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
         # Bodies pass through as received: no decompression of request bodies (bytes in, bytes out).
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
+        runner = GuardedAppRunner(
+            app,
+            faults=self.client_faults,
+            header_read_timeout_s=self.s.http_header_read_timeout_ms / 1000.0,
+            access_log=None,
+            handle_signals=False,
+            auto_decompress=False,
+        )
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
@@ -185,6 +196,7 @@ class PylonApp:
             prober=prober,
             timeouts=self._relay_timeouts,
             tracing=self.tracing,
+            client_faults=self.client_faults,
         )
         port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port)
         self.http_url = "http://" + (s.http_advertise_addr or f"{s.http_listen_host}:{port}")

@@ -100,6 +100,7 @@ class PylonSettings:
     relay_non_streaming: bool
     otel_endpoint: str | None
     otel_service_name: str
+    http_header_read_timeout_ms: int
     log_level: str
 
 
@@ -205,6 +206,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--upstream-http-base-url", type=_base_url, required=True, help="engine base URL (http:// or https://)")
     a("--http-listen-addr", type=_listen_addr, default="127.0.0.1:0",
       help="where Stargate sends requests (IP:port, port 0 ok)")
+    a("--http-header-read-timeout-ms", type=non_negative_int, default=10_000,
+      help="close a connection whose request head is not complete in this time; 0 disables")
     a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
     a("--model-name", type=_non_blank, action="append", default=[],
       help="static model (repeatable); none = discovery")
@@ -366,5 +369,6 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         upstream_backend=ns.pylon_upstream_backend,
         priority_ceiling=ns.pylon_priority_ceiling,
         max_engine_concurrency=ns.max_engine_concurrency,
+        http_header_read_timeout_ms=ns.http_header_read_timeout_ms,
         log_level=ns.log_level,
     )

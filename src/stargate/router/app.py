@@ -33,6 +33,8 @@ from stargate.router.transport import HttpTransport, make_session
 from stargate.tracing import setup_tracing
 from stargate.wire import address
 from stargate.wire.address import join_host_port
+from stargate.wire.client_faults import ClientFaults
+from stargate.wire.http_server import GuardedAppRunner
 
 if TYPE_CHECKING:
     from stargate.otel import Tracing
@@ -54,6 +56,7 @@ class StargateSettings:
     metrics_port: int = 9090
     metrics_prefix: str = DEFAULT_PREFIX
     shutdown_drain_timeout_ms: int = 30_000
+    http_header_read_timeout_ms: int = 10_000  # 0 = no request-head deadline
     lb_config: LbConfig = field(default_factory=LbConfig.permissive)
     retry: RetrySettings = field(default_factory=RetrySettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
@@ -106,10 +109,12 @@ class StargateServer:
         *,
         metrics: RouterMetrics | None = None,
         tracing: Tracing | None = None,
+        client_faults: ClientFaults | None = None,
     ) -> None:
         """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.settings = settings
         self.tracing = tracing
+        self.client_faults = client_faults or ClientFaults(logging.getLogger("stargate.router.clients"))
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
         self.state = RoutingState(on_active_count=self.metrics.set_active)
         self.endpoints = Endpoints(
@@ -143,7 +148,13 @@ class StargateServer:
         machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=effective_queue_ms)
         driver = AttemptDriver(self.state, machine, transport, self.metrics)
         self.proxy = proxy = ProxyHandler(
-            driver, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain, tracing=self.tracing
+            driver,
+            self.metrics,
+            s.lb_config.resolve_algorithm,
+            s.proxy,
+            plain=plain,
+            tracing=self.tracing,
+            client_faults=self.client_faults,
         )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
@@ -197,7 +208,14 @@ class StargateServer:
 
     async def _serve(self, app: web.Application, host: str, port: int, flag: str) -> tuple[str, int]:
         # Request bodies are forwarded as received, Content-Encoding included: never decompressed here.
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, auto_decompress=False)
+        runner = GuardedAppRunner(
+            app,
+            faults=self.client_faults,
+            header_read_timeout_s=self.settings.http_header_read_timeout_ms / 1000.0,
+            access_log=None,
+            shutdown_timeout=1.0,
+            auto_decompress=False,
+        )
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -53,6 +53,12 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add("--listen-addr", default="0.0.0.0:50071", help="gRPC control plane address")
     add("--model-discovery-listen-addr", default="0.0.0.0:50073", help="gRPC ListModels address")
     add("--http-listen-addr", default="0.0.0.0:8000", help="HTTP proxy address")
+    add(
+        "--http-header-read-timeout-ms",
+        type=non_negative_int,
+        default=10_000,
+        help="close a connection whose request head is not complete in this time; 0 disables",
+    )
     add("--advertise-addr", default=None, help="self gRPC address published in discovery (required)")
     add("--metrics-port", type=port, default=9090, help="Prometheus port (0.0.0.0:PORT/metrics)")
     add("--metrics-host", default="0.0.0.0", help="Prometheus bind host")
@@ -243,6 +249,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         listen_addr=options.listen_addr,
         model_discovery_listen_addr=options.model_discovery_listen_addr,
         http_listen_addr=options.http_listen_addr,
+        http_header_read_timeout_ms=options.http_header_read_timeout_ms,
         metrics_host=options.metrics_host,
         metrics_port=options.metrics_port,
         metrics_prefix=options.metrics_prefix,
