@@ -35,6 +35,7 @@ from stargate.pylon.stats.prometheus import run_prometheus_poller
 from stargate.tracing import setup_tracing
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
+from stargate.wire.http_client import client_session
 from stargate.wire.http_server import GuardedAppRunner
 
 if TYPE_CHECKING:
@@ -161,12 +162,7 @@ class PylonApp:
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
-        connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=15.0)
-        self._session = session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
-        )
+        self._session = session = client_session(connect_timeout_s=10.0, limit=4096)
         if s.stats_source is StatsSource.PROMETHEUS:
             self._spawn(
                 run_prometheus_poller(
