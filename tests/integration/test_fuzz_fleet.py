@@ -202,8 +202,6 @@ async def test_random_bytes_after_a_request_line_get_4xx_or_a_close(
     await still_serving(fleet)
 
 
-@pytest.mark.xfail(reason="aiohttp still logs each malformed request and hung-up client at ERROR with a "
-                   "traceback; the client-fault logging of the listeners replaces that", strict=False)
 async def test_client_faults_log_no_traceback(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
     """Fuzzed requests, malformed framing and clients that hang up mid-response, on both ports: no
     log record carries a traceback (a client's fault is one WARNING line)."""
