@@ -33,10 +33,12 @@ from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
 from stargate.tracing import setup_tracing
+from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
 from stargate.wire.http_client import client_session
 from stargate.wire.http_server import GuardedAppRunner
+from stargate.wire.listen import listen
 
 if TYPE_CHECKING:
     from stargate.otel import Tracing
@@ -113,13 +115,9 @@ class PylonApp:
             handle_signals=False,
             auto_decompress=False,
         )
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
-        await site.start()
+        bound = await listen(runner, host, port)
         self._runners.append(runner)
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        return bound
 
     async def _metrics_handler(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -199,7 +197,7 @@ class PylonApp:
             client_faults=self.client_faults,
         )
         port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port)
-        self.http_url = "http://" + (s.http_advertise_addr or f"{s.http_listen_host}:{port}")
+        self.http_url = "http://" + (s.http_advertise_addr or join_host_port(s.http_listen_host, port))
         calibrator = None
         if s.do_calibration:
             log.warning("calibration is only valid when this is the only Pylon of cluster %s", s.cluster_id)

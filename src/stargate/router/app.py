@@ -35,6 +35,7 @@ from stargate.wire import address
 from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.http_server import GuardedAppRunner
+from stargate.wire.listen import listen
 
 if TYPE_CHECKING:
     from stargate.otel import Tracing
@@ -216,16 +217,14 @@ class StargateServer:
             shutdown_timeout=1.0,
             auto_decompress=False,
         )
-        await runner.setup()
-        self._runners.append(runner)
-        site = web.TCPSite(runner, host, port, reuse_address=True)
         try:
-            await site.start()
+            bound = await listen(runner, host, port)
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}", path=flag
             ) from exc
-        return host, int(runner.addresses[0][1])
+        self._runners.append(runner)
+        return host, bound
 
     def _http_app(self, proxy: ProxyHandler) -> web.Application:
         app = web.Application()
