@@ -2,9 +2,10 @@
 
 Registration streams end on client close, read error, idle timeout, validation error or shutdown;
 on every end the backend's probing stops and ``RoutingState.remove`` drops its routes, releases its
-id and retires its cluster generation, in that order, before the stream's final status is sent. Every applied update is acknowledged, also
-when the health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the
-original skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
+id and retires its cluster generation, in that order, before the stream's final status is sent.
+Every applied update is acknowledged, also when the health probe failed (the update then removes the
+backend's ACTIVE routes; §5.5 of the original skips the ack only when a QUIC tunnel cannot be opened,
+which has no HTTP equivalent).
 Between updates the backend's health prober ejects it from routing after consecutive failed probes
 and re-applies its latest update when a probe succeeds again (``router/health.py``).
 """
