@@ -182,6 +182,17 @@ async def test_malformed_requests_to_stargate_log_the_burst_at_warning_without_t
     assert_burst_of_malformed_lines(caplog, "test.router.clients")
 
 
+async def test_an_oversized_body_gets_413_and_logs_nothing(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    await sg.backend("b1")
+    declared = head(CHAT, b"", "m", "big").replace(b"Content-Length: 0", b"Content-Length: %d" % 2**40)
+    reader = await conns.open(sg.base, declared + b"{")
+    assert (await until(reader, b"\r\n\r\n")).startswith(b"HTTP/1.1 413")
+    assert caplog.records == []
+
+
 async def test_malformed_requests_to_pylon_log_the_burst_at_warning_without_traceback(
     pylon: PylonApp, conns: Connections, caplog: pytest.LogCaptureFixture
 ) -> None:
