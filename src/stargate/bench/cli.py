@@ -1,4 +1,4 @@
-"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, serve,
+"""The ``stargate-bench`` console script: run, compare, overhead, faults, fuzz, summarize, demo, serve,
 gen-trace, list-scenarios, validate.
 
 Exit status: see :mod:`stargate.bench.console`.
@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from stargate.bench import fault_suite, plan, serve, tracegen
+from stargate.bench import fault_suite, fuzz, plan, serve, tracegen
 from stargate.bench.console import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -70,6 +70,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     commands.add_parsers(sub, environ)
     serve.add_parser(sub, environ)
     fault_suite.add_parser(sub, environ)
+    fuzz.add_parser(sub, environ)
     tracegen.add_parser(sub, environ)
     return parser
 
@@ -89,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_command(console, args, list(sys.argv if argv is None else argv))
         if args.command == "faults":
             return fault_suite.faults_command(console, args, list(sys.argv if argv is None else argv))
+        if args.command == "fuzz":
+            return fuzz.fuzz_command(console, args)
         if args.command in ("compare", "overhead"):
             handler = commands.compare_command if args.command == "compare" else commands.overhead_command
             return handler(console, args, list(sys.argv if argv is None else argv))

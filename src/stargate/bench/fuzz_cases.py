@@ -1,5 +1,6 @@
 """Fuzz cases for a live fleet: fuzzed contract headers and request bodies, malformed HTTP/1.1 framing
-and fuzzed gRPC registrations, plus the raw socket exchange that sends what no HTTP client would.
+(fuzzed gRPC registrations are in ``fuzz_registration``), and the raw socket exchange that sends what
+no HTTP client would.
 
 Generation is seeded (``random.Random``), so a run is repeatable. What counts as an answer the spec
 documents is decided here once (``DOCUMENTED_STATUSES``) for the bench and the tests alike.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
-import math
 import random
 import re
 import string
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import orjson
 
-from stargate.proto import stargate_pb2 as pb
 from stargate.wire import headers as h
 from stargate.wire.limits import U32_MAX, U64_MAX
 
@@ -44,7 +43,7 @@ def undocumented_5xx(status: int | None) -> bool:
     return status is not None and status >= 500 and status not in DOCUMENTED_STATUSES
 
 
-def _text(rng: random.Random, size: int) -> str:
+def fuzz_text(rng: random.Random, size: int) -> str:
     """Printable ASCII, or unicode and control characters (CR and LF are replaced when sent)."""
     pools = (string.printable, "éü中文\u200b\ufeff\x7f\x00\x01\t ")
     pool = rng.choice(pools)
@@ -63,13 +62,12 @@ def fuzz_value(rng: random.Random) -> str:
         return rng.choice(_NUMBERS)
     if kind == 4:
         return rng.choice(_METHODS)
-    return _text(rng, rng.choice((0, 1, 8, 40, 2000)))
+    return fuzz_text(rng, rng.choice((0, 1, 8, 40, 2000)))
 
 
 def fuzz_headers(rng: random.Random, model: str, request_id: str) -> dict[str, str]:
     """A valid request's headers with one to four of them replaced, dropped or added."""
-    headers = {h.REQUEST_ID: request_id, h.MODEL: model, h.INPUT_TOKENS: str(rng.randrange(1, 200)),
-               "content-type": "application/json"}  # fmt: skip
+    headers = valid_headers(model, request_id)
     for _ in range(rng.randrange(1, 5)):
         name = rng.choice(NUMERIC_HEADERS + TEXT_HEADERS + OTHER_HEADERS)
         if name == "content-length":
@@ -91,14 +89,22 @@ def _json_value(rng: random.Random, depth: int = 0) -> object:
     if kind == 1:
         return rng.choice((0, -1, 2**63 - 1, -(2**63), 1.5, 1e308, -0.0))
     if kind == 2:
-        return _text(rng, rng.randrange(0, 30))
+        return fuzz_text(rng, rng.randrange(0, 30))
     if kind == 3:
         return rng.randrange(-1000, 1000)
     if kind == 4:
         return ""
     if kind < 7:
-        return {_text(rng, 4): _json_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))}
+        return {fuzz_text(rng, 4): _json_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))}
     return [_json_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
+
+
+def valid_headers(model: str, request_id: str) -> dict[str, str]:
+    return {h.REQUEST_ID: request_id, h.MODEL: model, h.INPUT_TOKENS: "5", "content-type": "application/json"}
+
+
+def valid_body(model: str) -> bytes:
+    return orjson.dumps(chat_body(model))
 
 
 def chat_body(model: str, max_tokens: object = 2) -> dict[str, object]:
@@ -124,7 +130,7 @@ def fuzz_body(rng: random.Random, model: str) -> tuple[bytes, dict[str, str]]:
     if kind == 4:
         return b'{"stream": true, "max_tokens": 1e400, "temperature": NaN}', {}
     if kind == 5:
-        content = _text(rng, rng.choice((1, 100, 20000)))
+        content = fuzz_text(rng, rng.choice((1, 100, 20000)))
         return orjson.dumps({**chat_body(model), "messages": [{"role": "user", "content": content}]}), {}
     if kind == 6:
         return orjson.dumps({**chat_body(model), "stream": rng.choice((False, None, "true", 1))}), {}
@@ -227,46 +233,3 @@ def status_of(response: bytes) -> int | None:
         _, sep, response = response.partition(b"\r\n\r\n")
         if not 100 <= status < 200 or not sep:
             return status
-
-
-_FLOATS = (math.nan, math.inf, -math.inf, -1.0, 0.0, 5e-324, 1e308, 1000.0)
-_U64 = (0, 1, 2**32, 2**63, U64_MAX)
-_U64_FIELDS = ("queue_size", "queued_input_size", "kv_cache_capacity_tokens", "kv_cache_used_tokens",
-               "kv_cache_free_tokens", "num_running_queries", "max_engine_concurrency",
-               "total_query_input_size", "input_processing_queries", "output_generation_queries")  # fmt: skip
-
-
-def fuzz_stats(rng: random.Random) -> pb.ModelStats:
-    stats = pb.ModelStats()
-    for field in ("last_mean_input_tps", "output_tps", "max_output_tps"):
-        setattr(stats, field, rng.choice(_FLOATS))
-    for field in _U64_FIELDS:
-        if rng.random() < 0.5:
-            setattr(stats, field, rng.choice(_U64))
-    for _ in range(rng.randrange(3)):
-        stats.queue_time_estimate_ms_by_priority[rng.choice((0, 7, U32_MAX))] = rng.choice(_U64)
-    return stats
-
-
-def fuzz_registration(
-    rng: random.Random, url: str, server_id: str, model: str
-) -> pb.InferenceServerRegistration:
-    """Usually admissible (the URL of a live backend, so its odd stats reach routing), often not."""
-    msg = pb.InferenceServerRegistration(
-        inference_server_id=rng.choice((server_id, server_id, "", _text(rng, 300))),
-        inference_server_url=rng.choice((url, url, url, "", "quic://1.2.3.4:5", "http://[::1", "http://h:99999",
-                                         "http://" + "a" * 3000 + ":1", _text(rng, 20))),
-        cluster_id=rng.choice(("", server_id, _text(rng, 2000))),
-        reverse_tunnel=rng.random() < 0.1,
-    )  # fmt: skip
-    for _ in range(rng.randrange(4)):
-        entry = msg.models[rng.choice((model, model, "", "x" * 10_000, _text(rng, 10)))]
-        entry.status = rng.choice((0, 1, 1, 1, 2, 7))  # type: ignore[assignment]
-        if rng.random() < 0.8:
-            entry.stats.CopyFrom(fuzz_stats(rng))
-    return msg
-
-
-def fuzz_heartbeat(rng: random.Random) -> tuple[tuple[str, str], ...]:
-    value = rng.choice(("50", "1000", "0", "abc", "-1", "9" * 40, "", None))
-    return () if value is None else ((h.HEARTBEAT_METADATA, value),)

@@ -2,9 +2,10 @@
 
 Registration streams end on client close, read error, idle timeout, validation error or shutdown;
 on every end the backend's probing stops and ``RoutingState.remove`` drops its routes, releases its
-id and retires its cluster generation, in that order. Every applied update is acknowledged, also
-when the health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the
-original skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
+id and retires its cluster generation, in that order, before the stream's final status is sent.
+Every applied update is acknowledged, also when the health probe failed (the update then removes the
+backend's ACTIVE routes; §5.5 of the original skips the ack only when a QUIC tunnel cannot be opened,
+which has no HTTP equivalent).
 Between updates the backend's health prober ejects it from routing after consecutive failed probes
 and re-applies its latest update when a probe succeeds again (``router/health.py``).
 """
@@ -90,6 +91,15 @@ class ControlPlaneSettings:
                     watch.url_key(raw)
                 except ValueError as exc:
                     raise ConfigError(f"invalid URL {raw.strip()!r}", path="--remote-stargate-url") from exc
+
+
+class _StreamEnd(Exception):
+    """Ends a registration stream with ``code`` and ``message`` (sent once its routes are gone)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 async def _abort(
@@ -240,7 +250,10 @@ class ControlPlane:
             self._settings.idle_timeout_cap_ms,
         )
         idle_s = None if timeout_ms is None else timeout_ms / 1000.0
-        first = await self._read(context, idle_s)
+        try:
+            first = await self._read(context, idle_s)
+        except _StreamEnd as end:
+            await _abort(context, end.code, end.message)
         if first is None:
             return
         try:
@@ -295,6 +308,7 @@ class ControlPlane:
             on_restore=restore,
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
+        ended: _StreamEnd | None = None
         try:
             while message is not None:
                 updates = model_updates(message, max_models=settings.max_models_per_registration)
@@ -302,7 +316,7 @@ class ControlPlane:
                 latest.update(updates)
                 rtt_ns = await prober.rtt_for_update()
                 if self._stopping.is_set():
-                    await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                    raise _StreamEnd(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
                 self._state.apply_update(handle, updates, rtt_ns)
                 prober.start()
                 await context.write(_EMPTY_ACK)
@@ -310,9 +324,14 @@ class ControlPlane:
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            ended = _StreamEnd(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        except _StreamEnd as end:
+            ended = end
         finally:
             self._end(prober, handle)
+        if ended is not None:
+            # Sent only now: a client that sees the stream end finds its routes already gone.
+            await _abort(context, ended.code, ended.message)
 
     def _end(self, prober: HealthProber, handle: RegistrationHandle) -> None:
         task = prober.stop()
@@ -324,8 +343,8 @@ class ControlPlane:
     async def _read(
         self, context: aio.ServicerContext[object, object], idle_s: float | None
     ) -> stargate_pb2.InferenceServerRegistration | None:
-        """The next message; ``None`` at end of stream. Idle timeout and shutdown abort the stream;
-        shutdown wins over a message that is already there."""
+        """The next message; ``None`` at end of stream. Idle timeout, shutdown and undecodable bytes
+        raise ``_StreamEnd``; shutdown wins over a message that is already there."""
         read = asyncio.ensure_future(context.read())
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
@@ -335,16 +354,14 @@ class ControlPlane:
             if not read.done():
                 read.cancel()
         if self._stopping.is_set():
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+            raise _StreamEnd(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         if not read.done():
-            await _abort(
-                context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s"
-            )
+            raise _StreamEnd(grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s")
         try:
             message = read.result()
         except DecodeError:
             # Bytes that are no InferenceServerRegistration: the client's error, not the servicer's.
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
+            raise _StreamEnd(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE) from None
         if message is aio.EOF:
             return None
         assert isinstance(message, stargate_pb2.InferenceServerRegistration)
