@@ -2,11 +2,13 @@
 
 Registration streams end on client close, read error, idle timeout, validation error or shutdown;
 on every end the backend's probing stops and ``RoutingState.remove`` drops its routes, releases its
-id and retires its cluster generation, in that order. Every applied update is acknowledged, also
-when the health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the
-original skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
-Between updates the backend's health prober ejects it from routing after consecutive failed probes
-and re-applies its latest update when a probe succeeds again (``router/health.py``).
+id and retires its cluster generation, in that order, before the stream's status is sent (a Pylon
+that sees its stream end can register the same id again at once). The idle timeout runs on the
+injected clock. Every applied update is acknowledged, also when the health probe failed (the update
+then removes the backend's ACTIVE routes; §5.5 of the original skips the ack only when a QUIC tunnel
+cannot be opened, which has no HTTP equivalent). Between updates the backend's health prober ejects
+it from routing after consecutive failed probes and re-applies its latest update when a probe
+succeeds again (``router/health.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from stargate.router.registration import (
     model_updates,
 )
 from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.wire.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +114,11 @@ class ControlPlane:
         session: aiohttp.ClientSession,
         *,
         authenticator: WorkerAuthenticator | None = None,
+        clock: Clock | None = None,
     ) -> None:
         settings.validate()
         self._state = state
+        self._clock = clock or SystemClock()
         self._settings = settings
         self._session = session
         self._authenticator: WorkerAuthenticator = authenticator or OpenAuthenticator()
@@ -287,6 +292,10 @@ class ControlPlane:
             on_restore=restore,
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
+
+        def end() -> None:
+            self._end(prober, handle)
+
         try:
             while message is not None:
                 updates = model_updates(message, max_models=settings.max_models_per_registration)
@@ -294,19 +303,23 @@ class ControlPlane:
                 latest.update(updates)
                 rtt_ns = await prober.rtt_for_update()
                 if self._stopping.is_set():
+                    end()
                     await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
                 self._state.apply_update(handle, updates, rtt_ns)
                 prober.start()
                 await context.write(_EMPTY_ACK)
-                message = await self._read(context, idle_s)
+                message = await self._read(context, idle_s, before_abort=end)
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
+            end()
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         finally:
-            self._end(prober, handle)
+            end()
 
     def _end(self, prober: HealthProber, handle: RegistrationHandle) -> None:
+        """Stop probing and drop the registration; safe to call again. Runs before the stream's
+        status is sent, so a Pylon that sees the stream end can register the same id at once."""
         task = prober.stop()
         if task is not None:
             self._probe_tasks.add(task)
@@ -314,21 +327,29 @@ class ControlPlane:
         self._state.remove(handle)
 
     async def _read(
-        self, context: aio.ServicerContext[object, object], idle_s: float | None
+        self,
+        context: aio.ServicerContext[object, object],
+        idle_s: float | None,
+        *,
+        before_abort: Callable[[], None] = lambda: None,
     ) -> stargate_pb2.InferenceServerRegistration | None:
-        """The next message; ``None`` at end of stream. Idle timeout and shutdown abort the stream;
-        shutdown wins over a message that is already there."""
+        """The next message; ``None`` at end of stream. Idle timeout and shutdown abort the stream
+        (``before_abort`` runs first); shutdown wins over a message that is already there."""
         read = asyncio.ensure_future(context.read())
-        stopping = asyncio.ensure_future(self._stopping.wait())
+        waits = {read, asyncio.ensure_future(self._stopping.wait())}
+        if idle_s is not None:
+            waits.add(asyncio.ensure_future(self._clock.sleep(idle_s)))
         try:
-            await asyncio.wait((read, stopping), timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stopping.cancel()
-            if not read.done():
-                read.cancel()
+            for waiting in waits:
+                if not waiting.done():
+                    waiting.cancel()
         if self._stopping.is_set():
+            before_abort()
             await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         if not read.done():
+            before_abort()
             await _abort(
                 context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s"
             )
