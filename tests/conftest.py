@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 from grpc import aio
+from hypothesis import HealthCheck, settings
+
+# Property and fuzz tests run the same examples on every machine (derandomized, no example database)
+# and never fail on a slow example (no deadline): CI cannot flake on a newly drawn input. A local
+# exploratory run can still pick ``--hypothesis-profile explore`` (random, more examples).
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("explore", deadline=None, max_examples=1000)
+settings.load_profile("ci")
 
 
 def pytest_configure() -> None:

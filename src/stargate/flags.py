@@ -39,6 +39,16 @@ def positive_int(raw: str) -> int:
     return value
 
 
+def positive_float(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {raw!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {raw!r}")
+    return value
+
+
 def port(raw: str) -> int:
     value = non_negative_int(raw)
     if value > 65535:
@@ -53,7 +63,7 @@ class FlagSet:
         self.parser = parser
         self.env = env
 
-    def add(self, flag: str, *, env_var: str | None = None, **kw: Any) -> None:
+    def add(self, flag: str, *aliases: str, env_var: str | None = None, **kw: Any) -> None:
         if env_var is not None and env_var in self.env:
             raw = self.env[env_var]
             kw["default"] = [raw] if kw.get("action") == "append" else raw
@@ -61,7 +71,7 @@ class FlagSet:
         if kw.get("help") != argparse.SUPPRESS:
             notes = [kw.get("help") or "", _describe_default(kw), f"(env {env_var})" if env_var else ""]
             kw["help"] = " ".join(n for n in notes if n) or None
-        self.parser.add_argument(flag, **kw)
+        self.parser.add_argument(flag, *aliases, **kw)
 
 
 def _describe_default(kw: Mapping[str, Any]) -> str:

@@ -48,6 +48,7 @@ class Harness:
     stub: stargate_pb2_grpc.StargateControlPlaneStub
     health: HealthServer
     session: aiohttp.ClientSession
+    channel: aio.Channel | None = None
 
     def open(self, metadata: tuple[tuple[str, str], ...] = ()) -> aio.StreamStreamCall:
         return self.stub.RegisterInferenceServer(metadata=metadata, timeout=CALL_TIMEOUT_S)
@@ -87,7 +88,7 @@ async def make_harness(clock: Clock | None = None, **overrides: object) -> Async
                 grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
                 async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                     stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)
-                    yield Harness(state, plane, stub, health, session)
+                    yield Harness(state, plane, stub, health, session, channel)
             finally:
                 await plane.stop(0.5)
     finally:

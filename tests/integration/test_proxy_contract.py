@@ -27,6 +27,7 @@ from stargate.router.app import StargateServer, StargateSettings
 from stargate.router.attempt import RetrySettings
 from stargate.router.health import HealthSettings
 from stargate.router.proxy import ProxySettings
+from stargate.wire.client_faults import ClientFaults
 
 MODEL = "m"
 CHAT = "/v1/chat/completions"
@@ -57,6 +58,7 @@ class FakeBackend:
     chunks: tuple[bytes, ...] = SSE_CHUNKS
     abort_after_first: bool = False  # drop the connection mid-stream
     hold_headers: asyncio.Event | None = None  # when set: wait for it before answering at all
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set once a request was read
     requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -67,6 +69,7 @@ class FakeBackend:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.requests.append((request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
+        self.arrived.set()
         if self.hold_headers is not None:
             await asyncio.wait_for(self.hold_headers.wait(), 10)
         reply = (self.script.pop(0) if len(self.script) > 1 else self.script[0]) if self.script else None
@@ -181,8 +184,8 @@ def settings(**overrides: object) -> StargateSettings:
 
 
 @contextlib.asynccontextmanager
-async def running(**overrides: object) -> AsyncIterator[Harness]:
-    server = StargateServer(settings(**overrides))
+async def running(client_faults: ClientFaults | None = None, **overrides: object) -> AsyncIterator[Harness]:
+    server = StargateServer(settings(**overrides), client_faults=client_faults)
     bound = await server.start()
     try:
         async with (

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
+from stargate.bench.cli import build_parser as bench_parser
 from stargate.cli import build_parser as stargate_parser
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool
+from stargate.mock_engine.cli import build_parser as engine_parser
 from stargate.pylon.config import build_parser as pylon_parser
 from stargate.pylon.config import parse_settings
 
@@ -54,3 +57,13 @@ def test_pylon_environment_values_are_typed_like_their_flags() -> None:
         .priority_ceiling == 9
     with pytest.raises(ConfigError, match="--pylon-queue-mismatch-min-delta-ms"):
         parse_settings(BASE, {"PYLON_QUEUE_MISMATCH_MIN_DELTA_MS": "soon"})
+
+
+def test_bench_and_mock_engine_flags_go_through_the_flag_set() -> None:
+    env = {"STARGATE_BENCH_PEERS_DIR": "/tmp/peers"}
+    assert bench_parser(env).parse_args(["overhead"]).peers_dir == Path("/tmp/peers")
+    assert bench_parser({}).parse_args(["compare", "--scenario", "x"]).peers_dir is None
+    assert bench_parser({}).parse_args(["overhead"]).concurrency == (1, 32)
+    engine = engine_parser({})
+    assert engine.parse_args(["--model", "m"]).model == "m"
+    assert "(default: dummy-model)" in engine.format_help()

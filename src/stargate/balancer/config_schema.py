@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement
 from stargate.errors import ConfigError
 from stargate.wire.limits import U64_MAX
 
@@ -115,6 +115,7 @@ class _WaitAndWidenFamilyFields(_ComparatorFields):
 class WaitAndWidenFields(_WaitAndWidenFamilyFields):
     load_aware: bool = False
     cache_affinity_yield_margin_ms: U64 | None = None
+    cache_affinity_placement: Literal["ring", "load"] | None = None
 
 
 class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
@@ -156,6 +157,9 @@ def _reason(error: ErrorDetails, field: str) -> str:
         return f"invalid type: {describe_json(value)}, expected a boolean for {field}"
     if kind == "string_type":
         return f"invalid type: {describe_json(value)}, expected a string for {field}"
+    if kind == "literal_error" and field == "cache_affinity_placement":
+        names = ", ".join(p.value for p in Placement)
+        return f"unknown cache_affinity_placement {describe_json(value)}, expected one of: {names}"
     if kind == "enum":
         return f"unknown comparator {describe_json(value)}, expected one of: {COMPARATOR_NAMES}"
     if kind == "comparator_null":
@@ -219,4 +223,5 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any
     if isinstance(fields, WaitAndWidenFields):
         settings["load_aware"] = fields.load_aware
         settings["cache_affinity_yield_margin_ms"] = fields.cache_affinity_yield_margin_ms
+        settings["cache_affinity_placement"] = Placement(fields.cache_affinity_placement or "ring")
     return settings

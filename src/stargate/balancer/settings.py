@@ -25,6 +25,13 @@ class Algorithm(StrEnum):
     PULSAR_WAIT_AND_WIDEN = "pulsar-wait-and-widen"
 
 
+class Placement(StrEnum):
+    """Where a cache-affinity key's first request goes (wait-and-widen)."""
+
+    RING = "ring"  # the key's ring selection: every replica agrees without talking
+    LOAD = "load"  # the best load-aware estimate; this replica then remembers the key there
+
+
 class Comparator(StrEnum):
     TTFT = "ttft"
     QUEUE_TIME = "queue-time"
@@ -63,6 +70,7 @@ class AlgorithmDefinition:
     # load-aware routing (power-of-n, wait-and-widen): not in the original, off by default
     load_aware: bool = False
     cache_affinity_yield_margin_ms: int | None = None  # None: hold the affinity group until X
+    cache_affinity_placement: Placement = Placement.RING
 
 
 class Policy(Protocol):

@@ -123,6 +123,9 @@ class Choice:
     index: int
     rank_depth: int = 1
     selected_after_kv_free_tokens_skip: bool = False
+    prefill_tokens: int | None = None
+    """The prompt tokens the pick expects the engine to prefill (None: all of them); less when the
+    pick holds the request's cached prefix. The router counts this much work in flight there."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from stargate.balancer.estimates import (
     queue_ms,
     raw_queue_ms,
 )
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement
 from stargate.balancer.types import (
     UNAVAILABLE,
     Candidate,
@@ -309,6 +309,10 @@ class WaitAndWiden:
     its best estimate is worse than the best selectable global one by more than the margin, the
     request is routed globally at once (``rank_depth`` 2), before or after X, and the key follows
     it: its KV cache is where that request went, so that cluster becomes the key's group.
+
+    With ``cache_affinity_placement: load`` (not in the original) a key's first request is decided
+    like a request without a key, over every candidate at full prefill, and the key is placed where
+    it went; the ring is not used.
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
@@ -336,16 +340,23 @@ class WaitAndWiden:
         key = request.cache_affinity_key
         groups = self._groups
         if key and groups is not None:
-            decision = self._decide_with_affinity(
-                candidates, request, groups.group(candidates, request.target, key), queue_limit, rng
+            group = groups.group(candidates, request.target, key)
+            if group:
+                decision = self._decide_with_affinity(candidates, request, group, queue_limit, rng)
+                if (
+                    self._yield_margin is not None
+                    and isinstance(decision, Selected)
+                    and decision.choice.rank_depth == GLOBAL_RANK_DEPTH
+                ):
+                    groups.place(key, candidates[decision.choice.index].cluster_id)
+                return decision
+            # Placed by load: a new key has no cache anywhere, so it goes where the estimate is best.
+            plain = as_decision(
+                selector.phase(candidates, None, request, 1.0, request.elapsed_ms, queue_limit, rng)
             )
-            if (
-                self._yield_margin is not None
-                and isinstance(decision, Selected)
-                and decision.choice.rank_depth == GLOBAL_RANK_DEPTH
-            ):
-                groups.follow(key, decision.choice.index)
-            return decision
+            if isinstance(plain, Selected):
+                groups.place(key, candidates[plain.choice.index].cluster_id)
+            return plain
         return as_decision(
             selector.phase(candidates, None, request, 1.0, request.elapsed_ms, queue_limit, rng)
         )
@@ -370,6 +381,10 @@ class WaitAndWiden:
                 return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
         affine = selector.phase(candidates, group, request, self._scale, elapsed, queue_limit, rng)
         if isinstance(affine, Choice):
+            if self.definition.load_aware:
+                # Work in flight there is the uncached part, as the estimate assumed.
+                expected = round(request.input_tokens * self._scale)
+                return Selected(Choice(affine.index, prefill_tokens=expected))
             return Selected(affine)
         if elapsed < self._wait_ms:
             remaining = self._wait_ms - elapsed
@@ -402,6 +417,12 @@ def _check(definition: AlgorithmDefinition) -> Problem | None:
         return (
             "cache_affinity_virtual_nodes",
             f"cache_affinity_virtual_nodes must be at most {MAX_VIRTUAL_NODES}, got {nodes}",
+        )
+    if definition.cache_affinity_placement is Placement.LOAD and definition.selection_count != 1:
+        return (
+            "cache_affinity_placement",
+            "cache_affinity_placement \"load\" places a key on one backend: "
+            "set cache_affinity_backend_selection_count to 1",
         )
     return check_affinity_settings(definition)
 

@@ -1,10 +1,13 @@
 """Affinity groups for wait-and-widen: the ring selection of a cache-affinity key (spec §3.4, §3.10).
 
 A group is computed without the request's retry exclusions, so it depends only on the key and the
-candidate cluster-id sequence and can be cached per key. With a yield margin a key can also follow
-its cache: once a request of the key yielded to load, the key's group is the cluster it went to.
-The ring and both maps are rebuilt whenever that sequence (or the target) changes, so a cached index
-never outlives its candidate.
+candidate cluster-id sequence and can be cached per key. The ring and its cache are rebuilt whenever
+that sequence (or the target) changes, so a cached index never outlives its candidate.
+
+A key can also be *placed*: its KV cache is on the cluster one of its requests went to, outside the
+ring (a yield to load, or the first request under ``cache_affinity_placement: load``). Placements
+are kept by cluster id, survive membership changes of other clusters, and end when their cluster
+leaves; the least recently used is forgotten first.
 """
 
 from __future__ import annotations
@@ -12,14 +15,14 @@ from __future__ import annotations
 from operator import attrgetter
 
 from stargate.balancer.ring import AffinityRing, KeyCache, hash_prefix
-from stargate.balancer.settings import AlgorithmDefinition
+from stargate.balancer.settings import AlgorithmDefinition, Placement
 from stargate.balancer.types import Candidate, Target
 
 _cluster_id = attrgetter("cluster_id")
 
 
-MOVED_CAPACITY = 65_536
-"""Keys whose cache moved with a request that yielded to load; the oldest is forgotten first."""
+PLACED_CAPACITY = 65_536
+"""Placed keys remembered; the least recently used is forgotten first."""
 
 
 class AffinityGroups:
@@ -27,9 +30,11 @@ class AffinityGroups:
         "_cache",
         "_count",
         "_ids",
+        "_index",
         "_last",
-        "_moved",
+        "_placed",
         "_ring",
+        "_ring_placement",
         "_seed",
         "_target",
         "_virtual_nodes",
@@ -44,27 +49,37 @@ class AffinityGroups:
         self._ring: AffinityRing | None = None
         self._last: tuple[Candidate, ...] = ()
         self._cache: KeyCache[tuple[int, ...]] = KeyCache()
-        self._moved: dict[str, tuple[int, ...]] = {}
+        self._placed: dict[str, str] = {}
+        self._index: dict[str, int] = {}
+        self._ring_placement = definition.cache_affinity_placement is Placement.RING
 
-    def follow(self, key: str, index: int) -> None:
-        """The key's request went to ``index`` outside its group: its KV cache is there now, so the
-        key's group becomes that cluster (until the candidate sequence changes)."""
-        moved = self._moved
-        moved.pop(key, None)
-        if len(moved) >= MOVED_CAPACITY:
-            del moved[next(iter(moved))]
-        moved[key] = (index,)
+    def place(self, key: str, cluster_id: str) -> None:
+        """The key's request went to ``cluster_id``: its KV cache is there now, so that cluster is
+        the key's group from now on."""
+        placed = self._placed
+        placed.pop(key, None)
+        if len(placed) >= PLACED_CAPACITY:
+            del placed[next(iter(placed))]
+        placed[key] = cluster_id
 
     def group(self, candidates: tuple[Candidate, ...], target: Target, key: str) -> tuple[int, ...]:
-        """Candidate indices of the key's original affinity group (exclusions not applied)."""
+        """Candidate indices of the key's affinity group (exclusions not applied); empty when the
+        key is to be placed by load and has no placement yet."""
         ring = self._ring
         if ring is None or candidates is not self._last or target != self._target:
             if ring is None or target != self._target or not self._same_ids(candidates):
                 ring = self._rebuild(candidates, target)
             self._last = candidates
-        moved = self._moved.get(key) if self._moved else None
-        if moved is not None:
-            return moved
+        placed = self._placed
+        if placed:
+            cluster_id = placed.pop(key, None)
+            if cluster_id is not None:
+                index = self._index.get(cluster_id)
+                if index is not None:
+                    placed[key] = cluster_id  # most recently used last
+                    return (index,)
+        if not self._ring_placement:
+            return ()
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -76,9 +91,11 @@ class AffinityGroups:
         return len(self._ids) == len(candidates) and self._ids == tuple(map(_cluster_id, candidates))
 
     def _rebuild(self, candidates: tuple[Candidate, ...], target: Target) -> AffinityRing:
+        if self._target is not None and target != self._target:
+            self._placed.clear()
         self._ids = tuple(map(_cluster_id, candidates))
+        self._index = {cluster_id: index for index, cluster_id in enumerate(self._ids)}
         self._target = target
         self._ring = AffinityRing(hash_prefix(self._seed, target), self._ids, self._virtual_nodes)
         self._cache.clear()
-        self._moved.clear()
         return self._ring

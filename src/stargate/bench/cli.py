@@ -1,4 +1,4 @@
-"""The ``stargate-bench`` console script: run, compare, overhead, faults, summarize, demo, serve,
+"""The ``stargate-bench`` console script: run, compare, overhead, faults, fuzz, summarize, demo, serve,
 gen-trace, list-scenarios, validate.
 
 Exit status: see :mod:`stargate.bench.console`.
@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from stargate.bench import fault_suite, plan, serve, tracegen
+from stargate.bench import fault_suite, fuzz, plan, serve, tracegen
 from stargate.bench.console import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -23,9 +24,9 @@ from stargate.bench.console import (
     EXIT_USAGE,
     Parser,
     RichProgress,
+    add_replay_flags,
     benches_dir,
-    positive,
-    positive_float,
+    command,
     prepare_scenario,
     print_result,
     resolve_scenario,
@@ -39,50 +40,43 @@ from stargate.bench.schema import load_scenario
 from stargate.bench.suite import write_summary
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError, StargateError
+from stargate.flags import positive_float
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Every subcommand declares its flags through ``FlagSet`` (``env``: the process environment)."""
+    environ = env or {}
     parser = Parser(prog="stargate-bench", description="Compare routing algorithms on a loopback fleet.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    run = sub.add_parser("run", help="run a scenario: one fresh fleet per algorithm, then a report")
-    run.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
-    run.add_argument("--out", type=Path, default=None, help="output directory (default .bench-out/<name>)")
-    run.add_argument("--seed", type=int, default=None, help="workload seed (default: the scenario's, else 0)")
-    run.add_argument("--algorithms", default=None, help="comma list of algorithm names to run (config order)")
-    run.add_argument("--request-count", type=positive, default=None, help="override request_count")
-    run.add_argument("--repeats", type=positive, default=1, help="runs per algorithm (default 1)")
-    run.add_argument("--order", choices=["fixed", "interleaved", "randomized"], default="interleaved",
-                     help="order of algorithms across repeats (default interleaved)")
-    run.add_argument("--slo-ttft-ms", type=positive_float, default=None,
-                     help="TTFT SLO for attainment and goodput columns")
+    run = command(sub, "run", "run a scenario: one fresh fleet per algorithm, then a report", environ)
+    add_replay_flags(run, out_help="output directory (default .bench-out/<name>)")
+    run.add("--algorithms", default=None, help="comma list of algorithm names to run (config order)")
 
-    demo = sub.add_parser("demo", help="1 Stargate, 4 Pylons, 4 mock engines, a 30 s mixed workload")
-    demo.add_argument("--serve", action="store_true", help="keep the fleet up afterwards until Ctrl-C")
-    demo.add_argument("--duration", type=positive_float, default=30.0, help="workload seconds (default 30)")
-    demo.add_argument("--no-workload", action="store_true", help="with --serve: skip the workload")
-    demo.add_argument("--scenario", default=None, help="scenario to use instead of benches/demo.yaml")
-    demo.add_argument("--out", type=Path, default=None, help="output directory (default .bench-out/demo)")
+    demo = command(sub, "demo", "1 Stargate, 4 Pylons, 4 mock engines, a 30 s mixed workload", environ).add
+    demo("--serve", action="store_true", help="keep the fleet up afterwards until Ctrl-C")
+    demo("--duration", type=positive_float, default=30.0, help="workload seconds")
+    demo("--no-workload", action="store_true", help="with --serve: skip the workload")
+    demo("--scenario", default=None, help="scenario to use instead of benches/demo.yaml")
+    demo("--out", type=Path, default=None, help="output directory (default .bench-out/demo)")
 
-    sub.add_parser("list-scenarios", help="list the scenarios in benches/")
+    command(sub, "list-scenarios", "list the scenarios in benches/", environ)
+    summary_help = "one table across finished compare runs: <dir>/<scenario>/comparison.json"
+    summarize = command(sub, "summarize", summary_help, environ)
+    summarize.add("dir", type=Path, help="directory holding one compare output per scenario")
+    validate = command(sub, "validate", "check a scenario file without starting anything", environ)
+    validate.add("--scenario", required=True, help="scenario file, or the name of one in benches/")
 
-    summarize = sub.add_parser(
-        "summarize", help="one table across finished compare runs: <dir>/<scenario>/comparison.json"
-    )
-    summarize.add_argument("dir", type=Path, help="directory holding one compare output per scenario")
-
-    validate = sub.add_parser("validate", help="check a scenario file without starting anything")
-    validate.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
-
-    commands.add_parsers(sub)
-    serve.add_parser(sub, positive)
-    fault_suite.add_parser(sub)
-    tracegen.add_parser(sub)
+    commands.add_parsers(sub, environ)
+    serve.add_parser(sub, environ)
+    fault_suite.add_parser(sub, environ)
+    fuzz.add_parser(sub, environ)
+    tracegen.add_parser(sub, environ)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser(os.environ).parse_args(sys.argv[1:] if argv is None else argv)
     # Piped or redirected output keeps whole table rows and markdown lines instead of rich's 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=400, soft_wrap=True)
     try:
@@ -96,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_command(console, args, list(sys.argv if argv is None else argv))
         if args.command == "faults":
             return fault_suite.faults_command(console, args, list(sys.argv if argv is None else argv))
+        if args.command == "fuzz":
+            return fuzz.fuzz_command(console, args)
         if args.command in ("compare", "overhead"):
             handler = commands.compare_command if args.command == "compare" else commands.overhead_command
             return handler(console, args, list(sys.argv if argv is None else argv))

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -24,6 +24,7 @@ from stargate.bench.runner import SuiteResult
 from stargate.bench.schema import Scenario, load_scenario
 from stargate.bench.score import RequestRecord
 from stargate.errors import ConfigError
+from stargate.flags import FlagSet, positive_float, positive_int
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -112,24 +113,22 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
+def command(sub: Any, name: str, help: str, env: Mapping[str, str]) -> FlagSet:
+    """A subcommand whose flags go through ``FlagSet``: one default each, shown once by ``--help``."""
+    return FlagSet(sub.add_parser(name, help=help), env)
 
 
-def positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return number
+def add_replay_flags(flags: FlagSet, *, out_help: str) -> None:
+    """The flags ``run`` and ``compare`` share: which scenario, how often, in which order, where to."""
+    a = flags.add
+    a("--scenario", required=True, help="scenario file, or the name of one in benches/")
+    a("--out", type=Path, default=None, help=out_help)
+    a("--seed", type=int, default=None, help="workload seed (default: the scenario's, else 0)")
+    a("--request-count", type=positive_int, default=None, help="override request_count")
+    a("--repeats", type=positive_int, default=1, help="runs per algorithm or router")
+    a("--order", choices=["fixed", "interleaved", "randomized"], default="interleaved",
+      help="order of the runs across repeats")
+    a("--slo-ttft-ms", type=positive_float, default=None, help="TTFT SLO for attainment and goodput columns")
 
 
 def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:

@@ -62,9 +62,10 @@ def curl_command(base_url: str, model: str) -> str:
 async def serve(console: Console, sc: Scenario, out_dir: Path) -> None:
     """Keep one fleet (the first algorithm's) up in plain-client mode until cancelled."""
     run = plan.runs(sc)[0]
-    run = replace(run, pylon_args=[*run.pylon_args, *PLAIN_PYLON_ARGS])
+    run = replace(run, pylon_args=[*run.pylon_args, *PLAIN_PYLON_ARGS],
+                  stargate_args=(*run.stargate_args, *PLAIN_STARGATE_ARGS))
     console.print(f"starting a fleet for [bold]{run.name}[/bold] ...", highlight=False)
-    async with Fleet(sc, run, out_dir / "serve", stargate_args=PLAIN_STARGATE_ARGS) as fleet:
+    async with Fleet(sc, run, out_dir / "serve") as fleet:
         base_url = f"http://{fleet.stargates[0].http}/v1"
         console.print(f"fleet ready: {len(fleet.stargates)} Stargate, {len(fleet.pylons)} Pylons, "
                       f"{len(fleet.engines)} mock engines; logs in {fleet.log_dir}", highlight=False)

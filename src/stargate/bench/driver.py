@@ -28,6 +28,7 @@ import aiohttp
 from stargate.bench.score import RequestRecord
 from stargate.bench.workload import PlannedRequest, Workload
 from stargate.wire import headers as h
+from stargate.wire.http_client import client_session
 
 Clock = Callable[[], float]
 RecordSink = Callable[[RequestRecord], None]
@@ -260,6 +261,4 @@ class Driver:
 
 def make_session(concurrency: int, connect_timeout_s: float = 10.0) -> aiohttp.ClientSession:
     """The one client session of a replay: pool above the concurrency, no total timeout, raw bytes."""
-    connector = aiohttp.TCPConnector(limit=max(100, concurrency * 2), limit_per_host=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    return client_session(connect_timeout_s=connect_timeout_s, limit=max(100, concurrency * 2))

@@ -11,7 +11,7 @@ exit status 1.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +19,29 @@ from rich.console import Console
 from rich.table import Table
 
 from stargate.bench import plan
-from stargate.bench.console import EXIT_FAILED, EXIT_OK, positive, resolve_scenario, run_async
+from stargate.bench.console import EXIT_FAILED, EXIT_OK, resolve_scenario, run_async
 from stargate.bench.faults import ActionReport, FaultReport, routable_cell
 from stargate.bench.runner import run_suite
 from stargate.bench.schema import Scenario, load_scenario
 from stargate.bench.suite import markdown_table
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError
+from stargate.flags import FlagSet, positive_int
 
 FAULT_SCENARIOS = ("fault-engine-kill", "fault-engine-hang", "fault-pylon-kill", "fault-pylon-freeze")
 ROUTABLE_GOAL_S = 3.0
 SUMMARY_FILE = "faults.md"
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     """Adds ``faults`` to the ``stargate-bench`` sub-commands (``sub`` is argparse's subparsers action)."""
-    faults = sub.add_parser("faults", help="the fault suite: engine kill/hang, Pylon kill/freeze on loopback")
-    faults.add_argument("--scenarios", default=",".join(FAULT_SCENARIOS),
-                        help="comma list of fault scenarios (default: the four of the suite)")
-    faults.add_argument("--algorithm", default=None,
-                        help="algorithm of each scenario to run (default: its first)")
-    faults.add_argument("--repeats", type=positive, default=1, help="runs per fault, a row each (default 1)")
-    faults.add_argument("--out", type=Path, default=Path(".bench-out/faults"), help="output directory")
-    faults.add_argument("--strict", action="store_true", help="exit 1 when a fault misses a goal")
+    help_text = "the fault suite: engine kill/hang, Pylon kill/freeze on loopback"
+    a = FlagSet(sub.add_parser("faults", help=help_text), env).add
+    a("--scenarios", default=",".join(FAULT_SCENARIOS), help="comma list of fault scenarios")
+    a("--algorithm", default=None, help="algorithm of each scenario to run (default: its first)")
+    a("--repeats", type=positive_int, default=1, help="runs per fault, a row each")
+    a("--out", type=Path, default=Path(".bench-out/faults"), help="output directory")
+    a("--strict", action="store_true", help="exit 1 when a fault misses a goal")
 
 
 def goals_met(report: FaultReport) -> bool:

@@ -110,13 +110,11 @@ class Fleet:
 
     def __init__(self, scenario: Scenario, run: RunSpec, run_dir: Path,
                  timeouts: FleetTimeouts | None = None, *, with_stargate: bool = True,
-                 engine_env: dict[str, str] | None = None, engine_args: Sequence[str] = (),
-                 stargate_args: Sequence[str] = ()) -> None:
+                 engine_env: dict[str, str] | None = None, engine_args: Sequence[str] = ()) -> None:
         """``with_stargate=False`` starts the mock engines only (for routers that front them directly);
-        ``engine_env`` is added to the engines' environment, ``engine_args`` to their command lines,
-        ``stargate_args`` to every Stargate's (later flags win)."""
+        ``engine_env`` is added to the engines' environment, ``engine_args`` to their command lines.
+        Every Stargate and Pylon flag of the run is in ``run`` (``RunSpec.stargate_args``/``pylon_args``)."""
         self.scenario = scenario
-        self.stargate_args = list(stargate_args)
         self.with_stargate = with_stargate
         self.engine_env = engine_env
         self.engine_args = list(engine_args)
@@ -240,7 +238,7 @@ class Fleet:
         ]
         for seed in seeds:
             argv += ["--remote-stargate-url", seed]
-        argv += [*self.run.stargate_args, *self.stargate_args]
+        argv += self.run.stargate_args
         return ManagedProcess(f"stargate-{index}", argv, self.log_dir, parse_stargate_ready)
 
     def _pylon_proc(self, spec: BackendSpec, suffix: str = "") -> ManagedProcess[PylonAddrs]:

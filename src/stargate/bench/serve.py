@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from stargate.balancer.config import load_lb_config
 from stargate.bench.fleet import Fleet
 from stargate.bench.plan import RunSpec
 from stargate.bench.schema import Scenario, parse_scenario
-from stargate.flags import parse_bool
+from stargate.flags import FlagSet, parse_bool, positive_int
 
 EXIT_OK = 0
 DEFAULT_MODEL = "mock-model"
@@ -32,22 +33,17 @@ PLAIN_STARGATE_ARGS = ("--plain-clients",)
 PLAIN_PYLON_ARGS = ("--pylon-relay-non-streaming", "true")
 
 
-def add_parser(sub: Any, positive: Any) -> None:
-    serve = sub.add_parser(
-        "serve", help="a local fleet for OpenAI clients: prints OPENAI_BASE_URL=... once ready, Ctrl-C stops"
-    )
-    serve.add_argument("--engines", type=positive, default=2, help="mock engines, one Pylon each (default 2)")
-    serve.add_argument("--lb-config", type=Path, default=None,
-                       help="lb-config.json for Stargate (default: power-of-n for every model)")
-    serve.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"model the engines serve (default {DEFAULT_MODEL})")
-    serve.add_argument("--max-concurrent-requests", type=positive, default=16,
-                       help="slots per mock engine (default 16)")
-    serve.add_argument("--plain-clients", type=parse_bool, default=True, metavar="BOOL",
-                       help="plain-client mode on Stargate and Pylon (default true; false = the spec's "
-                            "header contract, for comparisons)")
-    serve.add_argument("--out", type=Path, default=Path(".bench-out") / "serve",
-                       help="directory for the fleet's logs (default .bench-out/serve)")
+def add_parser(sub: Any, env: Mapping[str, str]) -> None:
+    help_text = "a local fleet for OpenAI clients: prints OPENAI_BASE_URL=... once ready, Ctrl-C stops"
+    a = FlagSet(sub.add_parser("serve", help=help_text), env).add
+    a("--engines", type=positive_int, default=2, help="mock engines, one Pylon each")
+    a("--lb-config", type=Path, default=None,
+      help="lb-config.json for Stargate (default: power-of-n for every model)")
+    a("--model", default=DEFAULT_MODEL, help="model the engines serve")
+    a("--max-concurrent-requests", type=positive_int, default=16, help="slots per mock engine")
+    a("--plain-clients", type=parse_bool, default=True, metavar="BOOL",
+      help="plain-client mode on Stargate and Pylon (false = the spec's header contract, for comparisons)")
+    a("--out", type=Path, default=Path(".bench-out") / "serve", help="directory for the fleet's logs")
 
 
 def serve_scenario(engines: int, model: str, slots: int) -> Scenario:
@@ -88,16 +84,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     """Run the fleet until ``stop`` is set or SIGINT/SIGTERM arrives."""
     scenario = serve_scenario(args.engines, args.model, args.max_concurrent_requests)
     plain = bool(args.plain_clients)
-    run = RunSpec("serve", lb_config_of(args.lb_config), list(PLAIN_PYLON_ARGS) if plain else [])
+    run = RunSpec("serve", lb_config_of(args.lb_config), list(PLAIN_PYLON_ARGS) if plain else [],
+                  PLAIN_STARGATE_ARGS if plain else ())
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"starting 1 Stargate, {args.engines} Pylons and {args.engines} mock engines "
           f"(model {args.model}; logs in {args.out / 'logs'}) ...", file=sys.stderr, flush=True)
-    stargate_args = PLAIN_STARGATE_ARGS if plain else ()
     try:
-        async with Fleet(scenario, run, args.out, stargate_args=stargate_args) as fleet:
+        async with Fleet(scenario, run, args.out) as fleet:
             print(f"OPENAI_BASE_URL=http://{fleet.stargates[0].http}/v1", flush=True)
             print("ready; Ctrl-C stops the fleet", file=sys.stderr, flush=True)
             while not stop.is_set():

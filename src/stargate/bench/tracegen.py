@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import orjson
 from rich.console import Console
 
 from stargate.errors import ConfigError
+from stargate.flags import FlagSet
 
 
 @dataclass(frozen=True)
@@ -148,16 +149,16 @@ _FLAGS = {
 }
 
 
-def add_parser(sub: Any) -> None:
-    gen = sub.add_parser("gen-trace", help="write a synthetic conversation trace in the Mooncake format")
-    gen.add_argument("--out", type=Path, required=True, help="JSONL file to write")
-    gen.add_argument("--seed", type=int, default=0, help="the trace is fixed by the seed (default 0)")
+def add_parser(sub: Any, env: Mapping[str, str]) -> None:
+    """One flag per ``TraceShape`` field; its default is the field's."""
+    help_text = "write a synthetic conversation trace in the Mooncake format"
+    a = FlagSet(sub.add_parser("gen-trace", help=help_text), env).add
+    a("--out", type=Path, required=True, help="JSONL file to write")
+    a("--seed", type=int, default=0, help="the trace is fixed by the seed")
     defaults = TraceShape()
     for field in fields(TraceShape):
         value = getattr(defaults, field.name)
-        flag = "--" + field.name.replace("_", "-")
-        help_text = f"{_FLAGS[field.name]} (default {value})"
-        gen.add_argument(flag, type=type(value), default=value, help=help_text)
+        a("--" + field.name.replace("_", "-"), type=type(value), default=value, help=_FLAGS[field.name])
 
 
 def gen_trace_command(console: Console, args: argparse.Namespace) -> int:

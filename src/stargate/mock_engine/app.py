@@ -8,6 +8,8 @@ import orjson
 from aiohttp import web
 
 from stargate.wire import headers as h
+from stargate.wire.address import join_host_port
+from stargate.wire.listen import listen
 
 from . import control as control_module
 from . import metrics
@@ -132,9 +134,7 @@ async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRun
     runner = web.AppRunner(
         build_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
     )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
-    await site.start()
+    await listen(runner, host, port, backlog=1024)
     bound = runner.addresses[0]
     if not engine.backend_id:
         engine.backend_id = f"{engine.config.model}/{bound[1]}"
@@ -142,8 +142,7 @@ async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRun
             engine.log.backend_id = engine.backend_id
         if engine.arrivals is not None:
             engine.arrivals.backend_id = engine.backend_id
-    url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    return runner, f"http://{url_host}:{bound[1]}"
+    return runner, f"http://{join_host_port(bound[0], bound[1])}"
 
 
 __all__ = ["BACKEND_HEADER", "ENGINE_KEY", "build_app", "error_response", "start_server"]

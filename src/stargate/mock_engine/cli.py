@@ -8,31 +8,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import math
+import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from stargate.flags import FlagSet
+from stargate.wire import runner
+from stargate.wire.address import split_ip_port
 
 from .app import start_server
 from .engine import Engine, EngineConfig
 from .timing import BATCHING_MODES, TimingConfig
 
+parse_listen_addr = split_ip_port
+"""``IP:PORT`` or ``[IPv6]:PORT``; raises ValueError otherwise."""
+
 LISTEN_LINE = "stargate-mock-engine listening on "
 log = logging.getLogger("stargate.mock_engine")
-
-
-def parse_listen_addr(value: str) -> tuple[str, int]:
-    """``IP:PORT`` or ``[IPv6]:PORT``; raises ValueError otherwise."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"not a socket address: {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    ipaddress.ip_address(host)
-    return host, int(port)
 
 
 def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -50,81 +46,81 @@ def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Flags through ``FlagSet``: one default each, shown once by ``--help``."""
     p = argparse.ArgumentParser(
-        prog="stargate-mock-engine",
-        description="Mock OpenAI-compatible inference engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="stargate-mock-engine", description="Mock OpenAI-compatible inference engine."
     )
-    p.add_argument("--http-listen-addr", default="127.0.0.1:8090", help="IP:PORT to listen on (port 0: any)")
-    p.add_argument("--host", help="listen host (overrides the host of --http-listen-addr)")
-    p.add_argument("--port", type=int, help="listen port (overrides the port of --http-listen-addr)")
-    p.add_argument("--model-name", "--model", dest="model", default="dummy-model", help="model id served")
-    p.add_argument(
+    a = FlagSet(p, env or {}).add
+    a("--http-listen-addr", default="127.0.0.1:8090", help="IP:PORT to listen on (port 0: any)")
+    a("--host", help="listen host (overrides the host of --http-listen-addr)")
+    a("--port", type=int, help="listen port (overrides the port of --http-listen-addr)")
+    a("--model-name", "--model", dest="model", default="dummy-model", help="model id served")
+    a(
         "--backend-id",
         help="engine identity in x-mock-backend-id and system_fingerprint (default MODEL/PORT)",
     )
-    p.add_argument("--num-tokens", type=int, default=10, help="default and maximum output tokens")
-    p.add_argument("--token-delay-ms", type=_non_negative(float), default=100.0, help="decode time per token")
-    p.add_argument(
+    a("--num-tokens", type=int, default=10, help="default and maximum output tokens")
+    a("--token-delay-ms", type=_non_negative(float), default=100.0, help="decode time per token")
+    a(
         "--decode-tokens-per-s", type=_non_negative(float), help="sets --token-delay-ms to 1000/TPS"
     )
-    p.add_argument(
+    a(
         "--decode-jitter-ms", type=_non_negative(int), default=0, help="uniform +- jitter per token"
     )
-    p.add_argument("--ttft-ms", type=_non_negative(float), default=0.0, help="base time to first token")
-    p.add_argument("--ttft-jitter-ms", type=_non_negative(int), default=0, help="uniform +- jitter on TTFT")
-    p.add_argument(
+    a("--ttft-ms", type=_non_negative(float), default=0.0, help="base time to first token")
+    a("--ttft-jitter-ms", type=_non_negative(int), default=0, help="uniform +- jitter on TTFT")
+    a(
         "--prefill-tokens-per-s", type=float, default=0.0, help="prefill speed of uncached tokens; 0 = free"
     )
-    p.add_argument(
+    a(
         "--batching",
         choices=BATCHING_MODES,
         default="independent",
         help="continuous: concurrent requests share prefill throughput and slow each other's decode; "
         "vllm: engine steps with a token budget, FCFS admission and chunked prefill",
     )
-    p.add_argument(
+    a(
         "--max-num-batched-tokens",
         type=int,
         default=2048,
         help="vllm: token budget of one engine step (decode tokens first, then prefill chunks)",
     )
-    p.add_argument(
+    a(
         "--decode-slowdown",
         type=_non_negative(float),
         default=0.05,
         help="continuous: extra fraction of the token delay per additional decoding request",
     )
-    p.add_argument(
+    a(
         "--max-concurrent-requests", type=_non_negative(int), default=0, help="engine slots; 0 = unlimited"
     )
-    p.add_argument(
+    a(
         "--max-waiting-requests",
         type=_non_negative(int),
         default=100_000,
         help="queue cap; beyond it 429 (retryable)",
     )
-    p.add_argument("--health-delay-ms", type=_non_negative(float), default=0.0, help="latency of GET /health")
-    p.add_argument(
+    a("--health-delay-ms", type=_non_negative(float), default=0.0, help="latency of GET /health")
+    a(
         "--kv-cache-capacity-tokens", type=_non_negative(int), default=0, help="0 disables the cache"
     )
-    p.add_argument(
+    a(
         "--kv-cache-mode",
         choices=("affinity", "prefix"),
         default="affinity",
         help="key the cache by x-cache-affinity-key, or by hashed blocks of the prompt text",
     )
-    p.add_argument("--kv-block-size", type=int, default=16, help="prefix mode: tokens per cached block")
-    p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request")
-    p.add_argument(
+    a("--kv-block-size", type=int, default=16, help="prefix mode: tokens per cached block")
+    a("--request-log", metavar="FILE", help="append one JSON line per request")
+    a(
         "--arrival-log", metavar="FILE", help="append one JSON line per request as it arrives, unbuffered"
     )
-    p.add_argument(
+    a(
         "--responses-stream-only", action="store_true", help="answer 400 to non-streaming /v1/responses"
     )
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger bodies get 413")
-    p.add_argument(
+    a("--max-body-bytes", type=int, default=64 << 20, help="larger bodies get 413")
+    a(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
     )
     return p
@@ -207,23 +203,10 @@ async def serve(config: EngineConfig, host: str, port: int) -> None:
         await runner.cleanup()
 
 
-def _runner() -> Callable[[Coroutine[Any, Any, None]], None]:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-
-    def run(coro: Coroutine[Any, Any, None]) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(coro)
-
-    return run
-
-
 def main(argv: list[str] | None = None) -> int:
-    config, host, port = config_from_args(build_parser(), argv)
+    config, host, port = config_from_args(build_parser(os.environ), argv)
     try:
-        _runner()(serve(config, host, port))
+        runner.run(serve(config, host, port))
     except KeyboardInterrupt:
         return 0
     return 0

@@ -15,9 +15,8 @@ import subprocess
 import sys
 import time
 
-import aiohttp
-
 from stargate.wire import headers as h
+from stargate.wire.http_client import client_session
 
 from .cli import LISTEN_LINE
 
@@ -36,11 +35,9 @@ async def drive(url: str, pid: int, requests: int, concurrency: int, tokens: int
     """
     body = {"model": "perf", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     headers = {h.OUTPUT_TOKENS: str(tokens), h.INPUT_TOKENS: "16"}
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
     remaining = concurrency  # warm-up: open the connections before measuring
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with client_session(connect_timeout_s=5, limit=concurrency, read_timeout_s=30) as session:
 
         async def worker() -> None:
             nonlocal remaining

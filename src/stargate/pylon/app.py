@@ -33,7 +33,12 @@ from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
 from stargate.tracing import setup_tracing
+from stargate.wire.address import join_host_port
+from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
+from stargate.wire.http_client import client_session
+from stargate.wire.http_server import GuardedAppRunner
+from stargate.wire.listen import listen
 
 if TYPE_CHECKING:
     from stargate.otel import Tracing
@@ -52,9 +57,11 @@ class PylonApp:
         out: IO[str] | None = None,
         relay_timeouts: RelayTimeouts | None = None,
         tracing: Tracing | None = None,
+        client_faults: ClientFaults | None = None,
     ) -> None:
         """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.s = settings
+        self.client_faults = client_faults or ClientFaults(logging.getLogger("stargate.pylon.clients"))
         self.tracing = tracing
         self.clock = clock or SystemClock()
         self._out = out
@@ -100,14 +107,17 @@ class PylonApp:
 
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
         # Bodies pass through as received: no decompression of request bodies (bytes in, bytes out).
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
-        await site.start()
+        runner = GuardedAppRunner(
+            app,
+            faults=self.client_faults,
+            header_read_timeout_s=self.s.http_header_read_timeout_ms / 1000.0,
+            access_log=None,
+            handle_signals=False,
+            auto_decompress=False,
+        )
+        bound = await listen(runner, host, port)
         self._runners.append(runner)
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        return bound
 
     async def _metrics_handler(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -150,12 +160,7 @@ class PylonApp:
         metrics_app = web.Application()
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
-        connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=15.0)
-        self._session = session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
-        )
+        self._session = session = client_session(connect_timeout_s=10.0, limit=4096)
         if s.stats_source is StatsSource.PROMETHEUS:
             self._spawn(
                 run_prometheus_poller(
@@ -189,9 +194,10 @@ class PylonApp:
             prober=prober,
             timeouts=self._relay_timeouts,
             tracing=self.tracing,
+            client_faults=self.client_faults,
         )
         port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port)
-        self.http_url = "http://" + (s.http_advertise_addr or f"{s.http_listen_host}:{port}")
+        self.http_url = "http://" + (s.http_advertise_addr or join_host_port(s.http_listen_host, port))
         calibrator = None
         if s.do_calibration:
             log.warning("calibration is only valid when this is the only Pylon of cluster %s", s.cluster_id)

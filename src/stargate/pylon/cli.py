@@ -15,6 +15,7 @@ import sys
 from stargate.errors import ConfigError, StargateError
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import PylonSettings, parse_settings
+from stargate.wire import runner
 
 log = logging.getLogger("stargate.pylon")
 
@@ -47,18 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pylon: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=os.environ.get("PYLON_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s"
+        level=settings.log_level, format="%(levelname)s %(name)s: %(message)s"
     )
-    try:
-        import uvloop
-
-        runner: contextlib.AbstractContextManager[asyncio.Runner] = asyncio.Runner(
-            loop_factory=uvloop.new_event_loop
-        )
-    except ImportError:
-        runner = asyncio.Runner()
-    with runner as r:
-        return r.run(_main(settings))
+    return runner.run(_main(settings))
 
 
 if __name__ == "__main__":

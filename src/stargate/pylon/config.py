@@ -10,7 +10,7 @@ pure function.
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +21,7 @@ from typing import Any, NoReturn, TypeVar
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
 from stargate.wire import headers as h
+from stargate.wire.address import is_ip, split_host_port
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -99,6 +100,8 @@ class PylonSettings:
     relay_non_streaming: bool
     otel_endpoint: str | None
     otel_service_name: str
+    http_header_read_timeout_ms: int
+    log_level: str
 
 
     @property
@@ -119,14 +122,6 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _is_ip(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return False
-    return True
-
-
 def _checked(convert: Callable[[str], T], check: Callable[[T], bool], expected: str) -> Callable[[str], T]:
     """An argparse type: ``convert`` the trimmed text, then reject values failing ``check``."""
 
@@ -143,7 +138,7 @@ def _checked(convert: Callable[[str], T], check: Callable[[T], bool], expected: 
 
 
 _finite_positive = _checked(float, lambda v: math.isfinite(v) and v > 0, "finite and > 0")
-_ip = _checked(str, _is_ip, "an IP address")
+_ip = _checked(str, is_ip, "an IP address")
 _non_blank = _checked(str, bool, "not blank")
 _backend = _checked(lambda v: UpstreamBackend(v.lower()), bool, "dynamo or passthrough")
 
@@ -161,13 +156,20 @@ def _stargate_url(raw: str) -> str:
 
 
 def _listen_addr(raw: str) -> tuple[str, int]:
-    host, sep, port = raw.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected IP:port, got {raw!r}")
-    if not _is_ip(host):
+    try:
+        host, port = split_host_port(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected IP:port, got {raw!r}") from None
+    if not is_ip(host):
         raise argparse.ArgumentTypeError(f"host must be an IP address, got {host!r}")
-    return host, int(port)
+    return host, port
+
+
+def _log_level(raw: str) -> str:
+    level = raw.strip().upper()
+    if level not in logging.getLevelNamesMapping():
+        raise argparse.ArgumentTypeError(f"expected DEBUG, INFO, WARNING or ERROR, got {raw!r}")
+    return level
 
 
 def _header_name(raw: str) -> str:
@@ -204,6 +206,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--upstream-http-base-url", type=_base_url, required=True, help="engine base URL (http:// or https://)")
     a("--http-listen-addr", type=_listen_addr, default="127.0.0.1:0",
       help="where Stargate sends requests (IP:port, port 0 ok)")
+    a("--http-header-read-timeout-ms", type=non_negative_int, default=10_000,
+      help="close a connection whose request head is not complete in this time; 0 disables")
     a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
     a("--model-name", type=_non_blank, action="append", default=[],
       help="static model (repeatable); none = discovery")
@@ -279,6 +283,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
           help="dynamo priority band ceiling")
     a("--max-engine-concurrency", type=positive_int, default=None,
       help="engine slots per model until the engine reports its own")
+    a("--log-level", env_var="PYLON_LOG_LEVEL", type=_log_level, default="INFO", help="logging to stderr")
     return p
 
 
@@ -364,4 +369,6 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         upstream_backend=ns.pylon_upstream_backend,
         priority_ceiling=ns.pylon_priority_ceiling,
         max_engine_concurrency=ns.max_engine_concurrency,
+        http_header_read_timeout_ms=ns.http_header_read_timeout_ms,
+        log_level=ns.log_level,
     )

@@ -10,7 +10,6 @@ share their family names with the token counters (``token_histogram``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
@@ -18,6 +17,7 @@ from prometheus_client.registry import Collector
 from stargate.balancer.types import ModelStats
 from stargate.pylon.stats.observation import Observation
 from stargate.pylon.token_histogram import TokenHistogram
+from stargate.wire.labels import LabelChildren
 
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (*TIME_BUCKETS, 60.0)
@@ -199,10 +199,10 @@ class PylonMetrics:
         }
         self._models: set[str] = set()
         # Label children per model (and status): ``labels()`` locks and validates on every call.
-        self._started: dict[str, Any] = {}
+        self._started = LabelChildren(self.requests_inflight)
         self._finished: dict[tuple[str, str], _FinishedSeries] = {}
-        self._admitted: dict[tuple[str, str, str], Any] = {}
-        self._dirty: dict[tuple[str, str], Any] = {}
+        self._admitted = LabelChildren(self.admission)
+        self._dirty = LabelChildren(self.dirty_snapshots)
         self._labels_published: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._advertised: dict[str, dict[str, str]] = {}
 
@@ -210,11 +210,7 @@ class PylonMetrics:
         self.registry.register(collector)
 
     def snapshot_dirty(self, source: str, reason: str) -> None:
-        key = (source, reason)
-        child = self._dirty.get(key)
-        if child is None:
-            child = self._dirty[key] = self.dirty_snapshots.labels(*key)
-        child.inc()
+        self._dirty(source, reason).inc()
 
     def advertise(self, router: str, statuses: dict[str, str]) -> None:
         """One-hot ``pylon_model_advertised_status`` of what was sent to ``router``; models no
@@ -235,17 +231,10 @@ class PylonMetrics:
         self.advertise(router, dict.fromkeys(self._advertised.get(router, {}), "inactive"))
 
     def request_started(self, model: str) -> None:
-        child = self._started.get(model)
-        if child is None:
-            child = self._started[model] = self.requests_inflight.labels(model)
-        child.inc()
+        self._started(model).inc()
 
     def admission_decided(self, inference_server_id: str, model: str, result: str) -> None:
-        key = (inference_server_id, model, result)
-        child = self._admitted.get(key)
-        if child is None:
-            child = self._admitted[key] = self.admission.labels(*key)
-        child.inc()
+        self._admitted(inference_server_id, model, result).inc()
 
     def request_finished(self, obs: Observation) -> None:
         """Terminal metrics of one proxied request: count, timings, tokens; leaves the in-flight gauge."""
@@ -318,7 +307,7 @@ class PylonMetrics:
             gauge.remove(model)
         with contextlib.suppress(KeyError):
             self.requests_inflight.remove(model)
-        self._started.pop(model, None)
+        self._started.forget(model)
         self._set_label_gauges(model, ((), ()))
 
     def render(self) -> bytes:

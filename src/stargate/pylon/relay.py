@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,9 @@ from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, 
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
+from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
+from stargate.wire.http_server import report_client_gone
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue
@@ -103,8 +106,10 @@ class Relay:
         prober: HealthProber,
         timeouts: RelayTimeouts = RelayTimeouts(),
         tracing: Tracing | None = None,
+        client_faults: ClientFaults | None = None,
     ) -> None:
         self.s = settings
+        self.faults = client_faults or ClientFaults(logging.getLogger("stargate.pylon.clients"))
         self.tracing = tracing
         self.session = session
         self.registry = registry
@@ -221,6 +226,10 @@ class Relay:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
+        except ConnectionError:
+            # Nobody is left to read an answer: the request ends here, logged once, never sent on.
+            report_client_gone(self.faults, request, request_id, started=False)
+            return _problem(RequestError("client closed the connection before the request body was complete"))
         try:
             # Checked decoded, forwarded as received: a compressed body reaches the engine unchanged.
             plain = decoded(body, request.headers.get("content-encoding"), MAX_BODY)
@@ -324,7 +333,12 @@ class Relay:
             if observer is not None:
                 observer.headers(upstream.status)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=out_headers)
-            await response.prepare(request)
+            request_id = observer.request_id if observer is not None else None
+            try:
+                await response.prepare(request)
+            except ConnectionError:
+                report_client_gone(self.faults, request, request_id, started=False)
+                return response
             sse = (
                 observer is not None
                 and observer.endpoint is not Endpoint.EMBEDDINGS
@@ -338,6 +352,7 @@ class Relay:
                     kept = bytearray()  # a JSON answer: its usage counts the output tokens
                 ok, tail = await self._pump(upstream, response, kept)
             if not ok:
+                report_client_gone(self.faults, request, request_id, started=True)
                 if observer is not None:
                     observer.finish(failed=True)
                 if tail:
@@ -356,7 +371,10 @@ class Relay:
                     observer.output(0)
                 observer.finish()
             # The slot is free before the client can see the end; the last piece and the end share a write.
-            await response.write_eof(tail)
+            try:
+                await response.write_eof(tail)
+            except ConnectionError:
+                report_client_gone(self.faults, request, request_id, started=True)
             return response
 
     def _record_status(self, status: int, failure: str | None) -> None:

@@ -31,6 +31,11 @@ from stargate.router.proxy import ProxyHandler, ProxySettings
 from stargate.router.state import RoutingState
 from stargate.router.transport import HttpTransport, make_session
 from stargate.tracing import setup_tracing
+from stargate.wire import address
+from stargate.wire.address import join_host_port
+from stargate.wire.client_faults import ClientFaults
+from stargate.wire.http_server import GuardedAppRunner
+from stargate.wire.listen import listen
 
 if TYPE_CHECKING:
     from stargate.otel import Tracing
@@ -52,6 +57,7 @@ class StargateSettings:
     metrics_port: int = 9090
     metrics_prefix: str = DEFAULT_PREFIX
     shutdown_drain_timeout_ms: int = 30_000
+    http_header_read_timeout_ms: int = 10_000  # 0 = no request-head deadline
     lb_config: LbConfig = field(default_factory=LbConfig.permissive)
     retry: RetrySettings = field(default_factory=RetrySettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
@@ -91,14 +97,10 @@ class BoundAddresses:
 
 def split_host_port(addr: str, flag: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port``; a malformed address is a ``ConfigError`` naming the flag."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"expected HOST:PORT, got {addr!r}", path=flag)
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        return address.split_host_port(addr)
+    except ValueError as exc:
+        raise ConfigError(str(exc), path=flag) from None
 
 
 class StargateServer:
@@ -108,10 +110,12 @@ class StargateServer:
         *,
         metrics: RouterMetrics | None = None,
         tracing: Tracing | None = None,
+        client_faults: ClientFaults | None = None,
     ) -> None:
         """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
         self.settings = settings
         self.tracing = tracing
+        self.client_faults = client_faults or ClientFaults(logging.getLogger("stargate.router.clients"))
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
         self.state = RoutingState(on_active_count=self.metrics.set_active)
         self.endpoints = Endpoints(
@@ -130,8 +134,8 @@ class StargateServer:
     async def start(self) -> BoundAddresses:
         s = self.settings
         http_host, http_port = split_host_port(s.http_listen_addr, "--http-listen-addr")
-        split_host_port(s.listen_addr, "--listen-addr")
-        split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
+        grpc_host, _ = split_host_port(s.listen_addr, "--listen-addr")
+        discovery_host, _ = split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
         advertise_host, _ = split_host_port(s.advertise_addr, "--advertise-addr")
         plain = PlainClients(s.plain_clients) if s.plain_clients is not None else None  # may load a tokenizer
         if self.tracing is None:
@@ -145,7 +149,13 @@ class StargateServer:
         machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=effective_queue_ms)
         driver = AttemptDriver(self.state, machine, transport, self.metrics)
         self.proxy = proxy = ProxyHandler(
-            driver, self.metrics, s.lb_config.resolve_algorithm, s.proxy, plain=plain, tracing=self.tracing
+            driver,
+            self.metrics,
+            s.lb_config.resolve_algorithm,
+            s.proxy,
+            plain=plain,
+            tracing=self.tracing,
+            client_faults=self.client_faults,
         )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
@@ -162,10 +172,10 @@ class StargateServer:
             await self._close()
             raise
         self.addresses = BoundAddresses(
-            grpc=_join(split_host_port(s.listen_addr, "")[0], grpc_port),
-            model_discovery=_join(split_host_port(s.model_discovery_listen_addr, "")[0], discovery_port),
-            http=_join(http_host, http_bound[1]),
-            metrics=_join(s.metrics_host, metrics_bound[1]),
+            grpc=join_host_port(grpc_host, grpc_port),
+            model_discovery=join_host_port(discovery_host, discovery_port),
+            http=join_host_port(http_host, http_bound[1]),
+            metrics=join_host_port(s.metrics_host, metrics_bound[1]),
         )
         return self.addresses
 
@@ -199,17 +209,22 @@ class StargateServer:
 
     async def _serve(self, app: web.Application, host: str, port: int, flag: str) -> tuple[str, int]:
         # Request bodies are forwarded as received, Content-Encoding included: never decompressed here.
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, auto_decompress=False)
-        await runner.setup()
-        self._runners.append(runner)
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        runner = GuardedAppRunner(
+            app,
+            faults=self.client_faults,
+            header_read_timeout_s=self.settings.http_header_read_timeout_ms / 1000.0,
+            access_log=None,
+            shutdown_timeout=1.0,
+            auto_decompress=False,
+        )
         try:
-            await site.start()
+            bound = await listen(runner, host, port)
         except OSError as exc:
             raise ConfigError(
-                f"cannot listen on {_join(host, port)}: {exc.strerror or exc}", path=flag
+                f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}", path=flag
             ) from exc
-        return host, int(runner.addresses[0][1])
+        self._runners.append(runner)
+        return host, bound
 
     def _http_app(self, proxy: ProxyHandler) -> web.Application:
         app = web.Application()
@@ -232,7 +247,7 @@ class StargateServer:
         return ControlPlaneSettings(
             stargate_id=s.stargate_id,
             advertise_addr=s.advertise_addr,
-            http_advertise_addr=_join(advertise_host, http_port),
+            http_advertise_addr=join_host_port(advertise_host, http_port),
             grpc_pylon_dial_addr=s.grpc_pylon_dial_addr,
             remote_stargate_urls=s.remote_stargate_urls,
             discovery_dns_name=None if s.disable_dns_discovery else s.stargate_discovery_dns_name,
@@ -250,7 +265,7 @@ class StargateServer:
             "grpc_listen_addr": bound.grpc if bound else s.listen_addr,
             "model_discovery_listen_addr": bound.model_discovery if bound else s.model_discovery_listen_addr,
             "http_listen_addr": bound.http if bound else s.http_listen_addr,
-            "metrics_listen_addr": bound.metrics if bound else _join(s.metrics_host, s.metrics_port),
+            "metrics_listen_addr": bound.metrics if bound else join_host_port(s.metrics_host, s.metrics_port),
             "advertise_addr": self.control_plane.advertise_addr if self.control_plane else s.advertise_addr,
             "stargate_discovery_dns_name": s.stargate_discovery_dns_name,
             "tunnel_protocol": s.tunnel_protocol,

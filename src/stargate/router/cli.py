@@ -16,8 +16,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 from stargate.balancer.config import LbConfig, load_lb_config
 from stargate.errors import ConfigError
@@ -34,6 +32,7 @@ from stargate.router.plain_client import (
     PlainClientSettings,
 )
 from stargate.router.proxy import ProxySettings
+from stargate.wire import runner
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 TUNNEL_PROTOCOLS = {
@@ -54,6 +53,12 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add("--listen-addr", default="0.0.0.0:50071", help="gRPC control plane address")
     add("--model-discovery-listen-addr", default="0.0.0.0:50073", help="gRPC ListModels address")
     add("--http-listen-addr", default="0.0.0.0:8000", help="HTTP proxy address")
+    add(
+        "--http-header-read-timeout-ms",
+        type=non_negative_int,
+        default=10_000,
+        help="close a connection whose request head is not complete in this time; 0 disables",
+    )
     add("--advertise-addr", default=None, help="self gRPC address published in discovery (required)")
     add("--metrics-port", type=port, default=9090, help="Prometheus port (0.0.0.0:PORT/metrics)")
     add("--metrics-host", default="0.0.0.0", help="Prometheus bind host")
@@ -244,6 +249,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         listen_addr=options.listen_addr,
         model_discovery_listen_addr=options.model_discovery_listen_addr,
         http_listen_addr=options.http_listen_addr,
+        http_header_read_timeout_ms=options.http_header_read_timeout_ms,
         metrics_host=options.metrics_host,
         metrics_port=options.metrics_port,
         metrics_prefix=options.metrics_prefix,
@@ -294,7 +300,7 @@ def run(options: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"stargate: {exc.describe()}", file=sys.stderr)
         return EXIT_USAGE
-    return _run(serve(settings))
+    return runner.run(serve(settings))
 
 
 async def serve(settings: StargateSettings, stop: asyncio.Event | None = None) -> int:
@@ -328,14 +334,3 @@ async def serve(settings: StargateSettings, stop: asyncio.Event | None = None) -
             loop.remove_signal_handler(sig)
     return EXIT_OK if drained else EXIT_FAILURE
 
-
-def _run(coro: Coroutine[Any, Any, int]) -> int:
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)

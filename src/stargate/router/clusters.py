@@ -35,6 +35,11 @@ class Reservation:
 
     It carries two things: the spec's optimistic load (§1.9), pending until the backend's next
     heartbeat counts it, and the router's own in-flight record, kept until the attempt ends.
+
+    ``prefill_tokens`` is the prefill work the attempt brings: its input tokens, or less when the
+    decision expected its prefix cached (load-aware affinity picks). Queued-input work is counted
+    with it; a heartbeat, which counts the whole prompt, is credited the difference while the
+    attempt prefills.
     """
 
     target: Target
@@ -42,6 +47,7 @@ class Reservation:
     backend_id: str
     input_tokens: int
     priority: int
+    prefill_tokens: int
     prefilling: bool = True
     counted: bool = False  # running when its backend last published: part of that heartbeat's counts
     counted_prefilling: bool = False  # ... and still waiting for its first byte then
@@ -183,10 +189,15 @@ class ClusterState:
         self.source_id = backend_id
         self._drop_reservations_of(backend_id)
         self._departed.pop(backend_id, None)
+        cached = 0
         for attempt in self.running:
             if attempt.backend_id == backend_id:
                 attempt.counted = True
                 attempt.counted_prefilling = attempt.prefilling
+                if attempt.prefilling:
+                    cached += attempt.input_tokens - attempt.prefill_tokens
+        if cached:
+            self._departed[backend_id] = Departures(waiting_tokens=cached)
         self._recompute(membership_changed=joined)
 
     def remove(self, backend_id: str) -> bool:
@@ -207,7 +218,7 @@ class ClusterState:
             self._refold()
             return
         self.reservations[reservation] = None
-        stats = with_reservation(self.candidate.stats, reservation.input_tokens, reservation.priority)
+        stats = with_reservation(self.candidate.stats, reservation.prefill_tokens, reservation.priority)
         self.candidate = replace(self.candidate, stats=stats)
 
     def release(self, reservation: Reservation) -> bool:
@@ -235,7 +246,7 @@ class ClusterState:
             reservation.counted_prefilling = False
             departed = self._departed.setdefault(reservation.backend_id, Departures())
             departed.waiting += 1
-            departed.waiting_tokens += reservation.input_tokens
+            departed.waiting_tokens += reservation.prefill_tokens  # the rest was credited already
             self._recompute(membership_changed=False)
         return True
 
@@ -260,7 +271,7 @@ class ClusterState:
             departed.tokens += reservation.input_tokens
             if reservation.counted_prefilling:
                 departed.waiting += 1
-                departed.waiting_tokens += reservation.input_tokens
+                departed.waiting_tokens += reservation.prefill_tokens
             self._recompute(membership_changed=False)
         return True
 
@@ -271,7 +282,7 @@ class ClusterState:
         in_flight = InFlight(
             current.requests + sign,
             current.prefilling + prefill,
-            current.prefill_tokens + prefill * reservation.input_tokens,
+            current.prefill_tokens + prefill * reservation.prefill_tokens,
         )
         self._in_flight = in_flight
         self._base = replace(self._base, in_flight=in_flight)
@@ -319,5 +330,5 @@ class ClusterState:
     def _refold(self) -> None:
         stats = self._base.stats
         for reservation in self.reservations:
-            stats = with_reservation(stats, reservation.input_tokens, reservation.priority)
+            stats = with_reservation(stats, reservation.prefill_tokens, reservation.priority)
         self.candidate = self._base if stats is self._base.stats else replace(self._base, stats=stats)

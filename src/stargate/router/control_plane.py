@@ -2,13 +2,12 @@
 
 Registration streams end on client close, read error, idle timeout, validation error or shutdown;
 on every end the backend's probing stops and ``RoutingState.remove`` drops its routes, releases its
-id and retires its cluster generation, in that order, before the stream's status is sent (a Pylon
-that sees its stream end can register the same id again at once). The idle timeout runs on the
-injected clock. Every applied update is acknowledged, also when the health probe failed (the update
-then removes the backend's ACTIVE routes; §5.5 of the original skips the ack only when a QUIC tunnel
-cannot be opened, which has no HTTP equivalent). Between updates the backend's health prober ejects
-it from routing after consecutive failed probes and re-applies its latest update when a probe
-succeeds again (``router/health.py``).
+id and retires its cluster generation, in that order, before the stream's final status is sent.
+The idle timeout runs on the injected clock. Every applied update is acknowledged, also when the
+health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the original
+skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
+Between updates the backend's health prober ejects it from routing after consecutive failed probes
+and re-applies its latest update when a probe succeeds again (``router/health.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import NoReturn
 
 import aiohttp
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from stargate.balancer.types import ModelStats
@@ -42,6 +42,7 @@ from stargate.router.registration import (
     model_updates,
 )
 from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.wire.address import join_host_port, split_host_port
 from stargate.wire.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ _add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServi
 
 _EMPTY_ACK = stargate_pb2.InferenceServerAck()
 SHUTDOWN_MESSAGE = "stargate is shutting down"
+UNDECODABLE_MESSAGE = "registration message is not a valid InferenceServerRegistration"
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,15 @@ class ControlPlaneSettings:
                     raise ConfigError(f"invalid URL {raw.strip()!r}", path="--remote-stargate-url") from exc
 
 
+class _StreamEnd(Exception):
+    """Ends a registration stream with ``code`` and ``message`` (sent once its routes are gone)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 async def _abort(
     context: aio.ServicerContext[object, object], code: grpc.StatusCode, message: str
 ) -> NoReturn:
@@ -100,8 +111,14 @@ async def _abort(
     raise AssertionError("ServicerContext.abort returned")
 
 
-def _port_of(addr: str) -> str:
-    return addr.rsplit(":", 1)[-1] if ":" in addr else ""
+def _bound_advertise(advertise: str, listen: str, port: int) -> str:
+    """``advertise`` with the bound port when it names the listener's port (``:0`` becomes real)."""
+    try:
+        host, advertised = split_host_port(advertise)
+        _, listening = split_host_port(listen)
+    except ValueError:
+        return advertise
+    return join_host_port(host, port) if advertised == listening else advertise
 
 
 class ControlPlane:
@@ -151,8 +168,7 @@ class ControlPlane:
         except ConfigError:
             await self.stop(0)
             raise
-        if _port_of(self._settings.advertise_addr) == _port_of(listen_addr):
-            self.advertise_addr = f"{self._settings.advertise_addr.rsplit(':', 1)[0]}:{control_port}"
+        self.advertise_addr = _bound_advertise(self._settings.advertise_addr, listen_addr, control_port)
         self._control_port = control_port
         self._discovery = PeerDiscovery(self._settings.discovery, control_port)
         self._publisher = watch.WatchPublisher(
@@ -237,7 +253,10 @@ class ControlPlane:
             self._settings.idle_timeout_cap_ms,
         )
         idle_s = None if timeout_ms is None else timeout_ms / 1000.0
-        first = await self._read(context, idle_s)
+        try:
+            first = await self._read(context, idle_s)
+        except _StreamEnd as end:
+            await _abort(context, end.code, end.message)
         if first is None:
             return
         try:
@@ -292,10 +311,7 @@ class ControlPlane:
             on_restore=restore,
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
-
-        def end() -> None:
-            self._end(prober, handle)
-
+        ended: _StreamEnd | None = None
         try:
             while message is not None:
                 updates = model_updates(message, max_models=settings.max_models_per_registration)
@@ -303,23 +319,24 @@ class ControlPlane:
                 latest.update(updates)
                 rtt_ns = await prober.rtt_for_update()
                 if self._stopping.is_set():
-                    end()
-                    await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                    raise _StreamEnd(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
                 self._state.apply_update(handle, updates, rtt_ns)
                 prober.start()
                 await context.write(_EMPTY_ACK)
-                message = await self._read(context, idle_s, before_abort=end)
+                message = await self._read(context, idle_s)
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
-            end()
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            ended = _StreamEnd(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        except _StreamEnd as end:
+            ended = end
         finally:
-            end()
+            self._end(prober, handle)
+        if ended is not None:
+            # Sent only now: a client that sees the stream end finds its routes already gone.
+            await _abort(context, ended.code, ended.message)
 
     def _end(self, prober: HealthProber, handle: RegistrationHandle) -> None:
-        """Stop probing and drop the registration; safe to call again. Runs before the stream's
-        status is sent, so a Pylon that sees the stream end can register the same id at once."""
         task = prober.stop()
         if task is not None:
             self._probe_tasks.add(task)
@@ -327,17 +344,13 @@ class ControlPlane:
         self._state.remove(handle)
 
     async def _read(
-        self,
-        context: aio.ServicerContext[object, object],
-        idle_s: float | None,
-        *,
-        before_abort: Callable[[], None] = lambda: None,
+        self, context: aio.ServicerContext[object, object], idle_s: float | None
     ) -> stargate_pb2.InferenceServerRegistration | None:
-        """The next message; ``None`` at end of stream. Idle timeout and shutdown abort the stream
-        (``before_abort`` runs first); shutdown wins over a message that is already there."""
+        """The next message; ``None`` at end of stream. Idle timeout, shutdown and undecodable bytes
+        raise ``_StreamEnd``; shutdown wins over a message that is already there."""
         read = asyncio.ensure_future(context.read())
         waits = {read, asyncio.ensure_future(self._stopping.wait())}
-        if idle_s is not None:
+        if idle_s is not None:  # on the injected clock, so tests drive the idle timeout
             waits.add(asyncio.ensure_future(self._clock.sleep(idle_s)))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -346,14 +359,14 @@ class ControlPlane:
                 if not waiting.done():
                     waiting.cancel()
         if self._stopping.is_set():
-            before_abort()
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+            raise _StreamEnd(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         if not read.done():
-            before_abort()
-            await _abort(
-                context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s"
-            )
-        message = read.result()
+            raise _StreamEnd(grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s")
+        try:
+            message = read.result()
+        except DecodeError:
+            # Bytes that are no InferenceServerRegistration: the client's error, not the servicer's.
+            raise _StreamEnd(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE) from None
         if message is aio.EOF:
             return None
         assert isinstance(message, stargate_pb2.InferenceServerRegistration)

@@ -22,6 +22,7 @@ import dns.resolver
 
 from stargate.errors import DiscoveryFailed
 from stargate.router.watch import StargateEntry
+from stargate.wire.address import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 256
@@ -45,16 +46,12 @@ class DiscoverySettings:
         return bool((self.pod_name or "").strip() and (self.pod_namespace or "").strip())
 
 
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def make_resolver(settings: DiscoverySettings) -> dns.asyncresolver.Resolver:
     if settings.nameserver:
-        host, _, port = settings.nameserver.strip().rpartition(":")
+        host, port = split_host_port(settings.nameserver.strip())
         resolver = dns.asyncresolver.Resolver(configure=False)
-        resolver.nameservers = [host.removeprefix("[").removesuffix("]")]
-        resolver.port = int(port)
+        resolver.nameservers = [host]
+        resolver.port = port
     else:
         resolver = dns.asyncresolver.Resolver()
     resolver.lifetime = settings.timeout_s

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from stargate.errors import ConfigError
 from stargate.router.discovery import DiscoverySettings
+from stargate.wire.address import split_host_port
 
 
 class AddFlag(Protocol):
@@ -29,8 +30,11 @@ def add_discovery_flags(add: AddFlag) -> None:
 def discovery_settings(options: argparse.Namespace) -> DiscoverySettings:
     nameserver = (options.dns_nameserver or "").strip() or None
     if nameserver is not None:
-        host, sep, port = nameserver.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        try:
+            port = split_host_port(nameserver)[1]
+        except ValueError:
+            port = 0
+        if port == 0:
             raise ConfigError(f"expected HOST:PORT, got {nameserver!r}", path="--dns-nameserver")
     name = None if options.disable_dns_discovery else (options.stargate_discovery_dns_name or "").strip()
     return DiscoverySettings(

@@ -62,7 +62,9 @@ class RoutingStateView(Protocol):
 
     def view(self, target: Target) -> TargetSnapshot | None: ...
     def is_advertised(self, target: Target) -> bool: ...
-    def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Any: ...
+    def reserve(
+        self, target: Target, backend_id: str, input_tokens: int, priority: int, prefill_tokens: int | None
+    ) -> Any: ...
     def release(self, reservation: Any) -> None: ...
     def first_byte(self, reservation: Any) -> None: ...
     def finish(self, reservation: Any) -> None: ...
@@ -124,20 +126,17 @@ class AttemptDriver:
         trace: RouteTrace | None = None,
     ) -> Outcome:
         """``trace``, when given, receives the routing facts for the request's span."""
-        target, metrics, clock = request.target, self._metrics, self._clock
+        target, clock = request.target, self._clock
         state = start(request)
         event: Event = START
         response: UpstreamResponse | None = None
         reservation: Any = None
-        routing_started = clock()
-        routing_observed = False
+        routing_started: float | None = clock()
         while True:
             snapshot = self._snapshot(target)
             state, action = self._machine.step(state, event, snapshot, clock(), self._rng)
             if state.notes:
-                self._count(target, state.notes)
-                if trace is not None:
-                    trace.retry_reasons.extend(n.reason for n in state.notes if isinstance(n, Retried))
+                self._noted(target, state.notes, trace)
             if response is not None and not isinstance(action, Relay):
                 response.release()
                 self._state.finish(reservation)
@@ -153,55 +152,73 @@ class AttemptDriver:
                     trace.waited_s += action.seconds
                 event = WOKE
             elif isinstance(action, Send):
-                backend = action.backend
-                backend_id = backend.inference_server_id
-                if action.choice is not None:
-                    choice = action.choice
-                    metrics.selection(
-                        target,
-                        request.definition.algorithm.value,
-                        choice.rank_depth,
-                        choice.selected_after_kv_free_tokens_skip,
-                    )
-                if not routing_observed:
-                    metrics.routing_duration(target, clock() - routing_started)
-                    routing_observed = True
-                reservation = self._state.reserve(target, backend_id, request.input_tokens, request.priority)
-                attempt_headers = headers.copy()
-                if action.expected_queue_ms is not None:
-                    attempt_headers[h.EXPECTED_QUEUE_MS] = str(action.expected_queue_ms)
-                if trace is not None:
-                    trace.attempts += 1
-                    trace.backend_id, trace.cluster_id = backend_id, backend.cluster_id
-                    if action.choice is not None:
-                        trace.rank_depth = action.choice.rank_depth
-                try:
-                    response = await self._transport.send(
-                        backend, method, path_qs, attempt_headers, replay.body()
-                    )
-                except UpstreamError as exc:
-                    self._state.finish(reservation)
-                    metrics.attempt(target, backend_id, "proxy_502")
-                    metrics.replay_buffer(target, replay.buffered)
-                    event = SendFailed(exc, replay.readiness())
-                    continue
-                status = response.status
-                metrics.attempt(target, backend_id, f"upstream_{status}")
-                metrics.replay_buffer(target, replay.buffered)
-                metrics.proxy_duration(target, backend_id, clock() - request.received_at)
-                signal = retry_signal(status, response.header, self._require_signal)
-                if signal.release_reservation:
-                    self._state.release(reservation)
-                event = Answered(status, signal, replay.readiness())
+                if routing_started is not None:
+                    self._metrics.routing_duration(target, clock() - routing_started)
+                    routing_started = None
+                reservation = self._reserve(request, action, trace)
+                event, response = await self._send(
+                    request, action, reservation, method, path_qs, headers, replay
+                )
             elif isinstance(action, Reconnect):
                 ok = await self._transport.reconnect(action.backend)
-                metrics.reconnect(action.backend.inference_server_id, ok)
+                self._metrics.reconnect(action.backend.inference_server_id, ok)
                 event = Reconnected(ok)
             elif isinstance(action, Relay):
                 assert response is not None and state.backend is not None
                 return Passthrough(response, state.backend, reservation)
             else:
                 return LocalFailure(action.error, action.backend_id)
+
+    def _reserve(self, request: ProxyRequest, action: Send, trace: RouteTrace | None) -> Any:
+        """Count the selection and reserve the attempt in routing state (optimistic load, in flight)."""
+        backend, choice = action.backend, action.choice
+        if choice is not None:
+            self._metrics.selection(
+                request.target,
+                request.definition.algorithm.value,
+                choice.rank_depth,
+                choice.selected_after_kv_free_tokens_skip,
+            )
+        if trace is not None:
+            trace.attempts += 1
+            trace.backend_id, trace.cluster_id = backend.inference_server_id, backend.cluster_id
+            if choice is not None:
+                trace.rank_depth = choice.rank_depth
+        prefill_tokens = choice.prefill_tokens if choice is not None else None
+        backend_id, target = backend.inference_server_id, request.target
+        return self._state.reserve(target, backend_id, request.input_tokens, request.priority, prefill_tokens)
+
+    async def _send(
+        self,
+        request: ProxyRequest,
+        action: Send,
+        reservation: Any,
+        method: str,
+        path_qs: str,
+        headers: CIMultiDict[str],
+        replay: ReplayBody,
+    ) -> tuple[Event, UpstreamResponse | None]:
+        """One upstream attempt; the answer (or the failure) as the machine's next event."""
+        target, metrics, backend = request.target, self._metrics, action.backend
+        backend_id = backend.inference_server_id
+        attempt_headers = headers.copy()
+        if action.expected_queue_ms is not None:
+            attempt_headers[h.EXPECTED_QUEUE_MS] = str(action.expected_queue_ms)
+        try:
+            response = await self._transport.send(backend, method, path_qs, attempt_headers, replay.body())
+        except UpstreamError as exc:
+            self._state.finish(reservation)
+            metrics.attempt(target, backend_id, "proxy_502")
+            metrics.replay_buffer(target, replay.buffered)
+            return SendFailed(exc, replay.readiness()), None
+        status = response.status
+        metrics.attempt(target, backend_id, f"upstream_{status}")
+        metrics.replay_buffer(target, replay.buffered)
+        metrics.proxy_duration(target, backend_id, self._clock() - request.received_at)
+        signal = retry_signal(status, response.header, self._require_signal)
+        if signal.release_reservation:
+            self._state.release(reservation)
+        return Answered(status, signal, replay.readiness()), response
 
     def first_byte(self, outcome: Passthrough) -> None:
         self._state.first_byte(outcome.reservation)
@@ -213,7 +230,10 @@ class AttemptDriver:
         view = self._state.view(target)
         return view if view is not None else NoTarget(self._state.is_advertised(target))
 
-    def _count(self, target: Target, notes: tuple[Note, ...]) -> None:
+    def _noted(self, target: Target, notes: tuple[Note, ...], trace: RouteTrace | None) -> None:
+        """The machine's notes of one step as metrics (and retry reasons on the request's span)."""
+        if trace is not None:
+            trace.retry_reasons.extend(n.reason for n in notes if isinstance(n, Retried))
         metrics = self._metrics
         for note in notes:
             if isinstance(note, Retried):

@@ -7,36 +7,15 @@ and tokens are never labels.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stargate.balancer.types import Target
+from stargate.wire.labels import LabelChildren
 
 REPLAY_BUFFER_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 PROXY_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROUTING_DURATION_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1)
 DEFAULT_PREFIX = "stargate_"
-
-
-class _Children:
-    """Label-child lookup without ``labels()``'s lock and validation on every request.
-
-    Holds exactly the children prometheus_client already keeps (series are never removed), so it
-    adds no cardinality of its own.
-    """
-
-    __slots__ = ("_cache", "_metric")
-
-    def __init__(self, metric: Counter | Histogram | Gauge) -> None:
-        self._metric = metric
-        self._cache: dict[tuple[str, ...], Any] = {}
-
-    def __call__(self, *values: str) -> Any:
-        child = self._cache.get(values)
-        if child is None:
-            child = self._cache[values] = self._metric.labels(*values)
-        return child
 
 
 def _counter_name(prefix: str, name: str) -> str:
@@ -147,17 +126,17 @@ class RouterMetrics:
             registry=reg,
         )
 
-        self._requests = _Children(self.requests_total)
-        self._attempts = _Children(self.proxy_attempts_total)
-        self._retries = _Children(self.proxy_retries_total)
-        self._exhausted = _Children(self.proxy_retry_exhausted_total)
-        self._selections = _Children(self.routing_selections_total)
-        self._kv_fallbacks = _Children(self.routing_kv_free_token_fallback_selections_total)
-        self._admission = _Children(self.admission_rejections_total)
-        self._replay = _Children(self.proxy_replay_buffer_bytes)
-        self._proxy_duration = _Children(self.proxy_duration_seconds)
-        self._routing_duration = _Children(self.routing_duration_seconds)
-        self._active = _Children(self.active_inference_servers)
+        self._requests = LabelChildren(self.requests_total)
+        self._attempts = LabelChildren(self.proxy_attempts_total)
+        self._retries = LabelChildren(self.proxy_retries_total)
+        self._exhausted = LabelChildren(self.proxy_retry_exhausted_total)
+        self._selections = LabelChildren(self.routing_selections_total)
+        self._kv_fallbacks = LabelChildren(self.routing_kv_free_token_fallback_selections_total)
+        self._admission = LabelChildren(self.admission_rejections_total)
+        self._replay = LabelChildren(self.proxy_replay_buffer_bytes)
+        self._proxy_duration = LabelChildren(self.proxy_duration_seconds)
+        self._routing_duration = LabelChildren(self.routing_duration_seconds)
+        self._active = LabelChildren(self.active_inference_servers)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from stargate.balancer.types import Target
 from stargate.errors import StargateError, UpstreamError
 from stargate.responses import error_response
 from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
@@ -36,6 +35,8 @@ from stargate.router.plain_client import PlainClients
 from stargate.router.replay import ReplayBody
 from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
+from stargate.wire.client_faults import ClientFaults
+from stargate.wire.http_server import report_client_gone
 
 if TYPE_CHECKING:
     from stargate.otel import Span, Tracing
@@ -61,8 +62,10 @@ class ProxyHandler:
         clock: Callable[[], float] = time.monotonic,
         plain: PlainClients | None = None,
         tracing: Tracing | None = None,
+        client_faults: ClientFaults | None = None,
     ) -> None:
         self._driver = driver
+        self._faults = client_faults or ClientFaults(log)
         self._tracing = tracing
         self._plain = plain
         self._metrics = metrics
@@ -172,10 +175,14 @@ class ProxyHandler:
             return error_response(StargateError("internal proxy error"))
         if isinstance(outcome, LocalFailure):
             self._metrics.request_finished(parsed.target, outcome.backend_id, outcome.error.status)
+            report_client_gone(self._faults, request, parsed.request_id, started=False)
             return error_response(outcome.error)
-        return await self._relay(request, outcome, parsed.target)
+        return await self._relay(request, outcome, parsed)
 
-    async def _relay(self, request: web.Request, outcome: Passthrough, target: Target) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, outcome: Passthrough, parsed: ProxyRequest
+    ) -> web.StreamResponse:
+        target = parsed.target
         upstream, backend = outcome.response, outcome.backend
         if not (
             valid_header_value(backend.inference_server_id)
@@ -192,8 +199,10 @@ class ProxyHandler:
         response.headers[h.INFERENCE_SERVER_URL] = backend.url
         response.headers[h.CLUSTER_ID] = backend.cluster_id
         first = True
+        started = False
         try:
             await response.prepare(request)
+            started = True
             async for chunk in upstream.chunks():
                 if first:
                     first = False
@@ -216,7 +225,8 @@ class ProxyHandler:
             if request.transport is not None:
                 request.transport.abort()
         except ConnectionError:
-            pass  # the client went away; nothing left to tell it
+            # The client went away; nothing left to tell it.
+            report_client_gone(self._faults, request, parsed.request_id, started=started)
         finally:
             upstream.release()
             self._driver.finish(outcome)

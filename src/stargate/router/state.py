@@ -212,12 +212,22 @@ class RoutingState:
 
     # ---- reservations (§1.9) and the router's own in-flight count --------------------------------
 
-    def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> Reservation:
+    def reserve(
+        self,
+        target: Target,
+        backend_id: str,
+        input_tokens: int,
+        priority: int,
+        prefill_tokens: int | None = None,
+    ) -> Reservation:
         """Add one attempt's optimistic load and in-flight record to its cluster; inert if the backend
-        left. The attempt's driver must end it with ``finish``."""
+        left. The attempt's driver must end it with ``finish``. ``prefill_tokens`` is the uncached
+        part of the prompt the decision expected (default: all of it)."""
         registration = self._live.get(backend_id)
         cluster_id = registration.handle.backend.cluster_id if registration else ""
-        reservation = Reservation(target, cluster_id, backend_id, max(0, input_tokens), priority)
+        tokens = max(0, input_tokens)
+        work = tokens if prefill_tokens is None else min(tokens, max(0, prefill_tokens))
+        reservation = Reservation(target, cluster_id, backend_id, tokens, priority, work)
         state = self._targets.get(target)
         cluster = state.clusters.get(cluster_id) if state is not None else None
         if state is not None and cluster is not None and backend_id in cluster.members:

@@ -19,11 +19,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from stargate.errors import UpstreamError, UpstreamNotSent, UpstreamTimeout
+from stargate.wire.http_client import client_session
 
 # aiohttp adds these on its own unless told not to; a proxy must send only what the client sent.
-SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 DEFAULT_LIMIT_PER_HOST = 1024
-KEEPALIVE_TIMEOUT_S = 15.0
 
 
 class BackendRef(Protocol):
@@ -76,18 +75,8 @@ class Transport(Protocol):
 def make_session(
     connect_timeout_s: float, limit_per_host: int = DEFAULT_LIMIT_PER_HOST
 ) -> aiohttp.ClientSession:
-    """The process-wide client session: no total timeout, bytes passed through untouched."""
-    connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=limit_per_host, keepalive_timeout=KEEPALIVE_TIMEOUT_S
-    )
-    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        skip_auto_headers=SKIP_AUTO_HEADERS,
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
+    """The process-wide relay session (``stargate.wire.http_client``), bounded per backend."""
+    return client_session(connect_timeout_s=connect_timeout_s, limit_per_host=limit_per_host, relay=True)
 
 
 class _AiohttpResponse:

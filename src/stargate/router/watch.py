@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from stargate.proto import stargate_pb2
+from stargate.wire.address import join_host_port
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -51,7 +52,7 @@ def url_key(raw: str) -> str:
     port = parts.port if parts.port is not None else _DEFAULT_PORTS.get(parts.scheme.lower())
     if not host or port is None:
         raise ValueError(f"not a host:port watch URL: {raw!r}")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return join_host_port(host, port)
 
 
 def self_endpoint_keys(advertise_addr: str, discovery_dns_name: str | None, port: int) -> set[str]:

@@ -1,4 +1,5 @@
-"""Load-aware estimates and options (lb-config ``load_aware``, ``cache_affinity_yield_margin_ms``).
+"""Load-aware estimates and options (lb-config ``load_aware``, ``cache_affinity_yield_margin_ms``,
+``cache_affinity_placement``).
 
 Below the slot limit the seed's free-slot rule gives every backend with a free slot the same queue
 estimate (0); the load-aware estimates must tell the busy one from the idle one, merging the
@@ -11,12 +12,14 @@ import dataclasses
 import random
 from typing import Any
 
+import pytest
 from builders import chosen, chosen_id, make_candidate, make_request, rng, waw
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from stargate.balancer import Algorithm, AlgorithmDefinition, Candidate, Comparator, build_policy
 from stargate.balancer.comparators import load_ttft_score, ttft_score
+from stargate.balancer.config import parse_lb_config
 from stargate.balancer.estimates import (
     effective_queue_ms,
     load_queue_ms,
@@ -24,7 +27,10 @@ from stargate.balancer.estimates import (
     load_tie_key,
     load_ttft_ms,
 )
+from stargate.balancer.settings import Placement
 from stargate.balancer.types import InFlight
+from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, AffinityGroups
+from stargate.errors import ConfigError
 
 
 def with_in_flight(candidate: Candidate, requests: int, prefilling: int, tokens: int) -> Candidate:
@@ -215,6 +221,17 @@ def test_affinity_holds_within_the_margin() -> None:
     )
     assert chosen_id(candidates, decision) == "affinity-c"
     assert chosen(decision).rank_depth == 1
+    assert chosen(decision).prefill_tokens == 200  # 0.2 x 1000: the work the estimate assumed
+
+
+def test_a_seed_affinity_pick_reports_the_whole_prompt() -> None:
+    candidates = _ring(c_queued=0)
+    seed = build_policy(
+        waw(selection_count=1, virtual_nodes=8, seed="seed-1", cache_affinity_input_tokens_scale=0.2)
+    )
+    decision = seed.decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert chosen_id(candidates, decision) == "affinity-c"
+    assert chosen(decision).prefill_tokens is None
 
 
 def test_without_a_margin_the_seed_hold_applies() -> None:
@@ -324,3 +341,105 @@ def test_the_flat_waw_ranking_follows_the_load_ttft_estimate(
     policy = build_policy(waw(n=2, load_aware=True, ttft_bucket_size_ms=0, next_bucket_unlock_factor=0.0))
     decision = policy.decide((candidate, reference), make_request(input_tokens=300), rng())
     assert chosen_id((candidate, reference), decision) == ("a" if a < b else "b")
+
+
+# ---- placement of a new key by load ----------------------------------------------------------------
+
+
+def _placing_policy() -> Any:
+    return _affinity_policy(margin=250, cache_affinity_placement=Placement.LOAD)
+
+
+def test_a_new_key_is_placed_on_the_least_loaded_backend_not_its_ring_member() -> None:
+    # prefix-a's ring member is affinity-c; placed by load it goes to the idle affinity-b.
+    candidates = (
+        make_candidate("affinity-a", tps=1000.0, queued=900, running=3, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-c", tps=1000.0, queued=600, running=2, max_concurrency=8),
+    )
+    for seed in range(10):
+        decision = _placing_policy().decide(
+            candidates, make_request(input_tokens=1000, key="prefix-a"), rng(seed)
+        )
+        assert chosen_id(candidates, decision) == "affinity-b"
+        assert chosen(decision).rank_depth == 1
+
+
+def test_a_placed_key_stays_on_its_backend_within_the_margin() -> None:
+    policy = _placing_policy()
+    idle_b = (
+        make_candidate("affinity-a", tps=1000.0, queued=900, running=3, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+    )
+    assert (
+        chosen_id(idle_b, policy.decide(idle_b, make_request(input_tokens=1000, key="k"), rng()))
+        == "affinity-b"
+    )
+    # b is now busier than a, but the cached 0.2 x prefill keeps the key there within 250 ms.
+    busy_b = (
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, queued=700, running=2, max_concurrency=8),
+    )
+    decision = policy.decide(busy_b, make_request(input_tokens=1000, key="k"), rng())
+    assert chosen_id(busy_b, decision) == "affinity-b"
+    assert chosen(decision).rank_depth == 1
+
+
+def test_a_placement_survives_membership_changes_and_ends_with_its_backend() -> None:
+    policy = _placing_policy()
+    two = (
+        make_candidate("affinity-a", tps=1000.0, queued=900, running=3, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+    )
+    assert chosen_id(two, policy.decide(two, make_request(input_tokens=1000, key="k"), rng())) == "affinity-b"
+    # A backend joins in front of b (b's index changes): the key stays on b.
+    three = (make_candidate("affinity-0", tps=1000.0, max_concurrency=8), *two)
+    for seed in range(5):
+        assert (
+            chosen_id(three, policy.decide(three, make_request(input_tokens=1000, key="k"), rng(seed)))
+            == "affinity-b"
+        )
+    # b leaves: the key is placed again by load, and stays on its new backend.
+    without_b = (
+        make_candidate("affinity-0", tps=1000.0, queued=5000, running=4, max_concurrency=8),
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+    )
+    for seed in range(5):
+        assert (
+            chosen_id(
+                without_b, policy.decide(without_b, make_request(input_tokens=1000, key="k"), rng(seed))
+            )
+            == "affinity-a"
+        )
+
+
+def test_placements_are_bounded_and_the_least_recently_used_is_forgotten() -> None:
+    groups = AffinityGroups(waw(selection_count=1, cache_affinity_placement=Placement.LOAD), 1)
+    candidates = (make_candidate("a"), make_candidate("b"))
+    target = make_request().target
+    groups.place("old", "a")
+    for index in range(PLACED_CAPACITY - 1):
+        groups.place(f"key-{index}", "b")
+    assert groups.group(candidates, target, "old") == (0,)  # used: now the most recent
+    groups.place("one-more", "b")
+    assert groups.group(candidates, target, "old") == (0,)
+    assert groups.group(candidates, target, "key-0") == ()  # the least recently used went
+
+
+def test_load_placement_needs_a_group_of_one() -> None:
+    with pytest.raises(ConfigError, match="cache_affinity_backend_selection_count"):
+        parse_lb_config(
+            {
+                "models": {
+                    "m": {
+                        "algorithm": "wait-and-widen",
+                        "cache_affinity_backend_selection_count": 2,
+                        "cache_affinity_placement": "load",
+                    }
+                }
+            }
+        )
+    with pytest.raises(ConfigError, match="expected one of: ring, load"):
+        parse_lb_config(
+            {"models": {"m": {"algorithm": "wait-and-widen", "cache_affinity_placement": "nearest"}}}
+        )

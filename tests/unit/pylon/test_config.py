@@ -179,3 +179,11 @@ def test_help_describes_every_flag_with_its_default() -> None:
         at = text.index(f"{flag} {flag.removeprefix('--').replace('-', '_').upper()}")
         assert f"(default: {default})" in text[at : at + 250], flag
     assert "(default: None)" not in text and "(default: False)" not in text and "(default: [])" not in text
+
+
+def test_log_level_flag_and_its_variable() -> None:
+    assert parse().log_level == "INFO"
+    assert parse(env={"PYLON_LOG_LEVEL": "debug"}).log_level == "DEBUG"
+    assert parse("--log-level", "warning", env={"PYLON_LOG_LEVEL": "debug"}).log_level == "WARNING"
+    with pytest.raises(ConfigError, match="--log-level"):
+        parse(env={"PYLON_LOG_LEVEL": "chatty"})

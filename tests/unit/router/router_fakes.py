@@ -82,7 +82,9 @@ class FakeState:
     def is_advertised(self, target: Target) -> bool:
         return self.advertised
 
-    def reserve(self, target: Target, backend_id: str, input_tokens: int, priority: int) -> int:
+    def reserve(
+        self, target: Target, backend_id: str, input_tokens: int, priority: int, prefill_tokens: int | None
+    ) -> int:
         self.reserved.append((backend_id, input_tokens))
         return len(self.reserved) - 1
 

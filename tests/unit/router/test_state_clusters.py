@@ -387,3 +387,30 @@ def test_requests_started_after_the_heartbeat_are_not_subtracted_when_they_end()
     assert only_candidate(state).stats.num_running_queries == 4  # 3 published + 1 reservation
     state.finish(late)
     assert only_candidate(state).stats.num_running_queries == 3
+
+
+def test_a_pick_that_expects_its_prefix_cached_counts_only_the_uncached_prefill() -> None:
+    """Load-aware affinity picks expect most of the prompt cached: the router's in-flight work and
+    pending reservation count the uncached part, and a heartbeat (which counts the whole prompt) is
+    credited the cached part while the request prefills."""
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    cached = state.reserve(T, "a", 1000, 0, prefill_tokens=200)
+    full = state.reserve(T, "a", 300, 0)
+    candidate = only_candidate(state)
+    assert candidate.in_flight.prefill_tokens == 500
+    assert candidate.stats.queued_input_size == 500  # the pending reservations
+    published = ModelStats(
+        last_mean_input_tps=100.0, max_engine_concurrency=8, num_running_queries=2, queued_input_size=1300
+    )
+    publish(state, a, published)
+    assert only_candidate(state).stats.queued_input_size == 500  # 1300 - 800 cached
+    state.first_byte(cached)
+    assert only_candidate(state).stats.queued_input_size == 300  # all of its 1000 out now
+    state.finish(full)
+    assert only_candidate(state).stats.queued_input_size == 0
+    state.finish(cached)
+    assert only_candidate(state).in_flight.prefill_tokens == 0
+    publish(state, a, published)  # the next heartbeat: no request of ours is prefilling any more
+    assert only_candidate(state).stats.queued_input_size == 1300

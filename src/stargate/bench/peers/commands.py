@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,8 @@ from stargate.bench.console import (
     EXIT_FAILED,
     EXIT_OK,
     RichProgress,
-    positive,
-    positive_float,
+    add_replay_flags,
+    command,
     prepare_scenario,
     print_result,
     run_async,
@@ -28,9 +29,11 @@ from stargate.bench.overhead import (
     write_overhead,
 )
 from stargate.bench.peers.compare import PeerOptions, comparable_scenario, resolve_routers, run_compare
+from stargate.bench.peers.install import DEFAULT_PEERS_ROOT, PEERS_DIR_ENV
 from stargate.bench.runner import Order
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError
+from stargate.flags import FlagSet, positive_float, positive_int
 
 DEFAULT_ROUTERS = "stargate:power-of-n,sglang:cache_aware,vllm:consistent_hash,direct"
 
@@ -47,50 +50,48 @@ def _positive_ints(value: str) -> tuple[int, ...]:
     return numbers
 
 
-def add_parsers(sub: Any) -> None:
-    compare = sub.add_parser("compare", help="Stargate algorithms and other routers on identical fleets")
-    compare.add_argument("--scenario", required=True, help="scenario file, or the name of one in benches/")
-    compare.add_argument(
+def _peers_dir(raw: str) -> Path | None:
+    return Path(raw).expanduser() if raw.strip() else None
+
+
+def _add_peers_dir(flags: FlagSet) -> None:
+    flags.add("--peers-dir", env_var=PEERS_DIR_ENV, type=_peers_dir, default=None,
+              help=f"root of the peer routers' venvs (default {DEFAULT_PEERS_ROOT})")
+
+
+def add_parsers(sub: Any, env: Mapping[str, str]) -> None:
+    compare = command(sub, "compare", "Stargate algorithms and other routers on identical fleets", env)
+    add_replay_flags(compare, out_help="output directory (default .bench-out/compare-…)")
+    compare.add(
         "--routers",
         default=DEFAULT_ROUTERS,
         help="comma list: stargate:<algorithm entry or name>, sglang:<cache_aware|"
         "power_of_two|round_robin>, vllm:<cache_aware|consistent_hash|round_robin>, direct",
     )
-    compare.add_argument(
-        "--out", type=Path, default=None, help="output directory (default .bench-out/compare-…)"
-    )
-    compare.add_argument(
-        "--seed", type=int, default=None, help="workload seed (default: the scenario's, else 0)"
-    )
-    compare.add_argument("--request-count", type=positive, default=None, help="override request_count")
-    compare.add_argument("--repeats", type=positive, default=1, help="runs per router (default 1)")
-    compare.add_argument("--order", choices=["fixed", "interleaved", "randomized"], default="interleaved")
-    compare.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="TTFT SLO for goodput")
-    compare.add_argument(
+    compare.add(
         "--sglang-as-shipped",
         action="store_true",
         help="run sglang-router without the TCP_NODELAY accept shim (adds ~40 ms per streamed request)",
     )
+    _add_peers_dir(compare)
 
-    overhead = sub.add_parser("overhead", help="latency and CPU one routing hop adds, against direct")
-    overhead.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)}")
-    overhead.add_argument("--stargate-only", action="store_true", help="direct, stargate and stargate+pylon")
-    overhead.add_argument(
-        "--concurrency", type=_positive_ints, default=(1, 32), help="comma list (default 1,32)"
-    )
-    overhead.add_argument("--requests", type=positive, default=2000, help="requests per measurement")
-    overhead.add_argument("--duration", type=positive_float, default=20.0, help="seconds cap per measurement")
-    overhead.add_argument("--warmup", type=positive, default=50, help="unmeasured requests first")
-    overhead.add_argument("--repeats", type=positive, default=1, help="pairs per target (default 1)")
-    overhead.add_argument("--install-peers", action="store_true", help="install missing peer routers first")
-    overhead.add_argument(
-        "--out", type=Path, default=None, help="output directory (default .bench-out/overhead)"
-    )
+    overhead = command(sub, "overhead", "latency and CPU one routing hop adds, against direct", env)
+    a = overhead.add
+    a("--targets", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)}")
+    a("--stargate-only", action="store_true", help="direct, stargate and stargate+pylon")
+    a("--concurrency", type=_positive_ints, default="1,32", help="comma list")
+    a("--requests", type=positive_int, default=2000, help="requests per measurement")
+    a("--duration", type=positive_float, default=20.0, help="seconds cap per measurement")
+    a("--warmup", type=positive_int, default=50, help="unmeasured requests first")
+    a("--repeats", type=positive_int, default=1, help="pairs per target")
+    a("--install-peers", action="store_true", help="install missing peer routers first")
+    a("--out", type=Path, default=None, help="output directory (default .bench-out/overhead)")
+    _add_peers_dir(overhead)
 
 
 def compare_command(console: Console, args: argparse.Namespace, argv: list[str]) -> int:
     base = prepare_scenario(args.scenario, None, args.request_count)
-    options = PeerOptions(install=True, nodelay=not args.sglang_as_shipped)
+    options = PeerOptions(install=True, nodelay=not args.sglang_as_shipped, root=args.peers_dir)
     choices = resolve_routers(base, args.routers, options)
     scenario = comparable_scenario(base, choices)
     if scenario is not base:
@@ -133,6 +134,7 @@ def overhead_command(console: Console, args: argparse.Namespace, argv: list[str]
         warmup=args.warmup,
         repeats=args.repeats,
         install_peers=args.install_peers,
+        peers_root=args.peers_dir,
     )
     targets, skipped = available_targets(wanted, options)
     for line in skipped:

@@ -1,16 +1,15 @@
 """Isolated virtual environments for third-party routers, created on first use.
 
-Each peer lives in ``<root>/<dist>-<version>/`` (root: ``$STARGATE_BENCH_PEERS_DIR``, else
-``~/.cache/stargate-bench/peers``), made with ``python -m venv`` and filled by that venv's own pip
-from the package index, so nothing a peer pulls in touches this environment. A venv counts as
-installed only once ``stargate-bench-peer.json`` (written last) names the same requirement and the
-console script exists; a half-built one is built under a ``.partial`` name and renamed at the end, so
-an interrupted install is retried rather than trusted.
+Each peer lives in ``<root>/<dist>-<version>/`` (root: ``--peers-dir``, env
+``STARGATE_BENCH_PEERS_DIR``, else ``~/.cache/stargate-bench/peers``), made with ``python -m venv``
+and filled by that venv's own pip from the package index, so nothing a peer pulls in touches this
+environment. A venv counts as installed only once ``stargate-bench-peer.json`` (written last) names
+the same requirement and the console script exists; a half-built one is built under a ``.partial``
+name and renamed at the end, so an interrupted install is retried rather than trusted.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -44,11 +43,14 @@ class PeerPackage:
         return f"{self.dist}-{self.version}"
 
 
+PEERS_DIR_ENV = "STARGATE_BENCH_PEERS_DIR"
+"""The variable of ``--peers-dir`` (``compare``, ``overhead``)."""
+DEFAULT_PEERS_ROOT = "~/.cache/stargate-bench/peers"
+
+
 def peers_root() -> Path:
-    configured = os.environ.get("STARGATE_BENCH_PEERS_DIR")
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "stargate-bench" / "peers"
+    """The default root; ``--peers-dir`` (env ``STARGATE_BENCH_PEERS_DIR``) replaces it."""
+    return Path(DEFAULT_PEERS_ROOT).expanduser()
 
 
 def venv_dir(package: PeerPackage, root: Path | None = None) -> Path:

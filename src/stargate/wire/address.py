@@ -1,0 +1,36 @@
+"""``host:port`` text, split and joined the same way by every flag and ready line.
+
+An IPv6 host is written in brackets (``[::1]:80``); a split returns it without them, a join adds
+them back. Callers turn ``ValueError`` into their own error naming the flag.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def split_host_port(raw: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` with a port in ``0..=65535``; anything else raises ``ValueError``."""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {raw!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def split_ip_port(raw: str) -> tuple[str, int]:
+    """``split_host_port`` whose host must be an IP address (a listener's bind address)."""
+    host, port = split_host_port(raw)
+    ipaddress.ip_address(host)
+    return host, port
+
+
+def is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,44 @@
+"""The one way a process builds its aiohttp client session (design.md "Settings that matter").
+
+No total timeout (aiohttp's 300 s default cuts long generations) but a connect timeout; explicit
+pool limits (aiohttp's default total of 100 silently queues the rest); keep-alive of 15 s, shorter
+than an engine's idle timeout; bytes passed through untouched (no automatic decompression).
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+KEEPALIVE_TIMEOUT_S = 15.0
+RELAY_SKIPPED_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+"""A forwarding proxy adds none of these: the client's own (or none) go upstream."""
+
+
+def client_session(
+    *,
+    connect_timeout_s: float,
+    limit: int = 0,
+    limit_per_host: int = 0,
+    read_timeout_s: float | None = None,
+    relay: bool = False,
+) -> aiohttp.ClientSession:
+    """``limit``/``limit_per_host``: 0 = unbounded. ``relay``: a forwarding proxy's session (no
+    added headers, no cookies kept, the connect timeout also bounds the wait for a pooled connection)."""
+    connector = aiohttp.TCPConnector(
+        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=KEEPALIVE_TIMEOUT_S
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=connect_timeout_s if relay else None,
+        sock_connect=connect_timeout_s,
+        sock_read=read_timeout_s,
+    )
+    if not relay:
+        return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        skip_auto_headers=RELAY_SKIPPED_HEADERS,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )

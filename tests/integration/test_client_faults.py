@@ -1,0 +1,322 @@
+"""Client-caused faults on Stargate's and Pylon's HTTP listeners: one rate-limited WARNING line each,
+no traceback, no ERROR; connections whose request head stalls are closed after the head timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+from test_proxy_contract import CHAT, Harness, running
+from test_pylon_support import FakeEngine
+
+from stargate.pylon.app import PylonApp
+from stargate.pylon.config import parse_settings
+from stargate.router.cli import build_parser, settings_from_args
+from stargate.wire.client_faults import ClientFaults
+
+BURST = 3
+HEAD_TIMEOUT_MS = 200
+MALFORMED = [
+    b"GET / HTTP/9.x\r\nHost: a\r\n\r\n",
+    b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a\r\nX Y: a\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: abc\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\nzz\r\n",
+]
+PYLON_CHAT = orjson.dumps({"model": "llama", "messages": [], "stream": True})
+
+
+def frozen_faults(name: str) -> ClientFaults:
+    """A bucket that never refills: exactly ``BURST`` lines per kind."""
+    return ClientFaults(logging.getLogger(name), burst=BURST, per_s=1.0, clock=lambda: 0.0)
+
+
+class Signal(logging.Handler):
+    """Sets an event on every record of one logger: tests wait for the line instead of sleeping."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.event = asyncio.Event()
+        self.logger = logging.getLogger(name)
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.event.set()
+
+    async def wait(self) -> None:
+        await asyncio.wait_for(self.event.wait(), 5)
+        self.event.clear()
+
+
+@pytest.fixture
+def router_log() -> AsyncIterator[Signal]:
+    signal = Signal("test.router.clients")
+    yield signal
+    signal.logger.removeHandler(signal)
+
+
+@pytest.fixture
+async def sg() -> AsyncIterator[Harness]:
+    faults = frozen_faults("test.router.clients")
+    async with running(client_faults=faults, http_header_read_timeout_ms=HEAD_TIMEOUT_MS) as harness:
+        yield harness
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    e = await FakeEngine().start()
+    yield e
+    await e.close()
+
+
+@pytest.fixture
+async def pylon(engine: FakeEngine) -> AsyncIterator[PylonApp]:
+    settings = parse_settings(
+        [
+            *("--upstream-http-base-url", engine.url, "--stargate-address", "127.0.0.1:9"),
+            *("--metrics-port", "0", "--metrics-host", "127.0.0.1", "--model-name", "llama"),
+            *("--disable-bringup", "--engine-stats-stream", "off"),
+            *("--http-header-read-timeout-ms", str(HEAD_TIMEOUT_MS)),
+        ]
+    )
+    app = PylonApp(settings, out=io.StringIO(), client_faults=frozen_faults("test.pylon.clients"))
+    await app.start()
+    yield app
+    await app.close()
+
+
+class Connections:
+    """Raw client connections, all closed at teardown."""
+
+    def __init__(self) -> None:
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def open(self, url: str, data: bytes = b"") -> asyncio.StreamReader:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        self.writers.append(writer)
+        if data:
+            writer.write(data)
+        return reader
+
+    def send(self, data: bytes) -> None:
+        """More bytes on the latest connection."""
+        self.writers[-1].write(data)
+
+    def abort(self) -> None:
+        """The latest connection's client hangs up (a reset, no goodbye)."""
+        self.writers[-1].transport.abort()
+
+    async def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+@pytest.fixture
+async def conns() -> AsyncIterator[Connections]:
+    connections = Connections()
+    yield connections
+    await connections.close()
+
+
+async def until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
+    return await asyncio.wait_for(reader.readuntil(marker), 5)
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """True once the server closed the connection (whatever it still sent before)."""
+    await asyncio.wait_for(reader.read(), 5)
+    return reader.at_eof()
+
+
+def head(path: str, body: bytes, model: str, request_id: str) -> bytes:
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "Host: a",
+        "Content-Type: application/json",
+        f"x-request-id: {request_id}",
+        f"x-model: {model}",
+        "x-input-tokens: 10",
+        f"Content-Length: {len(body)}",
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def client_lines(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == name]
+
+
+def assert_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    """No traceback and nothing at ERROR, whoever logged it."""
+    assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+
+
+async def malformed_requests_get_400(conns: Connections, url: str) -> None:
+    for data in MALFORMED * 2:
+        reader = await conns.open(url, data)
+        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.0 400 Bad Request\r\n")
+
+
+def assert_burst_of_malformed_lines(caplog: pytest.LogCaptureFixture, name: str) -> None:
+    lines = client_lines(caplog, name)
+    assert len(lines) == BURST
+    assert all(line.startswith("rejected a malformed request from 127.0.0.1:") for line in lines)
+    assert "Bad status line" in lines[0] and "\n" not in "".join(lines)
+    assert_quiet(caplog)
+
+
+async def test_malformed_requests_to_stargate_log_the_burst_at_warning_without_traceback(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    await malformed_requests_get_400(conns, sg.base)
+    assert_burst_of_malformed_lines(caplog, "test.router.clients")
+
+
+async def test_an_oversized_body_gets_413_and_logs_nothing(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    await sg.backend("b1")
+    declared = head(CHAT, b"", "m", "big").replace(b"Content-Length: 0", b"Content-Length: %d" % 2**40)
+    reader = await conns.open(sg.base, declared + b"{")
+    assert (await until(reader, b"\r\n\r\n")).startswith(b"HTTP/1.1 413")
+    assert caplog.records == []
+
+
+async def test_malformed_requests_to_pylon_log_the_burst_at_warning_without_traceback(
+    pylon: PylonApp, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    await malformed_requests_get_400(conns, pylon.http_url)
+    assert_burst_of_malformed_lines(caplog, "test.pylon.clients")
+
+
+async def test_client_abandoning_a_stream_through_stargate_logs_one_warning(
+    sg: Harness, conns: Connections, router_log: Signal, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    backend.gate = asyncio.Event()
+    reader = await conns.open(sg.base, head(CHAT, b"{}", "m", "gone-1") + b"{}")
+    await until(reader, b'data: {"n":1}\n\n')
+    conns.abort()
+    backend.gate.set()  # the next chunk finds the client gone
+    await router_log.wait()
+    assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
+    assert client_lines(caplog, "test.router.clients") == [
+        "client closed the connection mid-response (request id gone-1)"
+    ]
+    assert_quiet(caplog)
+
+
+async def test_client_abandoning_its_request_body_at_stargate_logs_one_warning(
+    sg: Harness, conns: Connections, router_log: Signal, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    await sg.backend("b1")
+    await conns.open(sg.base, head(CHAT, b"{" * 100, "m", "gone-2") + b"{")
+    await conns.writers[-1].drain()
+    conns.abort()
+    await router_log.wait()
+    assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
+    assert client_lines(caplog, "test.router.clients") == [
+        "client closed the connection before its request body was complete (request id gone-2)"
+    ]
+    assert_quiet(caplog)
+
+
+async def test_client_abandoning_a_stream_through_pylon_logs_one_warning(
+    pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    signal = Signal("test.pylon.clients")
+    try:
+        engine.chat_mode = "hang"  # one keep-alive comment, then nothing until the engine closes
+        reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "gone-3"))
+        conns.send(PYLON_CHAT)
+        await until(reader, b": keepalive\n\n")
+        conns.abort()
+        engine._closing.set()  # the engine ends the stream; Pylon finds the client gone
+        await signal.wait()
+    finally:
+        signal.logger.removeHandler(signal)
+    assert client_lines(caplog, "test.pylon.clients") == [
+        "client closed the connection mid-response (request id gone-3)"
+    ]
+    assert_quiet(caplog)
+
+
+async def slowloris(conns: Connections, url: str, count: int) -> list[asyncio.StreamReader]:
+    """``count`` connections that send part of a request head (the first sends nothing at all)."""
+    partial = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nx-mod"
+    return [await conns.open(url, partial if i else b"") for i in range(count)]
+
+
+async def test_stargate_closes_slow_heads_and_serves_everyone_else(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    backend.hold_headers = asyncio.Event()  # a complete request whose answer takes longer than the timeout
+    keepalive = await conns.open(sg.base, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert (await until(keepalive, b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    held = await conns.open(sg.base, head(CHAT, b"{}", "m", "slow-but-complete") + b"{}")
+    await asyncio.wait_for(backend.arrived.wait(), 5)
+    conns.send(b"GET /hea")  # a head pipelined behind the held request, never finished
+    started = asyncio.get_running_loop().time()
+    assert all([await closed_by_server(reader) for reader in await slowloris(conns, sg.base, 4)])
+    assert asyncio.get_running_loop().time() - started >= HEAD_TIMEOUT_MS / 1000 * 0.9
+    backend.hold_headers.set()
+    assert (await until(held, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    assert await closed_by_server(held)  # then the pipelined head ran out of time
+    # An idle keep-alive connection outlives the head timeout; a later head that stalls is cut.
+    conns.writers[0].write(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert (await until(keepalive, b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    conns.writers[0].write(b"GET /hea")
+    assert await closed_by_server(keepalive)
+    lines = client_lines(caplog, "test.router.clients")
+    assert len(lines) == BURST and all("no complete request head within 200 ms" in line for line in lines)
+    assert_quiet(caplog)
+
+
+async def test_pylon_closes_slow_heads_including_a_trickling_one(
+    pylon: PylonApp, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    readers = await slowloris(conns, pylon.http_url, 2)
+    trickling = await conns.open(pylon.http_url)
+    for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n" * 10:
+        conns.send(bytes([byte]))  # a byte every 20 ms: data keeps coming, the head never ends
+        try:
+            assert await asyncio.wait_for(trickling.read(), 0.02) == b""
+            break
+        except TimeoutError:
+            continue
+    else:
+        pytest.fail("the trickling connection was never closed")
+    assert all([await closed_by_server(reader) for reader in readers])
+    reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "ok-1"))
+    conns.send(PYLON_CHAT)
+    assert (await until(reader, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    lines = client_lines(caplog, "test.pylon.clients")
+    assert len(lines) == BURST and all("no complete request head within 200 ms" in line for line in lines)
+    assert_quiet(caplog)
+
+
+def test_both_binaries_take_the_head_timeout_flag() -> None:
+    base = ["--stargate-id", "s", "--advertise-addr", "127.0.0.1:1", "--disable-dns-discovery"]
+    assert settings_from_args(build_parser({}).parse_args(base)).http_header_read_timeout_ms == 10_000
+    options = build_parser({}).parse_args([*base, "--http-header-read-timeout-ms", "0"])
+    assert settings_from_args(options).http_header_read_timeout_ms == 0
+    pylon = parse_settings(["--upstream-http-base-url", "http://127.0.0.1:1", "--model-name", "m"])
+    assert pylon.http_header_read_timeout_ms == 10_000
