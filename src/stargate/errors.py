@@ -8,7 +8,8 @@ StargateError                      status 500 internal_error: anything raised on
  │    └── UnavailableRoutingMethod an algorithm the configuration does not offer for the model
  ├── RequestError                  400 invalid_request: a client request breaks the header/body contract
  │    ├── PayloadTooLarge          413 payload_too_large: declared or buffered body over a limit
- │    └── UnsupportedEncoding      415 unsupported_content_encoding: a body Pylon cannot check
+ │    ├── UnsupportedEncoding      415 unsupported_content_encoding: a body Pylon cannot check
+ │    └── FaultError               400 invalid_fault: a mock engine test-control body (plain-text answer)
  ├── ModelNotFound                 404 model_not_found: ``GET /v1/models/{id}`` of a model nobody serves
  ├── RoutingError                  503 no_selectable_backend: no backend could be chosen
  │    ├── NoEligibleCandidates     404 no_eligible_candidates (spec §4.6 body, error-code header)
@@ -20,7 +21,6 @@ StargateError                      status 500 internal_error: anything raised on
  │    ├── ModelNotAdmitted         503 model_generation_unavailable
  │    ├── QueueEstimateMismatch    429 queue_estimate_mismatch (extra fields of pylon.md §8.3)
  │    └── LocalConnectFailure      503 local_connect_failure (the engine could not be reached)
- ├── FaultError                    400: a mock engine test-control body field is invalid (plain-text body)
  ├── RegistrationRejected          a gRPC registration breaks the contract: the stream ends INVALID_ARGUMENT
  ├── StartupError                  Pylon could not become ready (never an HTTP response)
  │    └── CalibrationError         the input-TPS calibration ramp produced no usable figure
@@ -31,7 +31,8 @@ StargateError                      status 500 internal_error: anything raised on
 
 Private control-flow signals that never leave their module stay beside it, each saying so:
 ``PromptTooLong`` (pylon/calibration.py), ``EventTooLarge`` (pylon/observer.py), ``QueueFull``
-(mock_engine/steps.py), ``InvalidNumber`` (wire/headers.py, always re-raised as a ``RequestError``).
+(mock_engine/steps.py), ``_StreamEnd`` (router/control_plane.py: how a registration stream ends with
+its gRPC status), ``InvalidNumber`` (wire/headers.py, always re-raised as a ``RequestError``).
 
 Every class carries its HTTP ``status``, its error ``code`` (the ``x-stargate-error-code`` value for
 the two codes the spec puts on the wire) and a ``message``; ``stargate.responses.error_response``

@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_proxy_contract import settings as stargate_settings
 
@@ -121,6 +121,7 @@ HEADER_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
 NUMBER_TEXT = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70).map(str),
     st.integers(min_value=18, max_value=5000).map(lambda n: "9" * n),
+    st.integers(min_value=0, max_value=6000).map(lambda n: "0" * n + "5"),
     st.sampled_from(["+5", " 7 ", "", "1e3", "-0", "18446744073709551616", "4294967296"]),
 )
 VALUES = {name: st.one_of(NUMBER_TEXT, HEADER_TEXT) for name in NUMERIC_HEADERS}
@@ -165,8 +166,14 @@ def _dumps(value: object) -> bytes:
         return repr(value).encode()
 
 
+LONG_ZEROS = {h.REQUEST_ID: "zeros", h.MODEL: MODEL, h.INPUT_TOKENS: "0" * 4400 + "5",
+              "content-type": "application/json"}  # fmt: skip
+
+
 @FUZZ
 @given(request=requests())
+@example(request=("stargate", PATHS[0], LONG_ZEROS, orjson.dumps(chat_body(MODEL))))  # the engine's int()
+@example(request=("pylon", PATHS[1], LONG_ZEROS, orjson.dumps({**chat_body(MODEL), "input": "hi"})))
 async def test_fuzzed_headers_and_bodies_get_documented_statuses(
     fleet: Fleet, request: tuple[str, str, dict[str, str], bytes]
 ) -> None:

@@ -28,6 +28,9 @@ parse_listen_addr = split_ip_port
 """``IP:PORT`` or ``[IPv6]:PORT``; raises ValueError otherwise."""
 
 LISTEN_LINE = "stargate-mock-engine listening on "
+_E = EngineConfig()
+_T = TimingConfig()
+"""Every flag's default is the config's own: written once, in ``EngineConfig``/``TimingConfig``."""
 log = logging.getLogger("stargate.mock_engine")
 
 
@@ -55,74 +58,88 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--http-listen-addr", default="127.0.0.1:8090", help="IP:PORT to listen on (port 0: any)")
     a("--host", help="listen host (overrides the host of --http-listen-addr)")
     a("--port", type=int, help="listen port (overrides the port of --http-listen-addr)")
-    a("--model-name", "--model", dest="model", default="dummy-model", help="model id served")
+    a("--model-name", "--model", dest="model", default=_E.model, help="model id served")
     a(
         "--backend-id",
         help="engine identity in x-mock-backend-id and system_fingerprint (default MODEL/PORT)",
     )
-    a("--num-tokens", type=int, default=10, help="default and maximum output tokens")
-    a("--token-delay-ms", type=_non_negative(float), default=100.0, help="decode time per token")
+    a("--num-tokens", type=int, default=_T.num_tokens, help="default and maximum output tokens")
+    a("--token-delay-ms", type=_non_negative(float), default=_T.token_delay_ms, help="decode time per token")
+    a("--decode-tokens-per-s", type=_non_negative(float), help="sets --token-delay-ms to 1000/TPS")
     a(
-        "--decode-tokens-per-s", type=_non_negative(float), help="sets --token-delay-ms to 1000/TPS"
+        "--decode-jitter-ms",
+        type=_non_negative(int),
+        default=_T.decode_jitter_ms,
+        help="uniform +- jitter per token",
+    )
+    a("--ttft-ms", type=_non_negative(float), default=_T.ttft_ms, help="base time to first token")
+    a(
+        "--ttft-jitter-ms",
+        type=_non_negative(int),
+        default=_T.ttft_jitter_ms,
+        help="uniform +- jitter on TTFT",
     )
     a(
-        "--decode-jitter-ms", type=_non_negative(int), default=0, help="uniform +- jitter per token"
-    )
-    a("--ttft-ms", type=_non_negative(float), default=0.0, help="base time to first token")
-    a("--ttft-jitter-ms", type=_non_negative(int), default=0, help="uniform +- jitter on TTFT")
-    a(
-        "--prefill-tokens-per-s", type=float, default=0.0, help="prefill speed of uncached tokens; 0 = free"
+        "--prefill-tokens-per-s",
+        type=float,
+        default=_T.prefill_tokens_per_s,
+        help="prefill speed of uncached tokens; 0 = free",
     )
     a(
         "--batching",
         choices=BATCHING_MODES,
-        default="independent",
+        default=_T.batching,
         help="continuous: concurrent requests share prefill throughput and slow each other's decode; "
         "vllm: engine steps with a token budget, FCFS admission and chunked prefill",
     )
     a(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=_T.max_num_batched_tokens,
         help="vllm: token budget of one engine step (decode tokens first, then prefill chunks)",
     )
     a(
         "--decode-slowdown",
         type=_non_negative(float),
-        default=0.05,
+        default=_T.decode_slowdown,
         help="continuous: extra fraction of the token delay per additional decoding request",
     )
     a(
-        "--max-concurrent-requests", type=_non_negative(int), default=0, help="engine slots; 0 = unlimited"
+        "--max-concurrent-requests",
+        type=_non_negative(int),
+        default=_E.max_concurrent_requests,
+        help="engine slots; 0 = unlimited",
     )
     a(
         "--max-waiting-requests",
         type=_non_negative(int),
-        default=100_000,
+        default=_E.max_waiting_requests,
         help="queue cap; beyond it 429 (retryable)",
     )
-    a("--health-delay-ms", type=_non_negative(float), default=0.0, help="latency of GET /health")
     a(
-        "--kv-cache-capacity-tokens", type=_non_negative(int), default=0, help="0 disables the cache"
+        "--health-delay-ms",
+        type=_non_negative(float),
+        default=_E.health_delay_ms,
+        help="latency of GET /health",
+    )
+    a(
+        "--kv-cache-capacity-tokens",
+        type=_non_negative(int),
+        default=_E.kv_cache_capacity_tokens,
+        help="0 disables the cache",
     )
     a(
         "--kv-cache-mode",
         choices=("affinity", "prefix"),
-        default="affinity",
+        default=_E.kv_cache_mode,
         help="key the cache by x-cache-affinity-key, or by hashed blocks of the prompt text",
     )
-    a("--kv-block-size", type=int, default=16, help="prefix mode: tokens per cached block")
+    a("--kv-block-size", type=int, default=_E.kv_block_size, help="prefix mode: tokens per cached block")
     a("--request-log", metavar="FILE", help="append one JSON line per request")
-    a(
-        "--arrival-log", metavar="FILE", help="append one JSON line per request as it arrives, unbuffered"
-    )
-    a(
-        "--responses-stream-only", action="store_true", help="answer 400 to non-streaming /v1/responses"
-    )
-    a("--max-body-bytes", type=int, default=64 << 20, help="larger bodies get 413")
-    a(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity"
-    )
+    a("--arrival-log", metavar="FILE", help="append one JSON line per request as it arrives, unbuffered")
+    a("--responses-stream-only", action="store_true", help="answer 400 to non-streaming /v1/responses")
+    a("--max-body-bytes", type=int, default=_E.max_body_bytes, help="larger bodies get 413")
+    a("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity")
     return p
 
 

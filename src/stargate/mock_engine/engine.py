@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from stargate.wire.limits import MAX_BODY_BYTES
+
 from .control import TestControl
 from .kv_cache import AffinityKVCache, KVCache, PrefixKVCache
 from .request_log import ArrivalLog, RequestLog
@@ -47,7 +49,7 @@ class EngineConfig:
     request_log: str | None = None
     arrival_log: str | None = None
     responses_stream_only: bool = False
-    max_body_bytes: int = 64 << 20
+    max_body_bytes: int = MAX_BODY_BYTES
 
 
 class Slots:

@@ -12,14 +12,18 @@ from typing import Any
 
 import orjson
 
+from stargate.wire.headers import optional_unsigned
+from stargate.wire.limits import U64_MAX
+
 BYTES_PER_TOKEN = 4
 
 
 def parse_token_header(value: str | None) -> int | None:
-    """An unsigned decimal header value, or None when absent or unparsable (no trimming)."""
+    """An unsigned 64-bit decimal header value, or None when absent or unparsable (no trimming, no
+    sign); the range check is the shared parser's, which never hands ``int()`` thousands of digits."""
     if value is None or not value.isascii() or not value.isdigit():
         return None
-    return int(value)
+    return optional_unsigned(value, U64_MAX)
 
 
 def output_tokens(header: int | None, max_tokens: Any, num_tokens: int) -> int:

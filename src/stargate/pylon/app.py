@@ -235,6 +235,7 @@ class PylonApp:
             metrics=self.metrics,
             on_admitted=canaries.start if canaries is not None else lambda _gen: None,
             on_retired=canaries.stop if canaries is not None else lambda _gen: None,
+            clock=self.clock,
         )
         await self._lifecycle.start()
         self.registration = RegistrationClient(

@@ -24,6 +24,7 @@ from stargate.wire import headers as h
 from stargate.wire.address import is_ip, split_host_port
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
+SERVICE_NAME = "pylon"
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 T = TypeVar("T")
 
@@ -252,7 +253,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
       help="token file, re-read per stream")
     a("--otel-endpoint", env_var="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
       help="OTLP/HTTP base URL for request spans")
-    a("--otel-service-name", env_var="OTEL_SERVICE_NAME", default="pylon",
+    a("--otel-service-name", env_var="OTEL_SERVICE_NAME", default=SERVICE_NAME,
       help="service.name of exported spans")
     a("--metrics-host", type=_ip, default="0.0.0.0", help="Prometheus listener IP")
     a("--metrics-port", type=port, default=9089, help="Prometheus listener port (0 = any)")
@@ -353,7 +354,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         auth_token=ns.auth_token or None,
         auth_token_file=ns.auth_token_file or None,
         otel_endpoint=ns.otel_endpoint or None,
-        otel_service_name=ns.otel_service_name or "pylon",
+        otel_service_name=ns.otel_service_name or SERVICE_NAME,  # a blank variable means the default
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
         retryable_statuses=ns.pylon_retryable_upstream_status_codes,

@@ -47,13 +47,14 @@ from stargate.responses import error_response
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
 from stargate.wire.http_server import report_client_gone
+from stargate.wire.limits import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue
 
     from stargate.otel import Span, Tracing
 
-MAX_BODY = 64 * 1024 * 1024
+MAX_BODY = MAX_BODY_BYTES
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint.CHAT,
     "/v1/responses": Endpoint.RESPONSES,

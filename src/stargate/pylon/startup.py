@@ -23,6 +23,7 @@ from stargate.pylon.health import HealthProber
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.stats.hub import StatsHub
+from stargate.wire.clock import Clock, SystemClock
 
 log = logging.getLogger("stargate.pylon.startup")
 PROVIDER = "dynamo"
@@ -71,8 +72,10 @@ class ModelLifecycle:
         metrics: PylonMetrics,
         on_admitted: Callable[[Generation], None] = lambda _gen: None,
         on_retired: Callable[[Generation], None] = lambda _gen: None,
+        clock: Clock | None = None,
     ) -> None:
         self.s = settings
+        self._clock = clock or SystemClock()
         self._session = session
         self._registry = registry
         self._hub = hub
@@ -100,14 +103,15 @@ class ModelLifecycle:
         if self.s.probing_enabled and not await self._prober.probe(self.s.bringup_timeout_ms / 1000.0):
             raise StartupError(f"upstream health probe failed for model {gen.model_id}")
         if self._calibrator is not None:
-            loop = asyncio.get_running_loop()
-            started = loop.time()
+            started = self._clock.monotonic()
             try:
                 await self._calibrator.run(gen)
             except CalibrationError:
-                self._metrics.calibration_ms.labels(gen.model_id, "error").set((loop.time() - started) * 1000)
+                elapsed_ms = (self._clock.monotonic() - started) * 1000
+                self._metrics.calibration_ms.labels(gen.model_id, "error").set(elapsed_ms)
                 raise
-            self._metrics.calibration_ms.labels(gen.model_id, "completed").set((loop.time() - started) * 1000)
+            elapsed_ms = (self._clock.monotonic() - started) * 1000
+            self._metrics.calibration_ms.labels(gen.model_id, "completed").set(elapsed_ms)
 
     def _allocate(self, model: str) -> Generation:
         gen = self._registry.allocate(model)
@@ -160,7 +164,7 @@ class ModelLifecycle:
                 await self._initialize(gen)
             except StargateError as exc:
                 log.warning("model %s initialization failed, retrying: %s", gen.model_id, exc)
-                await asyncio.sleep(retry_s)
+                await self._clock.sleep(retry_s)
                 continue
             self._admit(gen)
             return
@@ -183,7 +187,7 @@ class ModelLifecycle:
         """Poll every interval; a failed poll keeps the last-known-good set."""
         interval = self.s.discovery_poll_interval_ms / 1000.0
         while True:
-            await asyncio.sleep(interval)
+            await self._clock.sleep(interval)
             try:
                 models = await self._poll()
             except DiscoveryError as exc:

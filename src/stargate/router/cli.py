@@ -23,12 +23,8 @@ from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive
 from stargate.router.app import StargateServer, StargateSettings
 from stargate.router.attempt import RetrySettings
 from stargate.router.discovery_cli import add_discovery_flags, discovery_settings
-from stargate.router.headers import DEFAULT_RETRY_BUDGET_HEADER, MAX_WAIT_CAP_MS, valid_header_name
-from stargate.router.metrics import DEFAULT_PREFIX
+from stargate.router.headers import MAX_WAIT_CAP_MS, valid_header_name
 from stargate.router.plain_client import (
-    DEFAULT_BYTES_PER_TOKEN,
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_SESSION_HEADER,
     PlainClientSettings,
 )
 from stargate.router.proxy import ProxySettings
@@ -44,28 +40,32 @@ TUNNEL_PROTOCOLS = {
     "wt": "webtransport",
 }
 log = logging.getLogger("stargate")
+_D = StargateSettings(stargate_id="", advertise_addr="")
+_PLAIN = PlainClientSettings()
+"""Every flag's default is the settings' own: written once, in the settings dataclasses."""
 
 
 def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stargate", description="LLM request router.")
     add = FlagSet(p, env).add
     add("--stargate-id", default=None, help="identity in WatchStargates and /debug/state (required)")
-    add("--listen-addr", default="0.0.0.0:50071", help="gRPC control plane address")
-    add("--model-discovery-listen-addr", default="0.0.0.0:50073", help="gRPC ListModels address")
-    add("--http-listen-addr", default="0.0.0.0:8000", help="HTTP proxy address")
+    add("--listen-addr", default=_D.listen_addr, help="gRPC control plane address")
+    add("--model-discovery-listen-addr", default=_D.model_discovery_listen_addr,
+        help="gRPC ListModels address")
+    add("--http-listen-addr", default=_D.http_listen_addr, help="HTTP proxy address")
     add(
         "--http-header-read-timeout-ms",
         type=non_negative_int,
-        default=10_000,
+        default=_D.http_header_read_timeout_ms,
         help="close a connection whose request head is not complete in this time; 0 disables",
     )
     add("--advertise-addr", default=None, help="self gRPC address published in discovery (required)")
-    add("--metrics-port", type=port, default=9090, help="Prometheus port (0.0.0.0:PORT/metrics)")
-    add("--metrics-host", default="0.0.0.0", help="Prometheus bind host")
+    add("--metrics-port", type=port, default=_D.metrics_port, help="Prometheus port (0.0.0.0:PORT/metrics)")
+    add("--metrics-host", default=_D.metrics_host, help="Prometheus bind host")
     add(
         "--shutdown-drain-timeout-ms",
         type=non_negative_int,
-        default=30_000,
+        default=_D.shutdown_drain_timeout_ms,
         help="on SIGTERM, how long in-flight requests may finish",
     )
     add("--lb-config-path", default=None, help="lb-config.json; unset = permissive default")
@@ -73,21 +73,21 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "--proxy-max-connect-retries",
         env_var="STARGATE_PROXY_MAX_CONNECT_RETRIES",
         type=non_negative_int,
-        default=2,
+        default=_D.retry.max_connect_retries,
         help="retries after a backend connect failure",
     )
     add(
         "--proxy-max-request-retries",
         env_var="STARGATE_PROXY_MAX_REQUEST_RETRIES",
         type=non_negative_int,
-        default=2,
+        default=_D.retry.max_request_retries,
         help="retries after a retryable backend answer",
     )
     add(
         "--proxy-max-replay-body-bytes",
         env_var="STARGATE_PROXY_MAX_REPLAY_BODY_BYTES",
         type=non_negative_int,
-        default=67_108_864,
+        default=_D.proxy.max_replay_body_bytes,
         help="largest request body kept for replay; larger ones get 413",
     )
     add(
@@ -102,28 +102,28 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "--proxy-require-pylon-retry-signal",
         env_var="STARGATE_PROXY_REQUIRE_PYLON_RETRY_SIGNAL",
         type=parse_bool,
-        default=True,
+        default=_D.retry.require_pylon_retry_signal,
         metavar="BOOL",
         help="retry 429/503 only when Pylon marks them x-stargate-retryable",
     )
     add(
         "--proxy-retry-budget-header",
         env_var="STARGATE_PROXY_RETRY_BUDGET_HEADER",
-        default=DEFAULT_RETRY_BUDGET_HEADER,
+        default=_D.proxy.retry_budget_header,
         help="retry budget header; empty disables budgets",
     )
     add(
         "--registration-update-idle-timeout-ms",
         env_var="STARGATE_REGISTRATION_UPDATE_IDLE_TIMEOUT_MS",
         type=non_negative_int,
-        default=60_000,
+        default=_D.registration_idle_timeout_ms,
         help="floor of the registration idle timeout (3 x the Pylon heartbeat); 0 disables",
     )
     add(
         "--registration-update-max-idle-timeout-ms",
         env_var="STARGATE_REGISTRATION_UPDATE_MAX_IDLE_TIMEOUT_MS",
         type=non_negative_int,
-        default=300_000,
+        default=_D.registration_max_idle_timeout_ms,
         help="cap of the registration idle timeout; 0 disables",
     )
     add(
@@ -140,38 +140,40 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         help="remote watch seed (repeatable, comma-delimited)",
     )
     add("--grpc-pylon-dial-addr", default=None, help="written into every StargateInfo")
-    add("--dns-poll-ms", type=positive_int, default=1000, help="peer discovery interval")
+    add("--dns-poll-ms", type=positive_int, default=_D.discovery.poll_ms, help="peer discovery interval")
     add_discovery_flags(add)
-    add("--watch-heartbeat-ms", type=positive_int, default=5000, help="WatchStargates resend interval")
+    add("--watch-heartbeat-ms", type=positive_int, default=_D.watch_heartbeat_ms,
+        help="WatchStargates resend interval")
     add(
         "--backend-connectivity",
         choices=("direct",),
         default="direct",
         help="only direct connectivity is supported",
     )
-    add("--tunnel-protocol", default="raw-quic", help="informational; backends are reached over HTTP")
+    add("--tunnel-protocol", default=_D.tunnel_protocol, help="informational; backends are reached over HTTP")
     add(
         "--direct-quic-connections",
         env_var="STARGATE_DIRECT_QUIC_CONNECTIONS",
         type=positive_int,
-        default=1,
+        default=_D.direct_quic_connections,
         help="informational",
     )
-    add("--quic-connect-timeout-ms", type=positive_int, default=2000, help="backend connect timeout")
+    add("--quic-connect-timeout-ms", type=positive_int, default=_D.connect_timeout_ms,
+        help="backend connect timeout")
     add(
         "--quic-request-timeout-ms",
         type=positive_int,
-        default=30_000,
+        default=_D.request_timeout_ms,
         help="time allowed until response headers",
     )
-    add("--metrics-prefix", default=DEFAULT_PREFIX, help="prefix of every Prometheus metric name")
+    add("--metrics-prefix", default=_D.metrics_prefix, help="prefix of every Prometheus metric name")
     add(
         "--otel-endpoint",
         env_var="OTEL_EXPORTER_OTLP_ENDPOINT",
         default=None,
         help="OTLP/HTTP base URL: export one span per request to URL/v1/traces (needs the otel extra)",
     )
-    add("--otel-service-name", default="stargate", help="service.name of exported spans")
+    add("--otel-service-name", default=_D.otel_service_name, help="service.name of exported spans")
     add("--secrets-path", env_var="SECRETS_PATH", default=None, help="accepted; unused without worker auth")
     add("--secrets-json-path", env_var="SECRETS_JSON_PATH", default="authToken", help="accepted; unused")
     add("--worker-auth-endpoint", default=None, help="not supported: registrations use open authentication")
@@ -190,7 +192,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add(
         "--plain-client-max-body-bytes",
         type=positive_int,
-        default=DEFAULT_MAX_BODY_BYTES,
+        default=_PLAIN.max_body_bytes,
         help="largest body read to fill x-model/x-input-tokens; larger ones get 413",
     )
     add(
@@ -201,12 +203,12 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add(
         "--plain-client-bytes-per-token",
         type=positive_int,
-        default=DEFAULT_BYTES_PER_TOKEN,
+        default=_PLAIN.bytes_per_token,
         help="x-input-tokens estimate without a tokenizer: ceil(prompt UTF-8 bytes / N)",
     )
     add(
         "--plain-client-session-header",
-        default=DEFAULT_SESSION_HEADER,
+        default=_PLAIN.session_header,
         help="header whose value is the cache-affinity key when x-cache-affinity-key is absent; "
         "empty disables (the body's user field is used when the body is read)",
     )

@@ -37,6 +37,7 @@ from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.http_server import report_client_gone
+from stargate.wire.limits import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from stargate.otel import Span, Tracing
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
-    max_replay_body_bytes: int = 67_108_864
+    max_replay_body_bytes: int = MAX_BODY_BYTES
     retry_budget_header: str | None = h.RETRY_BUDGET_MS
     default_max_wait_ms: int | None = None  # the routing wait of requests without x-max-wait-ms
 

@@ -5,7 +5,9 @@ aiohttp has no request-head deadline: a client that opens connections and trickl
 an application with ``GuardedRequestHandler``, which closes a connection whose request head is not
 complete within ``header_read_timeout_s``, counted from the connection's start for the first
 request and from the first byte of each later one (Go's ``ReadHeaderTimeout``); idle keep-alive
-connections stay governed by aiohttp's keep-alive timeout, request bodies by the handlers.
+connections stay governed by aiohttp's keep-alive timeout, request bodies by the handlers. (The one
+head the deadline cannot see is a partial one sent in the same packet as a complete request: the
+parser keeps it to itself, and aiohttp's keep-alive timeout bounds it.)
 
 aiohttp logs every malformed request (and every handler error, including a client that hung up) at
 ERROR with a traceback. Faults the client caused become one rate-limited WARNING line
@@ -51,11 +53,12 @@ class GuardedRequestHandler(RequestHandler):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and (self._awaiting_head() or self._body_complete()):
-            self._arm_head_timer()  # the first bytes of a later request's head
+        head_starts = self._head_timer is None and (self._awaiting_head() or self._body_complete())
         super().data_received(data)
-        if self._head_timer is not None and self._messages:
+        if self._messages:
             self._cancel_head_timer()
+        elif head_starts:
+            self._arm_head_timer()  # the first bytes of a later request's head, not complete yet
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()

@@ -11,6 +11,9 @@ import math
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 I31_MAX = 2**31 - 1
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The largest request body a hop holds: Stargate's replay buffer (default), Pylon's read limit, the
+mock engine's (default). A body Stargate may replay must also fit through Pylon."""
 
 
 def sat_u64(value: int) -> int:

@@ -32,6 +32,13 @@ def test_s9_15_header_parsing_is_strict() -> None:
     assert tok.parse_token_header(None) is None
 
 
+def test_token_headers_out_of_u64_range_are_unparsable_not_an_error() -> None:
+    assert tok.parse_token_header("0" * 5000 + "7") == 7  # 5 001 digits: past int()'s limit
+    assert tok.parse_token_header("9" * 5000) is None
+    assert tok.parse_token_header(str(2**64 - 1)) == 2**64 - 1
+    assert tok.parse_token_header(str(2**64)) is None
+
+
 def test_s9_17_responses_input_estimates() -> None:
     assert tok.responses_input_estimate(None) == 1
     assert tok.responses_input_estimate("hello") == 5

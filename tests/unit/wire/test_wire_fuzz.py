@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from stargate.balancer.config import LbConfig
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import ModelStats
 from stargate.errors import RequestError
 from stargate.pylon.headers import parse_request_meta
-from stargate.router.headers import parse_request
+from stargate.router.headers import MAX_WAIT_CAP_MS, parse_request
 from stargate.wire import headers as h
 from stargate.wire.limits import U32_MAX, U64_MAX
 from stargate.wire.proto import stats_from_proto, stats_to_proto
@@ -136,3 +137,37 @@ def test_any_stats_build_a_heartbeat_and_read_back_in_range(
     by_priority_back = back.queue_time_estimate_ms_by_priority.items()
     assert all(0 <= p <= U32_MAX and 0 <= v <= U64_MAX for p, v in by_priority_back)
     assert math.isnan(back.last_mean_input_tps) or back.last_mean_input_tps == floats[0]
+
+
+ROUTER_HEADERS = (*SHARED, h.MAX_WAIT_MS, h.REQUEST_SLO_MS, h.CACHE_AFFINITY_KEY, h.ROUTING_METHOD,
+                  h.RETRY_BUDGET_MS, "content-length")  # fmt: skip
+METHODS = st.sampled_from(["round-robin", "pulsar", " Power_Of_N "])
+ROUTER_VALID = {**VALID, h.MAX_WAIT_MS: st.just("250"), h.REQUEST_SLO_MS: st.just("900"),
+                h.CACHE_AFFINITY_KEY: st.just("k"), h.RETRY_BUDGET_MS: st.just("77"),
+                "content-length": st.just("10"), h.ROUTING_METHOD: METHODS}  # fmt: skip
+
+
+@st.composite
+def router_headers(draw: st.DrawFn) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name in ROUTER_HEADERS:
+        kind = draw(st.sampled_from(["valid", "valid", "fuzzed", "absent"]))
+        if kind != "absent":
+            headers[name] = draw(ROUTER_VALID[name] if kind == "valid" else ANY_VALUE)
+    return headers
+
+
+@given(headers=router_headers())
+def test_every_router_header_parses_to_bounded_values_or_a_400_or_413(headers: CIMultiDict[str]) -> None:
+    try:
+        req = parse_request(headers, resolve=LbConfig.permissive().resolve_algorithm,
+                            retry_budget_header=h.RETRY_BUDGET_MS, max_replay_body_bytes=100, received_at=0.0)
+    except RequestError as exc:  # PayloadTooLarge is one
+        assert exc.status in (400, 413)
+        return
+    assert 0 <= req.input_tokens <= U64_MAX and 0 <= req.priority <= U32_MAX
+    assert req.max_wait_ms is None or 0 <= req.max_wait_ms <= MAX_WAIT_CAP_MS
+    assert req.request_slo_ms is None or 0 < req.request_slo_ms <= U64_MAX
+    assert req.retry_budget_ms is None or 0 <= req.retry_budget_ms <= U64_MAX
+    for text in (req.request_id, req.target.model_id, req.target.routing_key, req.cache_affinity_key):
+        assert text is None or (h.is_visible_ascii(text) and text == text.strip(" \t") != "")
