@@ -48,6 +48,7 @@ INCOMPLETE_WAIT_S = 0.3
 GRPC_TIMEOUT_S = 3.0
 SAMPLE_INTERVAL_S = 0.5
 MAX_EXAMPLES = 20
+UNANSWERED = "no answer"
 TRACEBACK = "Traceback (most recent call last)"
 _CONNECTED = re.compile(r"^pylon_registration_stream_connected\{[^}]*\}\s+(\S+)", re.MULTILINE)
 PROFILE = {
@@ -73,6 +74,7 @@ class FuzzReport:
     requests: dict[str, int] = field(default_factory=dict)
     statuses: dict[str, int] = field(default_factory=dict)
     undocumented_5xx: int = 0
+    unanswered: int = 0  # complete requests neither answered nor closed within the answer timeout
     examples: list[str] = field(default_factory=list)  # the first undocumented answers
     tracebacks: dict[str, int] = field(default_factory=dict)  # log file → count
     registration_drops: int = 0  # samples in which some Pylon's stream was not connected
@@ -80,8 +82,9 @@ class FuzzReport:
     final_status: int | None = None
 
     def goals_met(self) -> bool:
-        return (self.undocumented_5xx == 0 and not self.tracebacks and self.registration_drops == 0
-                and all(self.routable_at_end.values()) and self.final_status == 200)  # fmt: skip
+        survived = all(self.routable_at_end.values()) and self.final_status == 200
+        return survived and self.undocumented_5xx == self.unanswered == self.registration_drops == 0 and (
+            not self.tracebacks)
 
 
 def fuzz_scenario(pylons: int) -> Any:
@@ -112,14 +115,16 @@ class FuzzRun:
         self.sg = fleet.stargates[0].http
         self.pylons = [p.http for p in fleet.pylons.values()]
         self.report = FuzzReport()
+        self.framing = fc.framing_cases(MODEL)
         self._statuses: Counter[str] = Counter()
 
     def _record(self, category: str, outcome: str, detail: str) -> None:
         self._statuses[outcome] += 1
-        if outcome.isdigit() and fc.undocumented_5xx(int(outcome)):
-            self.report.undocumented_5xx += 1
-            if len(self.report.examples) < MAX_EXAMPLES:
-                self.report.examples.append(f"{category} {outcome}: {detail[:300]}")
+        undocumented = outcome.isdigit() and fc.undocumented_5xx(int(outcome))
+        self.report.undocumented_5xx += undocumented
+        self.report.unanswered += outcome == UNANSWERED
+        if (undocumented or outcome == UNANSWERED) and len(self.report.examples) < MAX_EXAMPLES:
+            self.report.examples.append(f"{category} {outcome}: {detail[:300]}")
 
     async def case(self, index: int, category: str) -> None:
         rng = random.Random(f"{self.seed}-{index}")
@@ -129,11 +134,10 @@ class FuzzRun:
             self._record(category, f"grpc {last}", "")
             return
         addr = self.sg if rng.random() < 0.5 else rng.choice(self.pylons)
-        timeout = ANSWER_TIMEOUT_S
+        complete = True
         if category == "framing":
-            framing = rng.choice(fc.framing_cases(MODEL))
-            data, detail = framing.data, framing.name
-            timeout = ANSWER_TIMEOUT_S if framing.complete else INCOMPLETE_WAIT_S
+            framing = rng.choice(self.framing)
+            data, detail, complete = framing.data, framing.name, framing.complete
         else:
             request_id = f"fuzz-{index}"
             if category == "bodies":
@@ -142,13 +146,15 @@ class FuzzRun:
                 (body, extra), headers = (fc.valid_body(MODEL), {}), fc.fuzz_headers(rng, MODEL, request_id)
             data, detail = fc.request_bytes(rng.choice(fc.PATHS), headers | extra, body), repr(headers)
         try:
-            answer = await fc.exchange(addr, data, timeout)
+            answer = await fc.exchange(addr, data, ANSWER_TIMEOUT_S if complete else INCOMPLETE_WAIT_S)
         except OSError as exc:
             self._record(category, f"connect failed ({type(exc).__name__})", detail)
             return
-        outcome = "closed" if answer.closed else "no answer"
+        outcome = "closed" if answer.closed else "incomplete request, client gave up"
         if answer.status is not None:
             outcome = str(answer.status)
+        elif complete and not answer.closed:
+            outcome = UNANSWERED
         self._record(category, outcome, f"{addr} {detail}")
 
     async def run(self, count: int, concurrency: int) -> None:
@@ -222,6 +228,7 @@ def summary_markdown(report: FuzzReport) -> str:
     lines += [f"| {name} | {n} |" for name, n in report.requests.items()]
     lines += ["", *markdown_table(["Answer", "Count"], [[k, str(v)] for k, v in report.statuses.items()]), ""]
     lines += [f"- undocumented 5xx: {report.undocumented_5xx}",
+              f"- complete requests not answered or closed in {ANSWER_TIMEOUT_S:g} s: {report.unanswered}",
               f"- tracebacks in process logs: {sum(report.tracebacks.values())} {report.tracebacks or ''}",
               f"- registration samples not connected: {report.registration_drops}",
               f"- routable at the end: {report.routable_at_end}",

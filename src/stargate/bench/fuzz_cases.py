@@ -197,7 +197,7 @@ def request_bytes(path: str, headers: Mapping[str, str], body: bytes) -> bytes:
 @dataclass(frozen=True)
 class RawAnswer:
     status: int | None  # None: no status line (closed, or nothing within the timeout)
-    closed: bool  # the server closed the connection (after its answer, if any)
+    closed: bool  # the server closed the connection (after its answer, if any) within the timeout
 
 
 async def exchange(addr: str, data: bytes, timeout_s: float) -> RawAnswer:
@@ -220,7 +220,7 @@ async def exchange(addr: str, data: bytes, timeout_s: float) -> RawAnswer:
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
-    return RawAnswer(status_of(received), closed or not received)
+    return RawAnswer(status_of(received), closed)
 
 
 def status_of(response: bytes) -> int | None:
