@@ -6,6 +6,7 @@ Conformance 81, 83, 85, 97, 128-131, 134, 136 (and §5.3 authentication, caps an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from stargate.proto import stargate_pb2_grpc
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
 from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.state import RoutingState
+from stargate.wire.clock import Clock, ManualClock
 
 T = Target(None, "model-a")
 CALL_TIMEOUT_S = 10.0
@@ -59,16 +61,11 @@ class TokenAuthenticator:
         return None if token is None else f"rk-{token}"
 
 
-async def make_harness(**overrides: object) -> AsyncIterator[Harness]:
+@contextlib.asynccontextmanager
+async def make_harness(clock: Clock | None = None, **overrides: object) -> AsyncIterator[Harness]:
     health = HealthServer()
     app = web.Application()
     app.router.add_get("/health", health.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    health.url = f"http://127.0.0.1:{port}"
     values: dict[str, object] = {
         "stargate_id": "sg-1",
         "advertise_addr": "127.0.0.1:0",
@@ -78,12 +75,15 @@ async def make_harness(**overrides: object) -> AsyncIterator[Harness]:
     values.update(overrides)
     settings = ControlPlaneSettings(**values)  # type: ignore[arg-type]
     state = RoutingState()
-    # try/finally: a test that fails inside ``async for`` leaves this generator unfinished, and the
-    # loop's shutdown then only runs ``finally`` blocks; a server left to the garbage collector
+    runner = web.AppRunner(app)
+    await runner.setup()
+    # Stopped in ``finally``, also when the test fails: a server left to the garbage collector
     # would fail a later test with an unraisable "Event loop is closed".
     try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        health.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         async with aiohttp.ClientSession() as session:
-            plane = ControlPlane(state, settings, session, authenticator=TokenAuthenticator())
+            plane = ControlPlane(state, settings, session, authenticator=TokenAuthenticator(), clock=clock)
             try:
                 grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
                 async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
@@ -97,7 +97,7 @@ async def make_harness(**overrides: object) -> AsyncIterator[Harness]:
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
-    async for value in make_harness():
+    async with make_harness() as value:
         yield value
 
 
@@ -133,8 +133,10 @@ async def send(call: aio.StreamStreamCall, registration: Registration) -> pb.Inf
 
 
 async def rejected(call: aio.StreamStreamCall, registration: Registration) -> aio.AioRpcError:
-    await call.write(registration)
+    """The status that ends the stream; a stream rejected before its first message (authentication)
+    may already be over when the message is written."""
     with pytest.raises(aio.AioRpcError) as info:
+        await call.write(registration)
         await call.read()
     return info.value
 
@@ -280,13 +282,19 @@ async def test_authentication_routing_key_and_rejection(harness: Harness) -> Non
 
 
 async def test_134_idle_timeout_closes_registration_and_frees_id() -> None:
-    async for harness in make_harness(idle_timeout_floor_ms=1, idle_timeout_cap_ms=1):
+    clock = ManualClock()
+    async with make_harness(clock, idle_timeout_floor_ms=1000, idle_timeout_cap_ms=1000) as harness:
         call = harness.open(metadata=(("x-stargate-registration-heartbeat-ms", "not-a-number"),))
-        await call.write(message(harness.health.url))
+        await send(call, message(harness.health.url))
+        await clock.sleeping(1)  # the stream waits for the next update
+        clock.advance(0.999)
+        await send(call, message(harness.health.url))  # not idle yet: the update is applied
+        await clock.sleeping(1)
+        clock.advance(1.0)
         with pytest.raises(aio.AioRpcError) as info:
-            while True:
-                await call.read()
+            await call.read()
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert info.value.details() == "no registration update within 1 s"
         assert not harness.state.is_registered("srv-1")
         assert harness.state.view(T) is None
         again = harness.open()
@@ -295,7 +303,7 @@ async def test_134_idle_timeout_closes_registration_and_frees_id() -> None:
 
 
 async def test_caps_on_models_and_registrations() -> None:
-    async for harness in make_harness(max_registrations=1, max_models_per_registration=2):
+    async with make_harness(max_registrations=1, max_models_per_registration=2) as harness:
         error = await rejected(harness.open(), message(harness.health.url, models=("a", "b", "c")))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error.details() == "too many models in one registration: 3 (limit 2)"

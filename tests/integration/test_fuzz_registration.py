@@ -29,7 +29,7 @@ SPEC_ANSWERS = {ACK, NO_ANSWER, "INVALID_ARGUMENT", "ALREADY_EXISTS", "RESOURCE_
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
-    async for value in make_harness():
+    async with make_harness() as value:
         yield value
 
 

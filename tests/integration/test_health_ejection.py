@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from grpc import aio
+from support.waiting import until
 
 from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
@@ -93,9 +94,7 @@ async def test_probe_loop_rechecks_sooner_after_a_failure(stand_in: StandIn) -> 
     async with aiohttp.ClientSession() as session:
         prober = HealthProber(session, stand_in.url, "b1", settings=settings, sleep=sleep)
         prober.start()
-        async with asyncio.timeout(5):
-            while len(sleeps) <= 5:
-                await asyncio.sleep(0.01)
+        await until("six probe-loop sleeps", lambda: len(sleeps) > 5)
         task = prober.stop()
         assert task is not None
         await asyncio.gather(task, return_exceptions=True)
@@ -109,6 +108,7 @@ class Plane:
     stub: stargate_pb2_grpc.StargateControlPlaneStub
 
 
+@contextlib.asynccontextmanager
 async def start_plane(health: HealthSettings) -> AsyncIterator[Plane]:
     settings = ControlPlaneSettings(
         stargate_id="sg-1", advertise_addr="127.0.0.1:0", http_advertise_addr="127.0.0.1:8000", health=health
@@ -116,10 +116,12 @@ async def start_plane(health: HealthSettings) -> AsyncIterator[Plane]:
     state = RoutingState()
     async with aiohttp.ClientSession() as session:
         plane = ControlPlane(state, settings, session)
-        grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
-        async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            yield Plane(state, stargate_pb2_grpc.StargateControlPlaneStub(channel))
-        await plane.stop(0.5)
+        try:
+            grpc_port, _ = await plane.start("127.0.0.1:0", "127.0.0.1:0")
+            async with aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                yield Plane(state, stargate_pb2_grpc.StargateControlPlaneStub(channel))
+        finally:
+            await plane.stop(0.5)
 
 
 async def register(plane: Plane, url: str) -> aio.StreamStreamCall:
@@ -133,17 +135,14 @@ async def register(plane: Plane, url: str) -> aio.StreamStreamCall:
     return call
 
 
-async def until_routable(state: RoutingState, routable: bool, timeout_s: float = 5.0) -> float:
-    """Seconds until the target's routability is ``routable`` (checked every 10 ms)."""
-    started = time.monotonic()
-    async with asyncio.timeout(timeout_s):
-        while (state.view(T) is not None) != routable:
-            await asyncio.sleep(0.01)
-    return time.monotonic() - started
+async def until_routable(state: RoutingState, routable: bool, timeout_s: float = 10.0) -> float:
+    """Seconds until the target's routability is ``routable``."""
+    what = "routable" if routable else "out of routing"
+    return await until(what, lambda: (state.view(T) is not None) == routable, timeout_s=timeout_s)
 
 
 async def test_a_hung_backend_leaves_routing_without_a_heartbeat_and_returns(stand_in: StandIn) -> None:
-    async for plane in start_plane(FAST):
+    async with start_plane(FAST) as plane:
         call = await register(plane, stand_in.url)
         assert plane.state.view(T) is not None
         stand_in.hanging = True
@@ -176,7 +175,7 @@ async def test_a_frozen_backend_process_leaves_routing_within_3_s_with_the_defau
     try:
         assert process.stdout is not None
         port = int(await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 10))
-        async for plane in start_plane(HealthSettings()):
+        async with start_plane(HealthSettings()) as plane:
             call = await register(plane, f"http://127.0.0.1:{port}")
             assert plane.state.view(T) is not None
             os.kill(process.pid, signal.SIGSTOP)

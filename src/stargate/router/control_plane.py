@@ -3,9 +3,9 @@
 Registration streams end on client close, read error, idle timeout, validation error or shutdown;
 on every end the backend's probing stops and ``RoutingState.remove`` drops its routes, releases its
 id and retires its cluster generation, in that order, before the stream's final status is sent.
-Every applied update is acknowledged, also when the health probe failed (the update then removes the
-backend's ACTIVE routes; §5.5 of the original skips the ack only when a QUIC tunnel cannot be opened,
-which has no HTTP equivalent).
+The idle timeout runs on the injected clock. Every applied update is acknowledged, also when the
+health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the original
+skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
 Between updates the backend's health prober ejects it from routing after consecutive failed probes
 and re-applies its latest update when a probe succeeds again (``router/health.py``).
 """
@@ -30,7 +30,6 @@ from stargate.router import watch
 from stargate.router.discovery import DiscoverySettings, PeerDiscovery, with_self
 from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.registration import (
-    HEARTBEAT_METADATA_KEY,
     Identity,
     OpenAuthenticator,
     WorkerAuthenticator,
@@ -42,7 +41,9 @@ from stargate.router.registration import (
     model_updates,
 )
 from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.wire import headers as h
 from stargate.wire.address import join_host_port, split_host_port
+from stargate.wire.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +131,11 @@ class ControlPlane:
         session: aiohttp.ClientSession,
         *,
         authenticator: WorkerAuthenticator | None = None,
+        clock: Clock | None = None,
     ) -> None:
         settings.validate()
         self._state = state
+        self._clock = clock or SystemClock()
         self._settings = settings
         self._session = session
         self._authenticator: WorkerAuthenticator = authenticator or OpenAuthenticator()
@@ -245,7 +248,7 @@ class ControlPlane:
             log.warning("registration rejected: authentication failed", exc_info=True)
             await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "authentication failed")
         timeout_ms = idle_timeout_ms(
-            metadata_value(metadata, HEARTBEAT_METADATA_KEY),
+            metadata_value(metadata, h.HEARTBEAT_METADATA),
             self._settings.idle_timeout_floor_ms,
             self._settings.idle_timeout_cap_ms,
         )
@@ -346,13 +349,15 @@ class ControlPlane:
         """The next message; ``None`` at end of stream. Idle timeout, shutdown and undecodable bytes
         raise ``_StreamEnd``; shutdown wins over a message that is already there."""
         read = asyncio.ensure_future(context.read())
-        stopping = asyncio.ensure_future(self._stopping.wait())
+        waits = {read, asyncio.ensure_future(self._stopping.wait())}
+        if idle_s is not None:  # on the injected clock, so tests drive the idle timeout
+            waits.add(asyncio.ensure_future(self._clock.sleep(idle_s)))
         try:
-            await asyncio.wait((read, stopping), timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stopping.cancel()
-            if not read.done():
-                read.cancel()
+            for waiting in waits:
+                if not waiting.done():
+                    waiting.cancel()
         if self._stopping.is_set():
             raise _StreamEnd(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         if not read.done():
