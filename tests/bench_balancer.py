@@ -19,6 +19,7 @@ from stargate.balancer import (
     Target,
     build_policy,
 )
+from stargate.balancer.settings import Placement
 
 DEFINITIONS = {
     "power-of-n (k=2, ttft)": AlgorithmDefinition(Algorithm.POWER_OF_N, comparator=Comparator.TTFT),
@@ -40,7 +41,9 @@ DEFINITIONS = {
         selection_count=1,
         cache_affinity_wait_ms=200,
         cache_affinity_input_tokens_scale=0.2,
-        cache_affinity_yield_margin_ms=250,
+        cache_affinity_yield_margin_ms=1000,
+        cache_affinity_placement=Placement.LOAD,
+        max_queued=16,
         load_aware=True,
     ),
     "pulsar": AlgorithmDefinition(Algorithm.PULSAR),

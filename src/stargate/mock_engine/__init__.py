@@ -8,8 +8,8 @@ Public API: :class:`~stargate.mock_engine.engine.EngineConfig`, :class:`~stargat
 
 from __future__ import annotations
 
-from .app import BACKEND_HEADER, build_app, start_server
+from .app import build_app, start_server
 from .engine import Engine, EngineConfig
 from .timing import TimingConfig
 
-__all__ = ["BACKEND_HEADER", "Engine", "EngineConfig", "TimingConfig", "build_app", "start_server"]
+__all__ = ["Engine", "EngineConfig", "TimingConfig", "build_app", "start_server"]

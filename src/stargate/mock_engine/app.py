@@ -21,7 +21,6 @@ from .generate import error_response, failure_response, generate, new_id, read_j
 from .steps import QueueFull
 
 ENGINE_KEY = web.AppKey("engine", Engine)
-BACKEND_HEADER = h.MOCK_BACKEND_ID
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
@@ -63,7 +62,7 @@ def build_app(engine: Engine) -> web.Application:
     app[ENGINE_KEY] = engine
 
     async def add_identity(_: web.Request, response: web.StreamResponse) -> None:
-        response.headers[BACKEND_HEADER] = engine.backend_id
+        response.headers[h.MOCK_BACKEND_ID] = engine.backend_id
 
     app.on_response_prepare.append(add_identity)
 
@@ -145,4 +144,4 @@ async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRun
     return runner, f"http://{join_host_port(bound[0], bound[1])}"
 
 
-__all__ = ["BACKEND_HEADER", "ENGINE_KEY", "build_app", "error_response", "start_server"]
+__all__ = ["ENGINE_KEY", "build_app", "error_response", "start_server"]

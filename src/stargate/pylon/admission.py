@@ -19,8 +19,6 @@ from stargate.pylon.models import Generation
 from stargate.wire import headers as h
 from stargate.wire.limits import U64_MAX
 
-EXPECTED_QUEUE_HEADER = h.EXPECTED_QUEUE_MS
-
 
 class Result(StrEnum):
     ACCEPTED = "accepted"

@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("stargate.pylon.registration")
-HEARTBEAT_METADATA = h.HEARTBEAT_METADATA
 RETRY_S = 1.0
 MAX_RETRY_S = 30.0
 INITIAL_DISCOVERY_TIMEOUT_S = 5.0
@@ -314,7 +313,7 @@ class RegistrationClient:
             await attempt.pause
 
     def _metadata(self) -> list[tuple[str, str]]:
-        md = [(HEARTBEAT_METADATA, str(self._interval_ms))]
+        md = [(h.HEARTBEAT_METADATA, str(self._interval_ms))]
         token = self._token()
         if token:
             md.append(("authorization", f"Bearer {token}"))

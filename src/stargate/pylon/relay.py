@@ -44,6 +44,7 @@ from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, 
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
+from stargate.wire import headers as h
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
 from stargate.wire.http_server import report_client_gone
@@ -265,7 +266,7 @@ class Relay:
             observer.embedding_items = embedding_item_count(orjson.loads(plain))
         decision = admission.decide(
             self.admission,
-            request.headers.get(admission.EXPECTED_QUEUE_HEADER),
+            request.headers.get(h.EXPECTED_QUEUE_MS),
             load=self.load,
             gen=gen,
             request_id=request_id,

@@ -30,7 +30,6 @@ from stargate.router import watch
 from stargate.router.discovery import DiscoverySettings, PeerDiscovery, with_self
 from stargate.router.health import HealthProber, HealthSettings, wait_stopped
 from stargate.router.registration import (
-    HEARTBEAT_METADATA_KEY,
     Identity,
     OpenAuthenticator,
     WorkerAuthenticator,
@@ -42,6 +41,7 @@ from stargate.router.registration import (
     model_updates,
 )
 from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.wire import headers as h
 from stargate.wire.address import join_host_port, split_host_port
 from stargate.wire.clock import Clock, SystemClock
 
@@ -248,7 +248,7 @@ class ControlPlane:
             log.warning("registration rejected: authentication failed", exc_info=True)
             await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "authentication failed")
         timeout_ms = idle_timeout_ms(
-            metadata_value(metadata, HEARTBEAT_METADATA_KEY),
+            metadata_value(metadata, h.HEARTBEAT_METADATA),
             self._settings.idle_timeout_floor_ms,
             self._settings.idle_timeout_cap_ms,
         )

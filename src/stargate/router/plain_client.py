@@ -28,7 +28,6 @@ from stargate.wire.headers import text_value
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BYTES_PER_TOKEN = 4
-DEFAULT_SESSION_HEADER = h.SESSION_ID
 REQUEST_ID_PREFIX = "sg-"
 # Body fields that hold the prompt, in the order OpenAI endpoints use them.
 PROMPT_FIELDS = ("messages", "prompt", "input", "instructions")
@@ -77,7 +76,7 @@ class HuggingFaceTokenizer:
 class PlainClientSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
-    session_header: str | None = DEFAULT_SESSION_HEADER
+    session_header: str | None = h.SESSION_ID
     tokenizer_path: str | None = None
 
     def counter(self) -> TokenCounter:

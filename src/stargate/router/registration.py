@@ -18,7 +18,6 @@ from stargate.wire import headers as h
 from stargate.wire.limits import U64_MAX
 from stargate.wire.proto import stats_from_proto as convert_stats
 
-HEARTBEAT_METADATA_KEY = h.HEARTBEAT_METADATA
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _ACTIVE = stargate_pb2.INFERENCE_SERVER_STATUS_ACTIVE
 
