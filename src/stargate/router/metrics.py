@@ -2,7 +2,9 @@
 
 Each ``RouterMetrics`` owns its own ``CollectorRegistry`` so several routers (tests, benches) can
 live in one process. Label values use ``""`` for a missing routing key; request ids, prompts, URLs
-and tokens are never labels.
+and tokens are never labels. Routing keys and models come from client headers, so label pairs that
+no registration ever advertised are bounded (``MAX_CLIENT_TARGETS``; later ones count under
+``OTHER_TARGET``): random ``x-model`` values cannot grow the registry without end.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ REPLAY_BUFFER_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 
 PROXY_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROUTING_DURATION_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1)
 DEFAULT_PREFIX = "stargate_"
+MAX_CLIENT_TARGETS = 1000
+"""Distinct ``(routing_key, model)`` label pairs taken from requests alone (never registered)."""
+OTHER_TARGET = "__other__"
+"""Both labels of a request whose unregistered target came after the first ``MAX_CLIENT_TARGETS``."""
 
 
 def _counter_name(prefix: str, name: str) -> str:
@@ -137,51 +143,61 @@ class RouterMetrics:
         self._proxy_duration = LabelChildren(self.proxy_duration_seconds)
         self._routing_duration = LabelChildren(self.routing_duration_seconds)
         self._active = LabelChildren(self.active_inference_servers)
+        self._registered: set[tuple[str, str]] = set()
+        self._client_targets: set[tuple[str, str]] = set()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     # -- per-event helpers -------------------------------------------------------------------------
 
+    def _tgt(self, target: Target) -> tuple[str, str]:
+        """The target's label pair; an unregistered one past the cap becomes ``OTHER_TARGET``."""
+        pair = (target.routing_key or "", target.model_id)
+        if pair in self._registered or pair in self._client_targets:
+            return pair
+        if len(self._client_targets) < MAX_CLIENT_TARGETS:
+            self._client_targets.add(pair)
+            return pair
+        return (OTHER_TARGET, OTHER_TARGET)
+
     def set_active(self, target: Target, count: int) -> None:
-        self._active(_rk(target), target.model_id).set(count)
+        pair = (target.routing_key or "", target.model_id)
+        self._registered.add(pair)
+        self._active(*pair).set(count)
 
     def request_finished(self, target: Target, backend_id: str, status: int) -> None:
-        self._requests(_rk(target), target.model_id, backend_id, str(status)).inc()
+        self._requests(*self._tgt(target), backend_id, str(status)).inc()
 
     def attempt(self, target: Target, backend_id: str, result: str) -> None:
-        self._attempts(_rk(target), target.model_id, backend_id, result).inc()
+        self._attempts(*self._tgt(target), backend_id, result).inc()
 
     def retry(self, target: Target, reason: str) -> None:
-        self._retries(_rk(target), target.model_id, reason).inc()
+        self._retries(*self._tgt(target), reason).inc()
 
     def retry_exhausted(self, target: Target, reason: str) -> None:
-        self._exhausted(_rk(target), target.model_id, reason).inc()
+        self._exhausted(*self._tgt(target), reason).inc()
 
     def selection(self, target: Target, algorithm: str, rank_depth: int, kv_fallback: bool) -> None:
         kind = "primary" if rank_depth <= 1 else "fallback"
-        self._selections(_rk(target), target.model_id, algorithm, kind).inc()
+        self._selections(*self._tgt(target), algorithm, kind).inc()
         if kv_fallback:
-            self._kv_fallbacks(_rk(target), target.model_id, algorithm).inc()
+            self._kv_fallbacks(*self._tgt(target), algorithm).inc()
 
     def admission_rejected(self, target: Target, reason: str) -> None:
-        self._admission(_rk(target), target.model_id, reason).inc()
+        self._admission(*self._tgt(target), reason).inc()
 
     def replay_buffer(self, target: Target, buffered: int) -> None:
-        self._replay(target.model_id).observe(buffered)
+        self._replay(self._tgt(target)[1]).observe(buffered)
 
     def proxy_duration(self, target: Target, backend_id: str, seconds: float) -> None:
-        self._proxy_duration(_rk(target), target.model_id, backend_id).observe(seconds)
+        self._proxy_duration(*self._tgt(target), backend_id).observe(seconds)
 
     def routing_duration(self, target: Target, seconds: float) -> None:
-        self._routing_duration(_rk(target), target.model_id).observe(seconds)
+        self._routing_duration(*self._tgt(target)).observe(seconds)
 
     def eviction(self, backend_id: str, reason: str) -> None:
         self.quic_connection_evictions_total.labels(backend_id, reason).inc()
 
     def reconnect(self, backend_id: str, ok: bool) -> None:
         self.quic_hot_path_reconnect_total.labels(backend_id, "success" if ok else "error").inc()
-
-
-def _rk(target: Target) -> str:
-    return target.routing_key or ""

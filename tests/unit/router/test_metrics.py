@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.utils import floatToGoString
 
 from stargate.balancer.types import Target
-from stargate.router.metrics import RouterMetrics
+from stargate.router.metrics import MAX_CLIENT_TARGETS, OTHER_TARGET, RouterMetrics
 
 T = Target("rk", "m")
 TGT = ("routing_key", "model")
@@ -106,3 +106,19 @@ def test_registries_are_isolated_and_gauge_tracks_active_count() -> None:
     labels = {"routing_key": "rk", "model": "m"}
     assert a.registry.get_sample_value("stargate_active_inference_servers", labels) == 0
     assert b.registry.get_sample_value("stargate_active_inference_servers", labels) is None
+
+
+def test_client_chosen_targets_are_bounded_registered_ones_never() -> None:
+    m = RouterMetrics()
+    m.set_active(Target(None, "served"), 1)
+    for i in range(MAX_CLIENT_TARGETS + 50):
+        m.request_finished(Target(f"rk-{i}", f"random-{i}"), "", 404)
+    m.request_finished(Target(None, "served"), "b1", 200)
+    m.set_active(Target(None, "late"), 1)  # a registration after the cap still gets its own labels
+    m.request_finished(Target(None, "late"), "b2", 200)
+    series = {s.labels["model"] for s in next(iter(m.requests_total.collect())).samples}
+    assert len(series) == MAX_CLIENT_TARGETS + 3
+    assert {OTHER_TARGET, "served", "late", "random-0"} <= series and "random-1000" not in series
+    sample = m.registry.get_sample_value
+    other = {"routing_key": OTHER_TARGET, "model": OTHER_TARGET, "inference_server_id": "", "status": "404"}
+    assert sample("stargate_requests_total", other) == 50
