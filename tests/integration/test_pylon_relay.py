@@ -230,31 +230,39 @@ async def test_engine_down_is_retryable_by_default(client: aiohttp.ClientSession
         await app.close()
 
 
+@pytest.mark.parametrize(
+    ("engine_state", "expected"),
+    [
+        ("alive", "false"),  # drops every connection unanswered but keeps accepting them
+        ("gone", "true"),  # refuses connections once the request arrived
+        ("dying", "true"),  # accepts and drops the first probe, then refuses (a killed process)
+    ],
+)
 async def test_an_unanswered_request_is_retryable_only_once_the_engine_is_gone(
-    client: aiohttp.ClientSession,
+    client: aiohttp.ClientSession, engine_state: str, expected: str
 ) -> None:
     """The engine closes the connection without answering. If it still accepts connections it may be
     running the request; if it refuses them (it was killed) nothing can be, so Stargate may retry."""
     listening: list[asyncio.Server] = []
-    for gone, expected in ((False, "false"), (True, "true")):
 
-        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, gone: bool = gone) -> None:
-            head = await reader.readuntil(b"\r\n\r\n")
-            if gone and head.startswith(b"POST"):  # the chat request, not a health probe
-                listening[-1].close()
-            writer.transport.abort()
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        chat = head.startswith(b"POST")  # the chat request, not a health probe
+        if (engine_state == "gone" and chat) or (engine_state == "dying" and not chat):
+            listening[0].close()
+        writer.transport.abort()
 
-        server = await asyncio.start_server(drop, "127.0.0.1", 0)
-        listening.append(server)
-        port = server.sockets[0].getsockname()[1]
-        app = await started(FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off")
-        try:
-            async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
-                assert resp.status == 503
-                assert resp.headers["x-stargate-retryable"] == expected
-        finally:
-            await app.close()
-            server.close()
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    listening.append(server)
+    port = server.sockets[0].getsockname()[1]
+    app = await started(FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off")
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 503
+            assert resp.headers["x-stargate-retryable"] == expected
+    finally:
+        await app.close()
+        server.close()
 
 
 async def test_b95_read_timeout_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:

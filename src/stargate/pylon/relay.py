@@ -67,25 +67,46 @@ _RELAY_HINT = "pylon --pylon-relay-non-streaming true relays JSON answers"
 
 
 ENGINE_PROBE_TIMEOUT_S = 0.5
+ENGINE_PROBE_RETRY_S = 0.02
 
 
-async def engine_refuses(url: str) -> bool:
-    """True when the engine's address refuses a TCP connection (the process is gone); bounded."""
+async def engine_gone(url: str, path: str) -> bool:
+    """True when the engine's address refuses connections within ``ENGINE_PROBE_TIMEOUT_S``: the
+    process is gone and runs nothing. A killed process still completes TCP handshakes until the
+    kernel has torn its sockets down, so a fresh connection dropped before it answers ``GET path``
+    is tried again; an answer (any status), or no refusal within the bound, means it may still be
+    running the request: False."""
     target = URL(url)
     if target.host is None or target.port is None:
         return False
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(target.host, target.port), ENGINE_PROBE_TIMEOUT_S
-        )
+        async with asyncio.timeout(ENGINE_PROBE_TIMEOUT_S):
+            while (verdict := await _probe_once(target.host, target.port, path)) is None:
+                await asyncio.sleep(ENGINE_PROBE_RETRY_S)
+    except TimeoutError:
+        return False
+    return verdict
+
+
+async def _probe_once(host: str, port: int, path: str) -> bool | None:
+    """True: refused; False: answered (or an unexpected error); None: accepted, dropped unanswered."""
+    writer: asyncio.StreamWriter | None = None
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        return False if await reader.read(1) else None
     except ConnectionRefusedError:
         return True
-    except (OSError, TimeoutError):
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+    except OSError:
         return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return False
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,10 +343,10 @@ class Relay:
             # Sent, then no answer in time: the engine may be running it, so never retryable.
             return _problem(LocalConnectFailure(retryable=False))
         except aiohttp.ClientConnectionError:
-            # Sent, then the connection closed unanswered. An engine that no longer accepts connections
-            # is gone and runs nothing (a request written on a keep-alive connection it was closing as
-            # it died); otherwise it may be running the request, so never retryable.
-            gone = await engine_refuses(url)
+            # Sent, then the connection closed unanswered. An engine that refuses or drops a fresh
+            # connection is gone and runs nothing (a request written on a connection it was closing
+            # as it died); otherwise it may be running the request, so never retryable.
+            gone = await engine_gone(url, self.prober.probe_path)
             return _problem(LocalConnectFailure(retryable=gone and self.s.local_connect_failures_retryable))
         async with upstream:
             out_headers, failure = response_headers(
