@@ -34,6 +34,7 @@ from stargate.tracing import setup_tracing
 from stargate.wire import address
 from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
+from stargate.wire.clock import Clock, SystemClock
 from stargate.wire.http_server import GuardedAppRunner
 from stargate.wire.listen import listen
 
@@ -111,13 +112,16 @@ class StargateServer:
         metrics: RouterMetrics | None = None,
         tracing: Tracing | None = None,
         client_faults: ClientFaults | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up."""
+        """``tracing`` overrides the exporter that ``settings.otel_endpoint`` would set up; ``clock``
+        is the one time source of routing state, attempts, the proxy and the control plane."""
         self.settings = settings
+        self.clock = clock or SystemClock()
         self.tracing = tracing
         self.client_faults = client_faults or ClientFaults(logging.getLogger("stargate.router.clients"))
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
-        self.state = RoutingState(on_active_count=self.metrics.set_active)
+        self.state = RoutingState(clock=self.clock.monotonic, on_active_count=self.metrics.set_active)
         self.endpoints = Endpoints(
             self.state.list_models,
             self.state.active_model_ids,
@@ -147,12 +151,15 @@ class StargateServer:
             request_timeout_s=s.request_timeout_ms / 1000.0,
         )
         machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=effective_queue_ms)
-        driver = AttemptDriver(self.state, machine, transport, self.metrics)
+        driver = AttemptDriver(
+            self.state, machine, transport, self.metrics, clock=self.clock.monotonic, sleep=self.clock.sleep
+        )
         self.proxy = proxy = ProxyHandler(
             driver,
             self.metrics,
             s.lb_config.resolve_algorithm,
             s.proxy,
+            clock=self.clock.monotonic,
             plain=plain,
             tracing=self.tracing,
             client_faults=self.client_faults,
@@ -163,7 +170,10 @@ class StargateServer:
                 self._metrics_app(), s.metrics_host, s.metrics_port, "--metrics-port"
             )
             self.control_plane = ControlPlane(
-                self.state, self._control_plane_settings(advertise_host, http_bound[1]), self._session
+                self.state,
+                self._control_plane_settings(advertise_host, http_bound[1]),
+                self._session,
+                clock=self.clock,
             )
             grpc_port, discovery_port = await self.control_plane.start(
                 s.listen_addr, s.model_discovery_listen_addr

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from stargate.balancer.types import ModelStats
 from stargate.errors import RegistrationRejected
 from stargate.proto import stargate_pb2
+from stargate.router.headers import valid_header_value
 from stargate.wire import headers as h
 from stargate.wire.limits import U64_MAX
 from stargate.wire.proto import stats_from_proto as convert_stats
@@ -105,6 +106,13 @@ def admit_first(message: stargate_pb2.InferenceServerRegistration, *, reverse_li
     validate_url(message.inference_server_url)
     if message.reverse_tunnel and not reverse_listener:
         raise RegistrationRejected("reverse tunnel flag set but no reverse tunnel config")
+    # Stargate sets these on every response it proxies for this backend; a value no header can hold
+    # would turn each of those requests into a 500 (docs/compat.md), so it is refused here instead.
+    for name, value in (("inference_server_id", message.inference_server_id),
+                        ("inference_server_url", message.inference_server_url),
+                        ("cluster_id", message.cluster_id)):  # fmt: skip
+        if value and not valid_header_value(value):
+            raise RegistrationRejected(f"{name} must be visible ASCII without surrounding spaces")
     return Identity(
         inference_server_id=message.inference_server_id,
         inference_server_url=message.inference_server_url,

@@ -73,6 +73,19 @@ def test_direct_mode_accepts_http_with_any_host(url: str, host: str, port: int) 
     assert identity.inference_server_url == url
 
 
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"inference_server_id": "pylon-\u00e9"}, "inference_server_id"),
+        ({"inference_server_id": " pylon"}, "inference_server_id"),
+        ({"inference_server_url": "http://h\u00e9st:80"}, "inference_server_url"),
+        ({"cluster_id": "c\x01"}, "cluster_id"),
+    ],
+)
+def test_identity_that_no_response_header_can_carry_is_rejected(fields: dict[str, str], name: str) -> None:
+    assert rejection(registration(**fields)) == f"{name} must be visible ASCII without surrounding spaces"
+
+
 def test_130_reverse_flag_without_listener_is_rejected_after_url_checks() -> None:
     message = registration(reverse_tunnel=True, inference_server_url="http://backend.default.svc:8080")
     assert rejection(message) == "reverse tunnel flag set but no reverse tunnel config"
