@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 import aiohttp
 import openai
 import pytest
+from support.waiting import value_of
 
 from stargate.bench.fleet import (
     PylonAddrs,
@@ -101,16 +101,15 @@ async def chain(tmp_path: Path) -> AsyncIterator[Chain]:
 
 async def poll(chain: Chain, what: str, probe: Callable[[], Awaitable[T | None]]) -> T:
     """``probe()`` until it returns non-None; fails with the process logs after the deadline."""
-    deadline = time.monotonic() + POLL_DEADLINE_S
-    while True:
+
+    async def alive_then_probe() -> T | None:
         for proc in chain.procs:
             assert proc.returncode is None, f"{proc.name} exited\n{proc.log_tail()}"
-        result = await probe()
-        if result is not None:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{chain.tails()}")
-        await asyncio.sleep(0.05)
+        return await probe()
+
+    return await value_of(
+        what, alive_then_probe, timeout_s=POLL_DEADLINE_S, interval_s=0.05, details=chain.tails
+    )
 
 
 async def backend_stats(chain: Chain) -> dict[str, dict[str, Any]]:

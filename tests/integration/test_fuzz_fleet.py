@@ -10,7 +10,6 @@ a traceback.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import random
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support.waiting import until
 from test_proxy_contract import settings as stargate_settings
 
 from stargate.bench.fuzz_cases import (
@@ -96,9 +96,7 @@ async def fleet() -> AsyncIterator[Fleet]:
         await pylon.start()
         async with aiohttp.ClientSession(timeout=TIMEOUT, skip_auto_headers=("Content-Type",)) as http:
             fleet = Fleet(server, pylon, http, bound.http, pylon.http_url.removeprefix("http://"))
-            async with asyncio.timeout(10):
-                while not fleet.registered():
-                    await asyncio.sleep(0.02)
+            await until("the Pylon registered", fleet.registered)
             yield fleet
     finally:
         if pylon is not None:

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from support.waiting import until
 
 from stargate.mock_engine import Engine, EngineConfig, TimingConfig, start_server
 
@@ -61,10 +62,10 @@ async def test_invalid_fault_body_is_400() -> None:
 
 
 async def test_hang_before_first_byte() -> None:
-    async with running() as (url, _, session):
+    async with running() as (url, engine, session):
         await put_faults(session, url, {"hang_next": 1, "hang_ms": 300})
         request = asyncio.create_task(session.post(url + "/v1/chat/completions", json=chat(True)))
-        await asyncio.sleep(0.1)
+        await until("the request at the engine", lambda: engine.control.faults.hang_next == 0)
         assert not request.done()
         response = await asyncio.wait_for(request, 2)
         await response.read()
@@ -97,12 +98,12 @@ async def test_drop_connection_after_k_chunks() -> None:
 
 async def test_pause_stalls_streams_until_resume() -> None:
     async with (
-        running(timing=TimingConfig(num_tokens=4, token_delay_ms=10)) as (url, _, session),
+        running(timing=TimingConfig(num_tokens=4, token_delay_ms=10)) as (url, engine, session),
         session.post(url + "/test-control/pause") as r,
     ):
         assert (await r.json())["paused"] is True
         request = asyncio.create_task(session.post(url + "/v1/chat/completions", json=chat()))
-        await asyncio.sleep(0.1)
+        await until("the request at the engine", lambda: sum(engine.control.counters.values()) == 1)
         assert not request.done()
         await (await session.post(url + "/test-control/resume")).read()
         response = await asyncio.wait_for(request, 2)
@@ -156,10 +157,7 @@ async def test_arrival_log_names_a_request_before_it_finishes(tmp_path: Path) ->
         held = asyncio.create_task(
             session.post(url + "/v1/chat/completions", json=chat(), headers={"x-request-id": "held"})
         )
-        deadline = time.monotonic() + 5.0
-        while not log.exists() or not log.read_bytes():
-            assert time.monotonic() < deadline, "no arrival line while the request was held"
-            await asyncio.sleep(0.01)
+        await until("an arrival line for the held request", lambda: log.exists() and bool(log.read_bytes()))
         assert not held.done()
         (row,) = [orjson.loads(line) for line in log.read_bytes().splitlines()]
         assert (row["request_id"], row["backend_id"]) == ("held", "b0") and row["arrival"] > 0

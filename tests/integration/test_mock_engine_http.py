@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from support.waiting import until
 
 from stargate.mock_engine import Engine, EngineConfig, TimingConfig, start_server
 
@@ -271,8 +272,8 @@ async def test_s9_41_second_request_waits_for_slot() -> None:
     async with running(timing=timing, max_concurrent_requests=1) as (url, engine, session):
         first = await session.post(url + "/v1/chat/completions", json=chat(True))
         second = asyncio.create_task(session.post(url + "/v1/chat/completions", json=chat(True)))
-        await asyncio.sleep(0.05)
-        assert not second.done() and engine.slots.waiting == 1
+        await until("the second request waiting for the slot", lambda: engine.slots.waiting == 1)
+        assert not second.done()
         await first.read()
         response = await asyncio.wait_for(second, 2)
         frames = await sse(response)
@@ -308,18 +309,19 @@ async def test_s9_43_and_s9_44_chat_failure_switch() -> None:
 
 
 async def test_s9_45_bringup_hold_over_http() -> None:
-    async with running() as (url, _, session):
+    async with running() as (url, engine, session):
         await (await session.put(url + "/test-control/models/m", json={"bringup_blocked": True})).read()
         body = chat(model="m")
         held = asyncio.create_task(
             session.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "canary-1"})
         )
+        canary = ("chat_completions", "m", "pylon_generated")
+        await until("the canary at the engine", lambda: engine.control.counters.get(canary) == 1)
         async with session.post(
             url + "/v1/chat/completions", json=body, headers={"x-request-id": "user-1"}
         ) as r:
             assert r.status == 200
-        await asyncio.sleep(0.05)
-        assert not held.done()
+        assert not held.done()  # the user request was answered while the canary is held
         await (await session.put(url + "/test-control/models/m", json={"bringup_blocked": False})).read()
         response = await asyncio.wait_for(held, 2)
         assert response.status == 200
@@ -352,11 +354,8 @@ async def test_s9_48_client_disconnect_releases_slot_without_finish_event() -> N
         )
         await response.content.readline()
         response.close()
-        for _ in range(100):
-            if engine.slots.running == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert engine.slots.running == 0 and engine.scheduler.active == 0
+        await until("the slot released", lambda: engine.slots.running == 0)
+        assert engine.scheduler.active == 0
         async with session.post(
             url + "/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "e"}
         ) as r:

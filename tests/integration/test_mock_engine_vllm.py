@@ -7,6 +7,7 @@ import re
 
 import aiohttp
 import orjson
+from support.waiting import until
 
 from stargate.mock_engine import Engine, EngineConfig, TimingConfig, start_server
 
@@ -24,15 +25,6 @@ async def gauge(session: aiohttp.ClientSession, url: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
     assert match is not None, name
     return float(match.group(1))
-
-
-async def until(check: object, timeout: float = 5.0) -> None:
-    """Poll an async predicate; fails after ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():  # type: ignore[operator]
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_vllm_mode_reports_waiting_and_reuses_the_prefix_cache() -> None:
@@ -57,7 +49,7 @@ async def test_vllm_mode_reports_waiting_and_reuses_the_prefix_cache() -> None:
             async def one_waiting() -> bool:
                 return await gauge(session, url, "vllm:num_requests_waiting") == 1.0
 
-            await until(one_waiting)
+            await until("one request waiting", one_waiting)
             assert await gauge(session, url, "vllm:num_requests_running") == 1.0
             assert await gauge(session, url, "sglang:num_queue_reqs") == 1.0
             await first.read()
@@ -69,7 +61,7 @@ async def test_vllm_mode_reports_waiting_and_reuses_the_prefix_cache() -> None:
             async def idle() -> bool:
                 return await gauge(session, url, "vllm:num_requests_running") == 0.0
 
-            await until(idle)
+            await until("nothing running", idle)
             prompt_tokens = float(first.headers["x-mock-input-tokens"]) * 2
             assert await gauge(session, url, "vllm:prompt_tokens_total") == prompt_tokens
             async with session.get(url + "/kv-cache/stats") as r:

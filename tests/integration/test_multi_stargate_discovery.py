@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import aiohttp
 import pytest
 from dns_support import Zone, dns_server
 from grpc import aio
+from support.waiting import until
 
 from stargate.bench.fleet import (
     StargateAddrs,
@@ -70,15 +70,14 @@ class Fleet:
 
     async def until(self, what: str, check: Callable[[], Awaitable[bool]]) -> float:
         """Seconds until ``check()`` holds; fails with the process logs after the deadline."""
-        started = time.monotonic()
-        while not await check():
+
+        async def alive_and_check() -> bool:
             for proc in self.procs:
                 assert proc.returncode is None, f"{proc.name} exited\n{proc.log_tail()}"
-            if time.monotonic() - started > DEADLINE_S:
-                tails = "\n".join(p.log_tail(20) for p in self.procs)
-                raise AssertionError(f"timed out waiting for {what}\n{tails}")
-            await asyncio.sleep(0.02)
-        return time.monotonic() - started
+            return await check()
+
+        tails = lambda: "\n".join(p.log_tail(20) for p in self.procs)  # noqa: E731
+        return await until(what, alive_and_check, timeout_s=DEADLINE_S, interval_s=0.02, details=tails)
 
     async def registered_on(self) -> set[str]:
         return {h for h in HOSTS if MODEL in await self.models(h)}

@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import aiohttp
 import openai
@@ -18,6 +19,7 @@ import pytest
 from aiohttp import web
 from grpc import aio
 from openai import AsyncOpenAI
+from support.waiting import until, value_of
 
 from stargate.balancer.config import parse_lb_config
 from stargate.balancer.types import Target
@@ -214,13 +216,6 @@ async def running(client_faults: ClientFaults | None = None, **overrides: object
 async def sg() -> AsyncIterator[Harness]:
     async with running() as harness:
         yield harness
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait for server-side cleanup the test cannot drive directly (stream teardown)."""
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 def labels(**kw: str) -> dict[str, str]:
@@ -630,7 +625,7 @@ async def test_p120_inactive_backend_is_503_then_404_after_it_leaves(sg: Harness
     with contextlib.suppress(aio.AioRpcError):
         while await call.read() is not aio.EOF:
             pass
-    await eventually(lambda: not sg.server.state.is_advertised(Target(None, MODEL)))
+    await until("the target unadvertised", lambda: not sg.server.state.is_advertised(Target(None, MODEL)))
     status, headers, _ = await sg.post()
     assert (status, headers.get("x-stargate-error-code")) == (404, "no_eligible_candidates")
 
@@ -700,15 +695,15 @@ async def test_debug_routing_shows_candidates_and_member_stats(sg: Harness) -> N
     # Ours, not the original's: what the balancer sees, per target, cluster and backend.
     await sg.backend("b1", cluster_id="A", max_engine_concurrency=8, num_running_queries=3)
     await sg.backend("b2", cluster_id="A", max_engine_concurrency=4, num_running_queries=1)
-    deadline = asyncio.get_running_loop().time() + 10
-    while True:
+
+    async def both_members() -> list[dict[str, Any]] | None:
         async with sg.http.get(sg.base + "/debug/routing") as resp:
             assert resp.status == 200
-            targets = orjson.loads(await resp.read())["targets"]
+            targets: list[dict[str, Any]] = orjson.loads(await resp.read())["targets"]
         members = targets[0]["clusters"][0]["backends"] if targets else []
-        if len(members) == 2 or asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.05)
+        return targets if len(members) == 2 else None
+
+    targets = await value_of("both backends in /debug/routing", both_members)
     [target] = targets
     assert (target["routing_key"], target["model_id"]) == (None, MODEL)
     [cluster] = target["clusters"]
@@ -807,7 +802,7 @@ async def test_p124_shutdown_drains_in_flight_requests(sg: Harness) -> None:
     async with sg.http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp:
         await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
         shutdown = asyncio.create_task(sg.server.shutdown(drain_timeout_s=10.0))
-        await eventually(lambda: sg.server.endpoints.draining)
+        await until("draining", lambda: sg.server.endpoints.draining)
         async with sg.http.get(sg.base + "/readyz") as ready:
             assert ready.status == 503
         assert not shutdown.done()
@@ -832,7 +827,8 @@ async def test_upstream_dying_mid_stream_aborts_the_client_connection(sg: Harnes
         assert resp.status == 200
         with pytest.raises(aiohttp.ClientError):
             await resp.read()
-    await eventually(
+    await until(
+        "the request counted",
         lambda: sg.metric("stargate_requests_total", **labels(inference_server_id="b1", status="200")) == 1
     )
 

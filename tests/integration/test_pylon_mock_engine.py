@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from support.waiting import until
 from test_pylon_support import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 
 from stargate.pylon.models import ModelStatus
@@ -79,11 +80,13 @@ async def test_pylon_against_mock_engine_process(stargate: FakeStargate) -> None
         await stargate.wait_messages(n + 2, timeout=20)
         stats = stargate.messages[-1].models["llama"].stats
         assert stats.last_mean_input_tps > 0 and stats.queue_size == 0
-        for _ in range(100):  # limit pings and KV polls repeat every 1 s
+
+        def engine_limit_and_kv() -> bool:  # limit pings and KV polls repeat every 1 s
             stats = stargate.messages[-1].models["llama"].stats
-            if stats.max_engine_concurrency == 8 and "kv_cache_stats" in stats.stats_sources:
-                break
-            await asyncio.sleep(0.05)
+            return stats.max_engine_concurrency == 8 and "kv_cache_stats" in stats.stats_sources
+
+        await until("the engine's limit and KV stats published", engine_limit_and_kv)
+        stats = stargate.messages[-1].models["llama"].stats
         assert stats.max_engine_concurrency == 8
         assert list(stats.stats_sources) == ["engine_stats_stream", "kv_cache_stats"]
         pylon.send_signal(signal.SIGTERM)
@@ -114,11 +117,10 @@ async def test_b39_canary_failure_advertises_inactive_until_recovery(stargate: F
         await read_line(pylon, "pylon ready ")
 
         async def advertised(status: int) -> None:
-            async def waiter() -> None:
-                while not (stargate.messages and stargate.messages[-1].models["llama"].status == status):
-                    await asyncio.sleep(0.02)
-
-            await asyncio.wait_for(waiter(), 10)
+            await until(
+                f"status {status} advertised",
+                lambda: bool(stargate.messages) and stargate.messages[-1].models["llama"].status == status,
+            )
 
         async def control(body: dict[str, bool]) -> int:
             async with aiohttp.ClientSession() as client:
@@ -130,11 +132,10 @@ async def test_b39_canary_failure_advertises_inactive_until_recovery(stargate: F
 
         await advertised(ModelStatus.ACTIVE)
 
-        async def canaries_sent(n: int) -> None:
-            while await control({}) < n:
-                await asyncio.sleep(0.02)
+        async def two_canaries() -> bool:
+            return await control({}) >= 2
 
-        await asyncio.wait_for(canaries_sent(2), 10)  # periodic canaries reach the engine
+        await until("periodic canaries at the engine", two_canaries)
         await control({"chat_failure": True})
         await advertised(ModelStatus.INACTIVE)
         await control({"chat_failure": False})

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
+from support.waiting import value_of
 from test_pylon_support import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 
 from stargate.proto import stargate_pb2
@@ -37,12 +38,12 @@ async def published(
     check: Callable[[stargate_pb2.ModelStats], bool],
     timeout_s: float = 3.0,
 ) -> stargate_pb2.ModelStats:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while (stats := latest(stargate)) is None or not check(stats):
-        assert loop.time() < deadline, f"not published within {timeout_s} s: {what}; last {stats}"
-        await asyncio.sleep(0.01)
-    return stats
+    def matching() -> stargate_pb2.ModelStats | None:
+        stats = latest(stargate)
+        return stats if stats is not None and check(stats) else None
+
+    return await value_of(f"publication of {what}", matching, timeout_s=timeout_s,
+                          details=lambda: f"last published: {latest(stargate)}")  # fmt: skip
 
 
 async def stream(client: aiohttp.ClientSession, url: str, request_id: str) -> None:

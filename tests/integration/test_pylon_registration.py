@@ -6,10 +6,11 @@ import asyncio
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from support.waiting import until
 from test_pylon_support import FakeStargate
 
 from stargate.proto import stargate_pb2
@@ -22,14 +23,6 @@ async def stargate() -> AsyncIterator[FakeStargate]:
     s = await FakeStargate().start()
     yield s
     await s.close()
-
-
-async def until(what: str, check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def dead_address() -> str:
@@ -145,15 +138,22 @@ async def test_an_unreachable_stargate_is_logged_once_and_reported_down(
 async def test_b111_watch_disconnect_drops_routers_then_rewatches(stargate: FakeStargate) -> None:
     stargate.end_watches = 1
     seen: list[set[str]] = []
+    clock = ManualClock()
     discovery = StargateDiscovery(
-        [stargate.address], lambda routers: seen.append(set(routers)), retry_s=0.2, initial_timeout_s=5
-    )
+        [stargate.address], lambda routers: seen.append(set(routers)), retry_s=1.0, initial_timeout_s=60,
+        clock=clock, rng=random.Random(7),
+    )  # fmt: skip
     task = asyncio.get_running_loop().create_task(discovery.run())
     try:
-        await until("routers dropped and re-added", lambda: len(seen) >= 3)
-        assert seen[:3] == [{"sg-1"}, set(), {"sg-1"}]
+        await until("routers dropped", lambda: seen == [{"sg-1"}, set()])
+        await clock.sleeping(2)  # the initial-discovery timeout and the watch's retry delay
+        clock.advance(0.99)
+        await settle()
+        assert clock.pending == 2 and stargate.watch_calls == 1  # not re-watched before the 1 s retry
+        clock.advance(0.26)  # 1 s plus at most 25 % jitter
+        await until("routers re-added", lambda: len(seen) >= 3)
+        assert seen == [{"sg-1"}, set(), {"sg-1"}]
         assert stargate.watch_calls == 2
-        assert stargate.watch_times[1] - stargate.watch_times[0] >= 0.19
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -162,18 +162,21 @@ async def test_b111_watch_disconnect_drops_routers_then_rewatches(stargate: Fake
 async def test_b112_unanswered_extra_watch_url_waits_for_initial_timeout(stargate: FakeStargate) -> None:
     stargate.watch_urls = ["http://" + dead_address()]
     seen: list[set[str]] = []
-    loop = asyncio.get_running_loop()
+    clock = ManualClock()
     discovery = StargateDiscovery(
-        [stargate.address], lambda routers: seen.append(set(routers)), retry_s=0.05, initial_timeout_s=0.4
-    )
-    started = loop.time()
-    task = loop.create_task(discovery.run())
+        [stargate.address], lambda routers: seen.append(set(routers)), retry_s=10.0, initial_timeout_s=5.0,
+        clock=clock, rng=random.Random(7),
+    )  # fmt: skip
+    task = asyncio.get_running_loop().create_task(discovery.run())
     try:
-        await until("the seed snapshot", lambda: stargate.watch_calls >= 1)
-        await asyncio.sleep(0.2)
+        # The seed's snapshot named the extra URL, whose watch failed and waits to retry.
+        await clock.sleeping(2)
+        assert stargate.watch_calls == 1
+        clock.advance(4.99)
+        await settle()
         assert seen == []  # the extra URL has not answered and the timeout has not expired
+        clock.advance(0.01)
         await until("the first published router set", lambda: bool(seen))
-        assert loop.time() - started >= 0.39
         assert seen == [{"sg-1"}]
     finally:
         task.cancel()

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 import pytest
+from support.waiting import until
 from test_pylon_support import FakeEngine
 
 from stargate.pylon.app import PylonApp
@@ -307,11 +308,7 @@ async def test_b26_health_rewritten_to_resolved_path(
 async def test_b45_auto_falls_back_on_404(engine: FakeEngine) -> None:
     app = await started(engine)
     try:
-        for _ in range(100):
-            if app.hub.fallback_enabled:
-                break
-            await asyncio.sleep(0.01)
-        assert app.hub.fallback_enabled
+        await until("the OpenAI fallback", lambda: app.hub.fallback_enabled)
         assert "openai_fallback" in app.metrics.render().decode()
     finally:
         await app.close()
@@ -320,13 +317,8 @@ async def test_b45_auto_falls_back_on_404(engine: FakeEngine) -> None:
 async def test_b46_required_never_falls_back(engine: FakeEngine) -> None:
     app = await started(engine, "--engine-stats-stream", "required")
     try:
-        for _ in range(50):
-            if (
-                'pylon_engine_stats_stream_reconnects_total{reason="http_status"}'
-                in app.metrics.render().decode()
-            ):
-                break
-            await asyncio.sleep(0.01)
+        reconnect = 'pylon_engine_stats_stream_reconnects_total{reason="http_status"}'
+        await until("a counted reconnect", lambda: reconnect in app.metrics.render().decode())
         assert not app.hub.fallback_enabled
         assert 'reconnects_total{reason="http_status"}' in app.metrics.render().decode()
     finally:
@@ -340,10 +332,7 @@ async def test_b79_engine_ping_limit_reaches_publication(engine: FakeEngine) -> 
     try:
         gen = app.registry.current("llama")
         assert gen is not None
-        for _ in range(200):
-            if app.hub.snapshot(gen).max_engine_concurrency == 40:
-                break
-            await asyncio.sleep(0.01)
+        await until("the engine's limit", lambda: app.hub.snapshot(gen).max_engine_concurrency == 40)
         assert app.registration_message().models["llama"].stats.max_engine_concurrency == 40
         assert not app.hub.fallback_enabled
     finally:
@@ -361,10 +350,7 @@ async def test_live_load_tracks_phases_during_stream(
         )
         gen = app.registry.current("llama")
         assert gen is not None
-        for _ in range(300):
-            if app.load.snapshot(gen).input_processing_queries:
-                break
-            await asyncio.sleep(0.01)
+        await until("input processing", lambda: app.load.snapshot(gen).input_processing_queries > 0)
         snap = app.hub.snapshot(gen)
         assert (snap.input_processing_queries, snap.queue_size, snap.total_query_input_size) == (1, 1, 10)
         task.cancel()
@@ -387,15 +373,11 @@ async def test_12_request_timing_histograms_and_tokens_recorded_at_terminal(
 ) -> None:
     """§12: timings, token counters and the in-flight gauge of proxied requests, once per request."""
     app = await started(engine, "--engine-stats-stream", "off", read_s=0.5)
-    loop = asyncio.get_running_loop()
     try:
         engine.chat_mode = "hang"  # headers, then silence: the read timeout fails it without output
         url = app.http_url + "/v1/chat/completions"
         hung = asyncio.create_task(client.post(url, data=CHAT, headers=HEADERS))
-        deadline = loop.time() + 5
-        while engine.hits("/v1/chat/completions") == 0:
-            assert loop.time() < deadline
-            await asyncio.sleep(0.01)
+        await until("the request at the engine", lambda: engine.hits("/v1/chat/completions") > 0)
         text = app.metrics.render().decode()
         assert sample(text, 'pylon_requests_inflight{model="llama"}') == 1
         assert "pylon_request_duration_seconds_count" not in text

@@ -5,6 +5,7 @@ import io
 from collections.abc import AsyncIterator
 
 import pytest
+from support.waiting import until
 from test_pylon_support import FakeEngine, FakeStargate
 
 from stargate.errors import StargateError
@@ -268,19 +269,13 @@ async def test_b31_failed_polls_keep_last_known_good_models(
             (200, b'{"object":"list"}', ["llama"]),
             (200, None, ["llama", " "]),
         ]
-        loop = asyncio.get_running_loop()
         for expected, (status, body, models) in enumerate(failures, start=1):
             engine.models_status, engine.models_body, engine.models = status, body, models
-            deadline = loop.time() + 5
-            while discovery_errors(app) < expected:
-                assert loop.time() < deadline, f"poll {expected} did not fail"
-                await asyncio.sleep(0.01)
+            await until(f"failed poll {expected}", lambda: discovery_errors(app) >= expected)  # noqa: B023
             assert app.registry.admitted("llama") == admitted
             assert set(app.registration_message().models) == {"llama"}
         engine.models_status, engine.models_body, engine.models = 200, None, ["other"]
-        deadline = loop.time() + 5
-        while app.registry.current("llama") is not None:  # a good poll still reconciles
-            assert loop.time() < deadline
-            await asyncio.sleep(0.01)
+        # a good poll still reconciles
+        await until("llama retired", lambda: app.registry.current("llama") is None)
     finally:
         await app.close()

@@ -13,6 +13,7 @@ import grpc
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
+from support.waiting import until
 
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
 
@@ -175,11 +176,7 @@ class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
         return self
 
     async def wait_messages(self, n: int, timeout: float = 10.0) -> None:
-        async def waiter() -> None:
-            while len(self.messages) < n:
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(waiter(), timeout)
+        await until(f"{n} registration messages", lambda: len(self.messages) >= n, timeout_s=timeout)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from support.waiting import until
 
 from stargate.bench.fleet import (
     StargateAddrs,
@@ -99,14 +100,13 @@ async def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 
 async def _wait_routable(http: aiohttp.ClientSession, stargate: StargateAddrs) -> None:
     """Both backends registered and routable (two clusters in ``/debug/routing``)."""
-    async with asyncio.timeout(READY_TIMEOUT_S):
-        while True:
-            async with http.get(f"http://{stargate.http}/debug/routing") as resp:
-                body = await resp.json()
-            clusters = [c for t in body["targets"] if t["model_id"] == MODEL for c in t["clusters"]]
-            if len(clusters) == 2:
-                return
-            await asyncio.sleep(0.05)
+
+    async def two_clusters() -> bool:
+        async with http.get(f"http://{stargate.http}/debug/routing") as resp:
+            body = await resp.json()
+        return len([c for t in body["targets"] if t["model_id"] == MODEL for c in t["clusters"]]) == 2
+
+    await until("two routable clusters", two_clusters, timeout_s=READY_TIMEOUT_S, interval_s=0.05)
 
 
 async def test_quickstart_fleet_at_seven_eighths_of_its_slots_answers_every_request(

@@ -18,6 +18,7 @@ from grpc import aio
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.waiting import until
 from test_proxy_contract import FakeBackend, Reply, registration, rejection, settings
 from test_pylon_support import FakeEngine
 
@@ -88,9 +89,7 @@ async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported,
     try:
         await pylon.start()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
-            async with asyncio.timeout(10):
-                while server.state.list_models(None, []) != ["llama"]:
-                    await asyncio.sleep(0.02)
+            await until("llama registered", lambda: server.state.list_models(None, []) == ["llama"])
             url = f"http://{bound.http}/v1/chat/completions"
             async with http.post(url, data=CHAT, headers=HEADERS) as resp:
                 assert resp.status == 200

@@ -164,7 +164,11 @@ class PylonApp:
         if s.stats_source is StatsSource.PROMETHEUS:
             self._spawn(
                 run_prometheus_poller(
-                    session, s.engine_metrics_url, self.hub, interval_s=s.engine_metrics_interval_ms / 1000.0
+                    session,
+                    s.engine_metrics_url,
+                    self.hub,
+                    interval_s=s.engine_metrics_interval_ms / 1000.0,
+                    sleep=self.clock.sleep,
                 ),
                 "engine-metrics",
             )
@@ -175,12 +179,14 @@ class PylonApp:
                 mode=s.stats_stream_mode,
                 hub=self.hub,
                 metrics=self.metrics,
+                sleep=self.clock.sleep,
             )
             self._spawn(
                 stream.run(), "engine-stats-stream", critical=s.stats_stream_mode is StatsStreamMode.REQUIRED
             )
         if s.kv_cache_stats_url:
-            self._spawn(run_kv_poller(session, s.kv_cache_stats_url, self.hub), "kv-poller")
+            kv = run_kv_poller(session, s.kv_cache_stats_url, self.hub, sleep=self.clock.sleep)
+            self._spawn(kv, "kv-poller")
         self._spawn(self._sweep(), "stats-collector")
         prober = HealthProber(session, s.upstream_base_url, s.health_paths, clock=self.clock)
         relay = Relay(

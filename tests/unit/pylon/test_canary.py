@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,11 +13,13 @@ import orjson
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
+from support.waiting import until
 
 from stargate.pylon.canary import CanaryRunner, send_canary
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import RequestIds
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
+from stargate.wire.clock import ManualClock
 
 UUID = "11111111-2222-3333-4444-555555555555"
 
@@ -125,71 +127,80 @@ async def test_canary_transport_failure(session: aiohttp.ClientSession) -> None:
     assert failure is not None and failure.startswith("request failed")
 
 
-async def until(what: str, check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = check()
-        if result if isinstance(result, bool) else await result:
-            return
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
+Rig = tuple[CanaryRunner, ModelRegistry, Generation]
+
+
+def runner_for(engine: Engine, session: aiohttp.ClientSession, clock: ManualClock, interval_s: float) -> Rig:
+    registry = ModelRegistry()
+    gen = registry.allocate("llama")
+    registry.publish(gen)
+    runner = CanaryRunner(
+        session=session, base_url=engine.url, ids=RequestIds(UUID), registry=registry,
+        prober=HealthProber(session, engine.url, ("/health",), clock=clock), interval_s=interval_s,
+        threshold=237, timeout_s=2.0, retry_s=1.0, clock=clock,
+    )  # fmt: skip
+    return runner, registry, gen
+
+
+async def after(clock: ManualClock, seconds: float) -> None:
+    """Once the loop waits on the clock, move time ``seconds`` on."""
+    await clock.sleeping(1)
+    clock.advance(seconds)
 
 
 async def test_b39_failed_canary_inactive_until_health_and_canary_recover(
     engine: Engine, session: aiohttp.ClientSession
 ) -> None:
-    registry = ModelRegistry()
-    gen = registry.allocate("llama")
-    registry.publish(gen)
-    runner = CanaryRunner(
-        session=session,
-        base_url=engine.url,
-        ids=RequestIds(UUID),
-        registry=registry,
-        prober=HealthProber(session, engine.url, ("/health",)),
-        interval_s=0.05,
-        threshold=237,
-        timeout_s=2.0,
-        retry_s=0.02,
-    )
+    clock = ManualClock()
+    runner, registry, gen = runner_for(engine, session, clock, interval_s=5.0)
 
     def status() -> ModelStatus:
         return dict(registry.published())[gen]
 
     runner.start(gen)
     try:
-        await until("periodic canaries", lambda: len(engine.chats) >= 2)
+        for n in (1, 2):  # one canary per interval, none before it
+            await clock.sleeping(1)
+            assert len(engine.chats) == n - 1
+            clock.advance(5.0)
+            await until(f"periodic canary {n}", lambda n=n: len(engine.chats) == n)  # type: ignore[misc]
         assert status() is ModelStatus.ACTIVE and engine.health_hits == 0  # no probes while healthy
         engine.chat_status, engine.health_status = 503, 503
+        await after(clock, 5.0)
         await until("INACTIVE after a failed canary", lambda: status() is ModelStatus.INACTIVE)
-        await until("recovery health probes", lambda: engine.health_hits >= 1)
+        await until("a recovery health probe", lambda: engine.health_hits == 1)
         chats = len(engine.chats)
         engine.chat_status = 200  # canaries would pass now, but the engine is still unhealthy
-        await until("more health probes", lambda: engine.health_hits >= 3)
-        assert len(engine.chats) <= chats + 1 and status() is ModelStatus.INACTIVE
+        for hits in (2, 3):  # a probe every retry interval, and no canary while it fails
+            await after(clock, 1.0)
+            await until(f"health probe {hits}", lambda hits=hits: engine.health_hits == hits)  # type: ignore[misc]
+        assert len(engine.chats) == chats and status() is ModelStatus.INACTIVE
         engine.health_status = 200
+        await after(clock, 1.0)
         await until("ACTIVE after probe and canary pass", lambda: status() is ModelStatus.ACTIVE)
-        await until("periodic canaries resume", lambda: len(engine.chats) >= chats + 3)
+        assert len(engine.chats) == chats + 1
+        for n in (2, 3):
+            await after(clock, 5.0)
+            await until("periodic canaries resume", lambda n=n: len(engine.chats) == chats + n)  # type: ignore[misc]
         assert status() is ModelStatus.ACTIVE
+        await clock.sleeping(1)
         runner.stop(gen)
         await asyncio.sleep(0)
+        assert clock.pending == 0  # the retired generation's loop is gone
         stopped = len(engine.chats)
-        await asyncio.sleep(0.15)
+        await clock.tick(60.0)
         assert len(engine.chats) == stopped  # a retired generation gets no more canaries
     finally:
         await runner.close()
 
 
 async def test_interval_zero_disables_canaries(engine: Engine, session: aiohttp.ClientSession) -> None:
-    registry = ModelRegistry()
-    gen = registry.allocate("llama")
-    registry.publish(gen)
-    runner = CanaryRunner(
-        session=session, base_url=engine.url, ids=RequestIds(UUID), registry=registry,
-        prober=HealthProber(session, engine.url, ("/health",)), interval_s=0, threshold=237, timeout_s=1,
-    )  # fmt: skip
+    clock = ManualClock()
+    runner, _, gen = runner_for(engine, session, clock, interval_s=0)
     runner.start(gen)
-    await asyncio.sleep(0.05)
-    await runner.close()
-    assert engine.chats == []
+    try:
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("canary-")]
+        await clock.tick(60.0)
+        assert engine.chats == [] and clock.pending == 0
+    finally:
+        await runner.close()
