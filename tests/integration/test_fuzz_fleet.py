@@ -173,12 +173,13 @@ LONG_ZEROS = {h.REQUEST_ID: "zeros", h.MODEL: MODEL, h.INPUT_TOKENS: "0" * 4400 
 @example(request=("stargate", PATHS[0], LONG_ZEROS, orjson.dumps(chat_body(MODEL))))  # the engine's int()
 @example(request=("pylon", PATHS[1], LONG_ZEROS, orjson.dumps({**chat_body(MODEL), "input": "hi"})))
 async def test_fuzzed_headers_and_bodies_get_documented_statuses(
-    fleet: Fleet, request: tuple[str, str, dict[str, str], bytes]
+    fleet: Fleet, caplog: pytest.LogCaptureFixture, request: tuple[str, str, dict[str, str], bytes]
 ) -> None:
     target, path, headers, body = request
     answer = await exchange(fleet.addr(target), request_bytes(path, headers, body), RAW_TIMEOUT_S)
     assert answer.status in DOCUMENTED_STATUSES, (answer, target, headers)
     await still_serving(fleet)
+    assert not tracebacks(caplog)
 
 
 @pytest.mark.parametrize("target", ["stargate", "pylon"])
@@ -199,12 +200,13 @@ async def test_malformed_framing_gets_4xx_or_a_close_and_the_server_keeps_servin
 @settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=400), target=st.sampled_from(["stargate", "pylon"]))
 async def test_random_bytes_after_a_request_line_get_4xx_or_a_close(
-    fleet: Fleet, data: bytes, target: str
+    fleet: Fleet, caplog: pytest.LogCaptureFixture, data: bytes, target: str
 ) -> None:
     addr = fleet.addr(target)
     answer = await exchange(addr, b"POST /v1/chat/completions HTTP/1.1\r\n" + data, INCOMPLETE_WAIT_S)
     assert answer.status is None or answer.status < 500, answer
     await still_serving(fleet)
+    assert not tracebacks(caplog)
 
 
 async def test_client_faults_log_no_traceback(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
