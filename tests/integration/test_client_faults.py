@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import orjson
 import pytest
-from test_proxy_contract import CHAT, Harness, running
-from test_pylon_support import FakeEngine
+from support.pylon_fakes import FakeEngine
+from support.stargate_harness import CHAT, Harness, running
 
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings

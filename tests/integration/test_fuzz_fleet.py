@@ -21,8 +21,8 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support.stargate_harness import settings as stargate_settings
 from support.waiting import until
-from test_proxy_contract import settings as stargate_settings
 
 from stargate.bench.fuzz_cases import (
     DOCUMENTED_STATUSES,

@@ -14,8 +14,8 @@ import pytest
 from grpc import aio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.control_plane import Harness, make_harness, message, send
 from support.waiting import until
-from test_control_plane_registration import Harness, make_harness, message, send
 
 from stargate.bench.fuzz_registration import ACK, NO_ANSWER, exchange, raw_register
 from stargate.proto import stargate_pb2 as pb

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from support.mock_engine import running
 from support.waiting import until
 
-from stargate.mock_engine import Engine, EngineConfig, TimingConfig, start_server
-
-
-@contextlib.asynccontextmanager
-async def running(**overrides: Any) -> AsyncIterator[tuple[str, Engine, aiohttp.ClientSession]]:
-    timing = overrides.pop("timing", TimingConfig(token_delay_ms=0.0))
-    engine = Engine(replace(EngineConfig(timing=timing), **overrides))
-    runner, url = await start_server(engine, "127.0.0.1", 0)
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            yield url, engine, session
-    finally:
-        await runner.cleanup()
+from stargate.mock_engine import TimingConfig
 
 
 def chat(stream: bool = False, content: str = "hello world") -> dict[str, Any]:

@@ -6,28 +6,15 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from support.mock_engine import running
 from support.waiting import until
 
-from stargate.mock_engine import Engine, EngineConfig, TimingConfig, start_server
-
-
-@contextlib.asynccontextmanager
-async def running(**overrides: Any) -> AsyncIterator[tuple[str, Engine, aiohttp.ClientSession]]:
-    timing = overrides.pop("timing", TimingConfig(token_delay_ms=0.0))
-    engine = Engine(replace(EngineConfig(timing=timing), **overrides))
-    runner, url = await start_server(engine, "127.0.0.1", 0)
-    timeout = aiohttp.ClientTimeout(total=10)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            yield url, engine, session
-    finally:
-        await runner.cleanup()
+from stargate.mock_engine import TimingConfig
 
 
 def chat(stream: bool = False, **extra: Any) -> dict[str, Any]:

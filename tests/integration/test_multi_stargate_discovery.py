@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
-from dns_support import Zone, dns_server
 from grpc import aio
+from support.dns import Zone, dns_server
 from support.waiting import until
 
 from stargate.bench.fleet import (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dns_support import Zone, dns_server
+from support.dns import Zone, dns_server
 
 from stargate.router.discovery import DiscoveryFailed, DiscoverySettings, PeerDiscovery
 

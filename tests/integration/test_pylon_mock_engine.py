@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from support.pylon_fakes import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 from support.waiting import until
-from test_pylon_support import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 
 from stargate.pylon.models import ModelStatus
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
+from support.pylon_fakes import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 from support.waiting import value_of
-from test_pylon_support import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 
 from stargate.proto import stargate_pb2
 

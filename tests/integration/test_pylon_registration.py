@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from support.pylon_fakes import FakeStargate
 from support.waiting import until
-from test_pylon_support import FakeStargate
 
 from stargate.proto import stargate_pb2
 from stargate.pylon.registration import RegistrationClient, RouterInfo, StargateDiscovery, router_from_info

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 import pytest
+from support.pylon_fakes import FakeEngine
 from support.waiting import until
-from test_pylon_support import FakeEngine
 
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings

@@ -5,8 +5,8 @@ import io
 from collections.abc import AsyncIterator
 
 import pytest
+from support.pylon_fakes import FakeEngine, FakeStargate
 from support.waiting import until
-from test_pylon_support import FakeEngine, FakeStargate
 
 from stargate.errors import StargateError
 from stargate.pylon.app import PylonApp

@@ -18,9 +18,9 @@ from grpc import aio
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.pylon_fakes import FakeEngine
+from support.stargate_harness import Reply, ScriptedBackend, registration, rejection, settings
 from support.waiting import until
-from test_proxy_contract import FakeBackend, Reply, registration, rejection, settings
-from test_pylon_support import FakeEngine
 
 from stargate.otel import Tracing, traces_url
 from stargate.proto import stargate_pb2_grpc
@@ -131,7 +131,8 @@ async def test_stargate_span_records_attempts_retry_reasons_and_the_chosen_backe
 ) -> None:
     server = StargateServer(settings(), tracing=exported.tracing("stargate"))
     bound = await server.start()
-    busy, free = FakeBackend("busy", [rejection("queue_estimate_mismatch")]), FakeBackend("free", [Reply()])
+    busy = ScriptedBackend("busy", [rejection("queue_estimate_mismatch")])
+    free = ScriptedBackend("free", [Reply()])
     try:
         async with aio.insecure_channel(bound.grpc) as channel, aiohttp.ClientSession() as http:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)

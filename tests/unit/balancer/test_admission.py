@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from builders import make_candidate, make_request
+from support.balancer_builders import make_candidate, make_request
 
 from stargate.balancer import AdmissionRejection, Algorithm, AlgorithmDefinition, check_admission
 from stargate.balancer.admission import input_work_seconds

@@ -3,7 +3,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from builders import chosen_id, make_candidate, make_request, rng
+from support.balancer_builders import chosen_id, make_candidate, make_request, rng
 
 from stargate.balancer import Algorithm, AlgorithmDefinition, Comparator, build_policy
 from stargate.balancer.comparators import (

@@ -4,7 +4,7 @@ import math
 from types import MappingProxyType
 
 import pytest
-from builders import make_candidate, make_request, make_stats, rng
+from support.balancer_builders import make_candidate, make_request, make_stats, rng
 
 from stargate.balancer import (
     Algorithm,

@@ -13,9 +13,9 @@ import random
 from typing import Any
 
 import pytest
-from builders import chosen, chosen_id, make_candidate, make_request, rng, waw
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from support.balancer_builders import chosen, chosen_id, make_candidate, make_request, rng, waw
 
 from stargate.balancer import Algorithm, AlgorithmDefinition, Candidate, Comparator, build_policy
 from stargate.balancer.comparators import load_ttft_score, ttft_score

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from builders import TARGET, chosen, chosen_id, make_candidate, make_request, rng
+from support.balancer_builders import TARGET, chosen, chosen_id, make_candidate, make_request, rng
 
 from stargate.balancer import Algorithm, AlgorithmDefinition, Selected, Unavailable, build_policy
 from stargate.balancer.pulsar import PulsarRanker

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from builders import make_candidate, make_request
+from support.balancer_builders import make_candidate, make_request
 
 import stargate.balancer as balancer
 from stargate.balancer import Algorithm, AlgorithmDefinition, Selected, Unavailable, Wait, build_policy

@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from builders import chosen, chosen_id, make_candidate, make_request, rng
+from support.balancer_builders import chosen, chosen_id, make_candidate, make_request, rng
 
 from stargate.balancer import (
     Algorithm,

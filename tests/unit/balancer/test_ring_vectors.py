@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from builders import make_candidate
+from support.balancer_builders import make_candidate
 
 from stargate.balancer import Target
 from stargate.balancer.rendezvous import rank, rendezvous_base, rendezvous_hash, rendezvous_score

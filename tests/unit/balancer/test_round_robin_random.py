@@ -4,7 +4,7 @@ import random
 from collections import Counter
 
 import pytest
-from builders import chosen, chosen_id, make_candidate, make_request, rng
+from support.balancer_builders import chosen, chosen_id, make_candidate, make_request, rng
 
 from stargate.balancer import Algorithm, AlgorithmDefinition, Unavailable, build_policy
 from stargate.errors import ConfigError

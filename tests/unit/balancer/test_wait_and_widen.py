@@ -3,7 +3,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from builders import chosen, chosen_id, make_candidate, make_request, rng, waw
+from support.balancer_builders import chosen, chosen_id, make_candidate, make_request, rng, waw
 
 from stargate.balancer import Candidate, Comparator, Unavailable, Wait, build_policy
 from stargate.balancer.estimates import has_capacity

@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 import pytest
-from builders import chosen, chosen_id, make_candidate, make_request, rng, waw
+from support.balancer_builders import chosen, chosen_id, make_candidate, make_request, rng, waw
 
 from stargate.balancer import (
     Candidate,

@@ -25,7 +25,7 @@ def token(text: str) -> bytes:
 
 
 @dataclass
-class FakeEngine:
+class ModeEngine:
     """Behaviour chosen per request by the ``x-test-mode`` header; logs start/end per request id."""
 
     events: list[tuple[str, str, float]] = field(default_factory=list)
@@ -71,8 +71,8 @@ class FakeEngine:
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
-    fake = FakeEngine()
+async def engine() -> AsyncIterator[tuple[ModeEngine, str]]:
+    fake = ModeEngine()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.handle)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
@@ -114,7 +114,7 @@ def test_has_content_ignores_role_stop_and_empty_chunks() -> None:
     assert not has_content(b'{"delta":{"content":null}}')
 
 
-async def test_successful_stream_is_timed_and_attributed(engine: tuple[FakeEngine, str]) -> None:
+async def test_successful_stream_is_timed_and_attributed(engine: tuple[ModeEngine, str]) -> None:
     _, url = engine
     (record,) = await replay([url], open_loop(planned(0, mode="pause")))
     assert record.error_class is None and record.status == 200 and record.ok
@@ -128,7 +128,7 @@ async def test_successful_stream_is_timed_and_attributed(engine: tuple[FakeEngin
     assert (record.run, record.request_id, record.cache_affinity_key) == ("run-a", "req-0", "cak-0")
 
 
-async def test_failures_are_classified(engine: tuple[FakeEngine, str]) -> None:
+async def test_failures_are_classified(engine: tuple[ModeEngine, str]) -> None:
     _, url = engine
     records = await replay([url], open_loop(planned(0, mode="error"), planned(1, mode="no_done"),
                                             planned(2, mode="cut"), planned(3, mode="slow"), timeout_s=0.5))
@@ -149,7 +149,7 @@ async def test_connection_refused_is_a_connect_error() -> None:
     assert (record.status, record.error_class) == (None, "connect")
 
 
-async def test_a_refused_stargate_is_skipped_for_the_next_one(engine: tuple[FakeEngine, str]) -> None:
+async def test_a_refused_stargate_is_skipped_for_the_next_one(engine: tuple[ModeEngine, str]) -> None:
     fake, url = engine
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -161,7 +161,7 @@ async def test_a_refused_stargate_is_skipped_for_the_next_one(engine: tuple[Fake
     assert (alone.error_class, alone.retries_seen) == ("connect", 0)
 
 
-async def test_open_loop_respects_schedule_and_concurrency(engine: tuple[FakeEngine, str]) -> None:
+async def test_open_loop_respects_schedule_and_concurrency(engine: tuple[ModeEngine, str]) -> None:
     fake, url = engine
     requests = [planned(i, mode="pause") for i in range(6)] + [planned(6, at_ms=150.0)]
     records = await replay([url], open_loop(*requests, concurrency=2))
@@ -172,16 +172,16 @@ async def test_open_loop_respects_schedule_and_concurrency(engine: tuple[FakeEng
     assert max(r.dispatch_s - r.scheduled_s for r in records[:6]) > 0  # queued behind the 2 permits
 
 
-async def test_duration_stops_scheduling(engine: tuple[FakeEngine, str]) -> None:
+async def test_duration_stops_scheduling(engine: tuple[ModeEngine, str]) -> None:
     _, url = engine
     workload = open_loop(planned(0), planned(1, at_ms=10.0), planned(2, at_ms=5000.0), duration_s=1.0)
     records = await replay([url], workload)
     assert [r.index for r in records] == [0, 1]
 
 
-async def test_requests_are_spread_round_robin_over_endpoints(engine: tuple[FakeEngine, str]) -> None:
+async def test_requests_are_spread_round_robin_over_endpoints(engine: tuple[ModeEngine, str]) -> None:
     fake, url = engine
-    other = FakeEngine()
+    other = ModeEngine()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", other.handle)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
@@ -198,7 +198,7 @@ async def test_requests_are_spread_round_robin_over_endpoints(engine: tuple[Fake
     assert sorted(rid for kind, rid, _ in other.events if kind == "start") == ["req-1", "req-3"]
 
 
-async def test_closed_loop_issues_each_turn_after_the_previous_one(engine: tuple[FakeEngine, str]) -> None:
+async def test_closed_loop_issues_each_turn_after_the_previous_one(engine: tuple[ModeEngine, str]) -> None:
     fake, url = engine
     sessions = tuple(
         tuple(planned(s * 3 + t, mode="pause", at_ms=None, session=f"s{s}", turn=t) for t in range(3))

@@ -7,13 +7,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from multidict import CIMultiDict
-from router_fakes import (
+from support.balancer_builders import make_candidate
+from support.router_fakes import (
     FakeBackend,
     FakeState,
     FakeView,
     FirstEligible,
     backend,
-    make_candidate,
     make_request,
 )
 
@@ -113,7 +113,7 @@ def make_runner(
 ) -> tuple[AttemptDriver, FakeState, FakeTransport, RouterMetrics]:
     expected = expected or dict.fromkeys(clusters, 0)
     candidates = tuple(
-        make_candidate(c, queue_time_estimate_ms_by_priority={0: expected[c] or 0})  # type: ignore[arg-type]
+        make_candidate(c, tps=0.0, queue_map={0: expected[c] or 0})
         for c in clusters
     )
     view = FakeView(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from router_fakes import backend, make_request, make_view
+from support.router_fakes import backend, make_request, make_view
 
 from stargate.errors import PayloadTooLarge, UpstreamError, UpstreamNotSent, UpstreamTimeout
 from stargate.router.attempt import (

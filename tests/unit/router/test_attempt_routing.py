@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from router_fakes import FakeView, ScriptedPolicy, make_candidate, make_request, make_view
+from support.balancer_builders import make_candidate
+from support.router_fakes import FakeView, ScriptedPolicy, make_request, make_view
 
 from stargate.balancer.estimates import effective_queue_ms
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
@@ -211,10 +212,10 @@ def test_admission_not_consulted_without_limit() -> None:
 def test_p27_expected_queue_uses_free_slot_rule() -> None:
     busy = make_candidate(
         "c1",
-        max_engine_concurrency=8,
-        num_running_queries=3,
-        queued_input_size=10_000,
-        last_mean_input_tps=100.0,
+        max_concurrency=8,
+        running=3,
+        queued=10_000,
+        tps=100.0,
     )
     _, action, _ = route(make_machine(), fresh(), with_candidates((busy,)))
     assert isinstance(action, Send) and action.expected_queue_ms == 0
@@ -223,14 +224,14 @@ def test_p27_expected_queue_uses_free_slot_rule() -> None:
 def test_p28_p104_expected_queue_from_backlog_when_full_and_none_when_unknown() -> None:
     full = make_candidate(
         "c1",
-        max_engine_concurrency=8,
-        num_running_queries=8,
-        queued_input_size=4200,
-        last_mean_input_tps=100_000.0,
+        max_concurrency=8,
+        running=8,
+        queued=4200,
+        tps=100_000.0,
     )
     _, action, _ = route(make_machine(), fresh(), with_candidates((full,)))
     assert isinstance(action, Send) and action.expected_queue_ms == 42
-    unknown = make_candidate("c1", queued_input_size=5, last_mean_input_tps=0.0)
+    unknown = make_candidate("c1", queued=5, tps=0.0)
     _, action, _ = route(make_machine(), fresh(), with_candidates((unknown,)))
     assert isinstance(action, Send) and action.expected_queue_ms is None
 

@@ -1,4 +1,4 @@
-"""In-process fakes for Pylon integration tests: an aiohttp engine and a grpc.aio Stargate."""
+"""Fakes for Pylon tests: an aiohttp engine, a grpc.aio Stargate, and helpers that start real processes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import grpc
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
-from support.waiting import until
 
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
+from support.waiting import until
 
 
 @dataclass

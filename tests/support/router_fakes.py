@@ -7,8 +7,9 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Policy
-from stargate.balancer.types import Candidate, Choice, Decision, LbRequest, ModelStats, Selected, Target
+from stargate.balancer.types import Candidate, Choice, Decision, LbRequest, Selected, Target
 from stargate.router.headers import ProxyRequest
+from support.balancer_builders import make_candidate
 
 TARGET = Target(None, "m")
 
@@ -22,10 +23,6 @@ class FakeBackend:
 
 def backend(backend_id: str, cluster_id: str) -> FakeBackend:
     return FakeBackend(backend_id, f"http://{backend_id}", cluster_id)
-
-
-def make_candidate(cluster_id: str, **stats: float) -> Candidate:
-    return Candidate(cluster_id=cluster_id, stats=ModelStats(**stats), rtt_s=0.001)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -98,8 +95,8 @@ class FakeState:
         self.finished.append(reservation)
 
 
-def make_view(clusters: dict[str, list[str]], policy: Policy | None = None, **stats: float) -> FakeView:
-    candidates = tuple(make_candidate(c, **stats) for c in clusters)
+def make_view(clusters: dict[str, list[str]], policy: Policy | None = None) -> FakeView:
+    candidates = tuple(make_candidate(c, tps=0.0) for c in clusters)  # stats as a fresh registration
     backends = {c: [backend(b, c) for b in ids] for c, ids in clusters.items()}
     return FakeView(candidates, policy or FirstEligible(), backends)
 
