@@ -9,6 +9,7 @@ import orjson
 
 from stargate.bench.cli import main
 from stargate.bench.fuzz import CATEGORIES, categories, count_tracebacks
+from stargate.pylon.stats.aggregate import MAX_PLAUSIBLE_TPS
 
 
 def test_fuzz_command_reports_every_category_and_the_fleet_survives(tmp_path: Path) -> None:
@@ -20,6 +21,8 @@ def test_fuzz_command_reports_every_category_and_the_fleet_survives(tmp_path: Pa
     assert report["undocumented_5xx"] == report["unanswered"] == 0, report["examples"]
     assert report["registration_drops"] == 0
     assert report["routable_at_end"] == {"backend-0": True, "backend-1": True}
+    assert set(report["input_tps_at_end"]) == {"backend-0", "backend-1"}
+    assert all(0 < tps <= MAX_PLAUSIBLE_TPS for tps in report["input_tps_at_end"].values())
     assert report["final_status"] == 200
     assert report["tracebacks"] == {}
     assert code == 0

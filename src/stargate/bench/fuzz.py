@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import random
 import re
 from collections import Counter
@@ -40,6 +41,7 @@ from stargate.bench.schema import parse_scenario
 from stargate.bench.suite import markdown_table
 from stargate.flags import FlagSet, positive_int
 from stargate.proto import stargate_pb2_grpc
+from stargate.pylon.stats.aggregate import MAX_PLAUSIBLE_TPS
 
 MODEL = "fuzz-model"
 CATEGORIES = {"headers": 0.4, "bodies": 0.35, "framing": 0.15, "grpc": 0.1}
@@ -82,10 +84,12 @@ class FuzzReport:
     registration_drops: int = 0  # samples in which some Pylon's stream was not connected
     routable_at_end: dict[str, bool] = field(default_factory=dict)
     metric_series: dict[str, int] = field(default_factory=dict)  # process → series at the end (bounded?)
+    input_tps_at_end: dict[str, float] = field(default_factory=dict)  # cluster → last_mean_input_tps
     final_status: int | None = None
 
     def goals_met(self) -> bool:
-        survived = all(self.routable_at_end.values()) and self.final_status == 200
+        sane = all(0.0 <= tps <= MAX_PLAUSIBLE_TPS for tps in self.input_tps_at_end.values())  # NaN fails
+        survived = sane and all(self.routable_at_end.values()) and self.final_status == 200
         return survived and self.undocumented_5xx == self.unanswered == self.registration_drops == 0 and (
             not self.tracebacks)
 
@@ -193,7 +197,9 @@ class FuzzRun:
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as http,
             http.get(f"http://{self.sg}/debug/routing") as resp,
         ):
-            ids = routable_ids(orjson.loads(await resp.read()), MODEL)
+            routing = orjson.loads(await resp.read())
+            ids = routable_ids(routing, MODEL)
+            self.report.input_tps_at_end = input_tps(routing, MODEL)
             self.report.routable_at_end = {backend: backend in ids for backend in self.fleet.pylons}
             targets = [("stargate-0", self.fleet.stargates[0].metrics)]
             targets += [(f"pylon-{b}", p.metrics) for b, p in self.fleet.pylons.items()]
@@ -205,6 +211,19 @@ class FuzzRun:
                     self.report.metric_series[name] = len(series)
         data = fc.request_bytes(fc.PATHS[0], fc.valid_headers(MODEL, "final"), fc.valid_body(MODEL))
         self.report.final_status = (await fc.exchange(self.sg, data, ANSWER_TIMEOUT_S)).status
+
+
+def input_tps(routing: Any, model: str) -> dict[str, float]:
+    """``last_mean_input_tps`` per cluster of ``model`` in ``/debug/routing`` (NaN when unreadable):
+    absurd claimed token counts must not have poisoned it."""
+    found: dict[str, float] = {}
+    for target in routing.get("targets") or [] if isinstance(routing, dict) else []:
+        if isinstance(target, dict) and target.get("model_id") == model:
+            for cluster in target.get("clusters") or []:
+                tps = (cluster.get("stats") or {}).get("last_mean_input_tps")
+                value = float(tps) if isinstance(tps, int | float) else math.nan
+                found[str(cluster.get("cluster_id"))] = value
+    return found
 
 
 async def _connected(http: aiohttp.ClientSession, addr: str) -> bool:
@@ -244,6 +263,7 @@ def summary_markdown(report: FuzzReport) -> str:
               f"- registration samples not connected: {report.registration_drops}",
               f"- routable at the end: {report.routable_at_end}",
               f"- metric series at the end: {report.metric_series}",
+              f"- input TPS per cluster at the end (<= {MAX_PLAUSIBLE_TPS:g}): {report.input_tps_at_end}",
               f"- normal request at the end: {report.final_status}",
               f"- goals met: {'yes' if report.goals_met() else 'no'}"]  # fmt: skip
     lines += [f"- {example}" for example in report.examples]
