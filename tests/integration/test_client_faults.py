@@ -87,9 +87,11 @@ async def pylon(engine: FakeEngine) -> AsyncIterator[PylonApp]:
         ]
     )
     app = PylonApp(settings, out=io.StringIO(), client_faults=frozen_faults("test.pylon.clients"))
-    await app.start()
-    yield app
-    await app.close()
+    try:  # closed also when start fails part of the way
+        await app.start()
+        yield app
+    finally:
+        await app.close()
 
 
 class Connections:

@@ -26,9 +26,16 @@ def server_url() -> Iterator[str]:
         yield line[len(LISTEN_LINE) :].strip()
     finally:
         process.terminate()
-        assert process.wait(timeout=10) == 0
-        if process.stdout is not None:
-            process.stdout.close()
+        try:
+            code = process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            if process.stdout is not None:
+                process.stdout.close()
+        assert code == 0
 
 
 @contextlib.asynccontextmanager

@@ -56,7 +56,11 @@ async def started(engine: FakeEngine, *extra: str, read_s: float = 30.0) -> Pylo
         ]
     )
     app = PylonApp(settings, out=io.StringIO(), relay_timeouts=RelayTimeouts(read_s=read_s))
-    await app.start()
+    try:
+        await app.start()
+    except BaseException:
+        await app.close()  # the caller's ``finally`` never sees an app that failed to start
+        raise
     return app
 
 

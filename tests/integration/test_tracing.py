@@ -77,16 +77,17 @@ async def engine() -> AsyncIterator[FakeEngine]:
 
 async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported, engine: FakeEngine) -> None:
     server = StargateServer(settings(), tracing=exported.tracing("stargate"))
-    bound = await server.start()
-    pylon = PylonApp(
-        parse_settings(["--upstream-http-base-url", engine.url, "--stargate-address", bound.grpc,
-                        "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--model-name", "llama",
-                        "--disable-bringup", "--initial-input-tps", "1000",
-                        "--min-update-interval-ms", "50"]),
-        out=io.StringIO(),
-        tracing=exported.tracing("pylon"),
-    )  # fmt: skip
+    pylon: PylonApp | None = None
     try:
+        bound = await server.start()
+        pylon = PylonApp(
+            parse_settings(["--upstream-http-base-url", engine.url, "--stargate-address", bound.grpc,
+                            "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--model-name", "llama",
+                            "--disable-bringup", "--initial-input-tps", "1000",
+                            "--min-update-interval-ms", "50"]),
+            out=io.StringIO(),
+            tracing=exported.tracing("pylon"),
+        )  # fmt: skip
         await pylon.start()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
             await until("llama registered", lambda: server.state.list_models(None, []) == ["llama"])
@@ -95,7 +96,8 @@ async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported,
                 assert resp.status == 200
                 await resp.read()
     finally:
-        await pylon.close()
+        if pylon is not None:
+            await pylon.close()
         await server.shutdown(drain_timeout_s=1.0)
     routed, relayed = exported.one("proxy_openai_request"), exported.one("pylon_request")
     assert (trace_id(routed), parent_id(routed)) == (TRACE_ID, GATEWAY_SPAN)
@@ -130,10 +132,10 @@ async def test_stargate_span_records_attempts_retry_reasons_and_the_chosen_backe
     exported: Exported,
 ) -> None:
     server = StargateServer(settings(), tracing=exported.tracing("stargate"))
-    bound = await server.start()
     busy = ScriptedBackend("busy", [rejection("queue_estimate_mismatch")])
     free = ScriptedBackend("free", [Reply()])
     try:
+        bound = await server.start()
         async with aio.insecure_channel(bound.grpc) as channel, aiohttp.ClientSession() as http:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)
             calls = []
@@ -152,7 +154,7 @@ async def test_stargate_span_records_attempts_retry_reasons_and_the_chosen_backe
                 await resp.read()
             for call in calls:
                 call.cancel()
-    finally:
+    finally:  # the channel's calls end with it; servers stop also when the test failed
         await busy.stop()
         await free.stop()
         await server.shutdown(drain_timeout_s=1.0)

@@ -176,8 +176,8 @@ def settings(**overrides: object) -> StargateSettings:
 @contextlib.asynccontextmanager
 async def running(client_faults: ClientFaults | None = None, **overrides: object) -> AsyncIterator[Harness]:
     server = StargateServer(settings(**overrides), client_faults=client_faults)
-    bound = await server.start()
-    try:
+    try:  # shut down also when start fails part of the way
+        bound = await server.start()
         async with (
             aiohttp.ClientSession(timeout=TIMEOUT, skip_auto_headers=CLIENT_SKIPS) as http,
             aio.insecure_channel(bound.grpc) as channel,
