@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -15,6 +16,7 @@ from stargate.proto import stargate_pb2 as pb
 from stargate.proto import stargate_pb2_grpc
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
 from stargate.router.state import RoutingState
+from stargate.wire.clock import ManualClock
 
 CALL_TIMEOUT_S = 10.0
 MS = 1_000_000
@@ -76,11 +78,13 @@ async def test_95_96_list_models_on_a_separate_discovery_listener() -> None:
 async def test_138_watch_self_only_snapshot_repeats_every_heartbeat() -> None:
     state = RoutingState()
     remote = ("http://peer-b:50071", " peer-a:50071 ", "", "http://PEER-B:50071/x", "127.0.0.1:0")
+    clock = ManualClock()
     async with aiohttp.ClientSession() as session:
         plane = ControlPlane(
             state,
             settings(watch_heartbeat_ms=20, remote_stargate_urls=remote, grpc_pylon_dial_addr=" 10.1.1.1:7 "),
             session,
+            clock=clock,
         )
         port, same_port = await plane.start("127.0.0.1:0", "127.0.0.1:0")
         assert port == same_port
@@ -93,9 +97,14 @@ async def test_138_watch_self_only_snapshot_repeats_every_heartbeat() -> None:
                 )
                 assert list(models.model_ids) == []
                 call = stub.WatchStargates(pb.WatchStargatesRequest(), timeout=CALL_TIMEOUT_S)
-                started = time.monotonic()
-                snapshots = [await call.read() for _ in range(3)]
-                elapsed = time.monotonic() - started
+                snapshots = [await call.read()]
+                for _ in range(2):
+                    await clock.sleeping(2)  # the discovery poll and this stream's heartbeat
+                    clock.advance(0.019)
+                    await asyncio.sleep(0)
+                    assert clock.pending == 2  # no heartbeat before 20 ms
+                    clock.advance(0.001)
+                    snapshots.append(await call.read())
                 call.cancel()
         finally:
             await plane.stop(0.5)
@@ -110,8 +119,7 @@ async def test_138_watch_self_only_snapshot_repeats_every_heartbeat() -> None:
         "10.1.1.1:7",
     )
     assert list(first.watch_stargate_urls) == ["peer-a:50071", "http://peer-b:50071"]
-    assert all(s == first for s in snapshots)
-    assert elapsed >= 0.035
+    assert len(snapshots) == 3 and all(s == first for s in snapshots)
 
 
 async def test_stop_ends_open_watch_streams_promptly() -> None:

@@ -169,7 +169,10 @@ async def test_authentication_routing_key_and_rejection(harness: Harness) -> Non
     assert harness.state.view(Target("rk-team", "model-a")) is not None
     assert harness.state.view(T) is None
     call.cancel()
-    error = await rejected(harness.open(metadata=(("authorization", "Bearer bad"),)), message("http://x:1"))
+    bad = harness.open(metadata=(("authorization", "Bearer bad"),))
+    with pytest.raises(aio.AioRpcError) as info:
+        await bad.read()  # rejected before its first message: writing one would race the status
+    error = info.value
     assert (error.code(), error.details()) == (grpc.StatusCode.UNAUTHENTICATED, "authentication failed")
 
 
@@ -178,10 +181,10 @@ async def test_134_idle_timeout_closes_registration_and_frees_id() -> None:
     async with make_harness(clock, idle_timeout_floor_ms=1000, idle_timeout_cap_ms=1000) as harness:
         call = harness.open(metadata=(("x-stargate-registration-heartbeat-ms", "not-a-number"),))
         await send(call, message(harness.health.url))
-        await clock.sleeping(1)  # the stream waits for the next update
+        await clock.sleeping(2)  # the stream waits for the next update (and discovery for its poll)
         clock.advance(0.999)
         await send(call, message(harness.health.url))  # not idle yet: the update is applied
-        await clock.sleeping(1)
+        await clock.sleeping(2)
         clock.advance(1.0)
         with pytest.raises(aio.AioRpcError) as info:
             await call.read()

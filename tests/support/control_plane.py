@@ -123,9 +123,8 @@ async def send(call: aio.StreamStreamCall, registration: Registration) -> pb.Inf
 
 
 async def rejected(call: aio.StreamStreamCall, registration: Registration) -> aio.AioRpcError:
-    """The status that ends the stream; a stream rejected before its first message (authentication)
-    may already be over when the message is written."""
+    """The status that ends the stream after ``registration``."""
+    await call.write(registration)
     with pytest.raises(aio.AioRpcError) as info:
-        await call.write(registration)
         await call.read()
     return info.value

@@ -172,7 +172,7 @@ class ControlPlane:
         self._control_port = control_port
         self._discovery = PeerDiscovery(self._settings.discovery, control_port)
         self._publisher = watch.WatchPublisher(
-            self._build_watch_snapshot(await self._poll_peers()), self.watch_heartbeat_s
+            self._build_watch_snapshot(await self._poll_peers()), self.watch_heartbeat_s, self._clock
         )
         for server in self._servers:
             await server.start()
@@ -224,7 +224,7 @@ class ControlPlane:
         """Poll every ``--dns-poll-ms`` (the first poll ran at start) and publish what changed."""
         poll_s = self._settings.discovery.poll_ms / 1000.0
         while True:
-            await asyncio.sleep(poll_s)
+            await self._clock.sleep(poll_s)
             publisher.offer(self._build_watch_snapshot(await self._poll_peers()))
 
     def _build_watch_snapshot(self, peers: list[watch.StargateEntry]) -> stargate_pb2.WatchStargatesResponse:

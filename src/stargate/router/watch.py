@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from stargate.proto import stargate_pb2
 from stargate.wire.address import join_host_port
+from stargate.wire.clock import Clock, SystemClock
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -108,9 +109,12 @@ class WatchPublisher:
     no publication for ``heartbeat_s`` re-sends the current snapshot (identical heartbeats).
     """
 
-    def __init__(self, snapshot: stargate_pb2.WatchStargatesResponse, heartbeat_s: float) -> None:
+    def __init__(
+        self, snapshot: stargate_pb2.WatchStargatesResponse, heartbeat_s: float, clock: Clock | None = None
+    ) -> None:
         self._snapshot = snapshot
         self._heartbeat_s = heartbeat_s
+        self._clock = clock or SystemClock()
         self._version = 0
         self._published = asyncio.Event()
 
@@ -135,15 +139,16 @@ class WatchPublisher:
             yield self._snapshot
         while not stopping.is_set():
             if sent == self._version:
-                published = asyncio.ensure_future(self._published.wait())
-                stop = asyncio.ensure_future(stopping.wait())
+                waits = (
+                    asyncio.ensure_future(self._published.wait()),
+                    asyncio.ensure_future(stopping.wait()),
+                    asyncio.ensure_future(self._clock.sleep(self._heartbeat_s)),
+                )
                 try:
-                    await asyncio.wait(
-                        (published, stop), timeout=self._heartbeat_s, return_when=asyncio.FIRST_COMPLETED
-                    )
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    published.cancel()
-                    stop.cancel()
+                    for waiting in waits:
+                        waiting.cancel()
                 if stopping.is_set():
                     return
             sent = self._version

@@ -6,6 +6,7 @@ import asyncio
 
 from stargate.proto import stargate_pb2 as pb
 from stargate.router.watch import WatchPublisher
+from stargate.wire.clock import ManualClock
 
 FOREVER_S = 3600.0
 
@@ -41,10 +42,19 @@ async def test_streams_get_the_current_snapshot_then_every_publication_and_end_o
 
 
 async def test_a_quiet_stream_repeats_the_snapshot_every_heartbeat() -> None:
-    publisher = WatchPublisher(snapshot("a"), heartbeat_s=0.001)
+    clock = ManualClock()
+    publisher = WatchPublisher(snapshot("a"), heartbeat_s=5.0, clock=clock)
     stopping = asyncio.Event()
     stream = publisher.stream(stopping)
-    assert [await anext(stream) for _ in range(3)] == [snapshot("a")] * 3
+    assert await anext(stream) == snapshot("a")
+    for _ in range(2):
+        following = asyncio.ensure_future(anext(stream))
+        await clock.sleeping(1)
+        clock.advance(4.99)
+        await asyncio.sleep(0)
+        assert clock.pending == 1 and not following.done()  # not before the heartbeat
+        clock.advance(0.01)
+        assert await following == snapshot("a")
     stopping.set()
 
 
