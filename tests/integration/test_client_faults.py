@@ -70,13 +70,6 @@ async def sg() -> AsyncIterator[Harness]:
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    e = await FakeEngine().start()
-    yield e
-    await e.close()
-
-
-@pytest.fixture
 async def pylon(engine: FakeEngine) -> AsyncIterator[PylonApp]:
     settings = parse_settings(
         [

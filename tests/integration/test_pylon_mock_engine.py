@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
 
 import aiohttp
-import pytest
 from support.pylon_fakes import MOCK_LINE, FakeStargate, pylon_args, read_line, spawn
 from support.waiting import until
 
 from stargate.pylon.models import ModelStatus
-
-
-@pytest.fixture
-async def stargate() -> AsyncIterator[FakeStargate]:
-    s = await FakeStargate().start()
-    yield s
-    await s.close()
 
 
 async def test_pylon_against_mock_engine_process(stargate: FakeStargate) -> None:

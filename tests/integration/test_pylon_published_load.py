@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -17,13 +17,6 @@ from stargate.proto import stargate_pb2
 TOKENS = 40
 HEARTBEAT_MS = 5000  # changes must reach Stargate long before a heartbeat would carry them
 BODY = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-
-@pytest.fixture
-async def stargate() -> AsyncIterator[FakeStargate]:
-    s = await FakeStargate().start()
-    yield s
-    await s.close()
 
 
 def latest(stargate: FakeStargate) -> stargate_pb2.ModelStats | None:

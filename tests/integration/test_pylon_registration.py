@@ -6,7 +6,6 @@ import asyncio
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -16,13 +15,6 @@ from support.waiting import until
 from stargate.proto import stargate_pb2
 from stargate.pylon.registration import RegistrationClient, RouterInfo, StargateDiscovery, router_from_info
 from stargate.wire.clock import ManualClock
-
-
-@pytest.fixture
-async def stargate() -> AsyncIterator[FakeStargate]:
-    s = await FakeStargate().start()
-    yield s
-    await s.close()
 
 
 def dead_address() -> str:

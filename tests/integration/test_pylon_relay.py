@@ -26,13 +26,6 @@ HEADERS = {
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    e = await FakeEngine().start()
-    yield e
-    await e.close()
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session

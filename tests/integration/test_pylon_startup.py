@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import AsyncIterator
 
 import pytest
 from support.pylon_fakes import FakeEngine, FakeStargate
@@ -11,20 +10,6 @@ from support.waiting import until
 from stargate.errors import StargateError
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    e = await FakeEngine().start()
-    yield e
-    await e.close()
-
-
-@pytest.fixture
-async def stargate() -> AsyncIterator[FakeStargate]:
-    s = await FakeStargate().start()
-    yield s
-    await s.close()
 
 
 def make_app(engine: FakeEngine, stargate: FakeStargate | str, *extra: str) -> PylonApp:

@@ -8,7 +8,6 @@ import asyncio
 import io
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -66,13 +65,6 @@ def parent_id(span: ReadableSpan) -> str:
 def trace_id(span: ReadableSpan) -> str:
     assert span.context is not None
     return f"{span.context.trace_id:032x}"
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    e = await FakeEngine().start()
-    yield e
-    await e.close()
 
 
 async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported, engine: FakeEngine) -> None:
