@@ -149,7 +149,7 @@ def validate(console: Console, value: str) -> int:
 
 
 def run_command(console: Console, args: argparse.Namespace, argv: list[str]) -> int:
-    sc = prepare_scenario(args.scenario, args.algorithms, args.request_count)
+    sc = prepare_scenario(args.scenario, args.algorithms, args.request_count, args.mock_batching)
     runs = plan.runs(sc)
     if not runs:
         raise ConfigError("the scenario has no algorithms to run", path="$.algorithms")

@@ -25,6 +25,7 @@ from stargate.bench.schema import Scenario, load_scenario
 from stargate.bench.score import RequestRecord
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, positive_float, positive_int
+from stargate.mock_engine.timing import BATCHING_MODES, Batching
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -64,13 +65,21 @@ def resolve_scenario(value: str) -> Path:
     raise ConfigError(f"unknown scenario {value!r}; available: {available}", path="--scenario")
 
 
-def prepare_scenario(value: str, algorithms: str | None, request_count: int | None) -> Scenario:
+def prepare_scenario(
+    value: str, algorithms: str | None, request_count: int | None, batching: Batching | None = None
+) -> Scenario:
+    """The scenario with the command line's overrides; ``batching`` runs it under another engine model."""
     sc = load_scenario(resolve_scenario(value))
     if algorithms is not None:
         sc = sc.select_algorithms([name.strip() for name in algorithms.split(",") if name.strip()])
+    update: dict[str, Any] = {}
     if request_count is not None:
+        update["request_count"] = request_count
+    if batching is not None:
+        update["mock"] = sc.mock.model_copy(update={"batching": batching})
+    if update:
         base = sc.base_dir
-        sc = sc.model_copy(update={"request_count": request_count})
+        sc = sc.model_copy(update=update)
         sc._base_dir = base
     return sc
 
@@ -129,6 +138,8 @@ def add_replay_flags(flags: FlagSet, *, out_help: str) -> None:
     a("--order", choices=["fixed", "interleaved", "randomized"], default="interleaved",
       help="order of the runs across repeats")
     a("--slo-ttft-ms", type=positive_float, default=None, help="TTFT SLO for attainment and goodput columns")
+    a("--mock-batching", choices=BATCHING_MODES, default=None,
+      help="override the scenario's mock.batching (the mock engine's scheduler)")
 
 
 def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:

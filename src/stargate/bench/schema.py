@@ -24,6 +24,7 @@ from stargate.bench.traffic import (
     TrafficPattern,
 )
 from stargate.errors import ConfigError
+from stargate.mock_engine.timing import Batching
 from stargate.wire import headers as h
 from stargate.wire.limits import U32_MAX
 
@@ -194,7 +195,7 @@ class Mock(Strict):
 
     kv_mode: Literal["affinity", "prefix"] = "affinity"
     block_tokens: Positive = 16
-    batching: Literal["independent", "continuous", "vllm"] = "independent"
+    batching: Batching = "independent"
     max_num_batched_tokens: Positive = 2048
     health_delay_ms: U64 = 0
 

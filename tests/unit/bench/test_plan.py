@@ -8,6 +8,7 @@ import pytest
 from scenario_data import base
 
 from stargate.bench import plan
+from stargate.bench.console import prepare_scenario
 from stargate.bench.plan import token_delay_ms
 from stargate.bench.schema import load_scenario, parse_scenario
 from stargate.mock_engine.cli import build_parser
@@ -78,3 +79,15 @@ def test_generated_command_lines_parse_with_the_real_engine_and_pylon_clis(path:
     for run in plan.runs(scenario) or [None]:
         for backend in plan.backend_specs(scenario):
             parse_settings([*backend.pylon_args, *(run.pylon_args if run else []), *addresses], env={})
+
+
+def test_mock_batching_override_reaches_every_engine_and_keeps_the_rest() -> None:
+    shipped = load_scenario(BENCHES[0])
+    sc = prepare_scenario(str(BENCHES[0]), None, 7, "vllm")
+    assert sc.mock.batching == "vllm"
+    assert sc.mock.kv_mode == shipped.mock.kv_mode
+    assert sc.request_count == 7
+    assert sc.base_dir == shipped.base_dir
+    for engine in plan.engines(sc):
+        assert engine.args[engine.args.index("--batching") + 1] == "vllm"
+    assert prepare_scenario(str(BENCHES[0]), None, None).mock.batching == shipped.mock.batching

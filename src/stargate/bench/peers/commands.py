@@ -90,7 +90,7 @@ def add_parsers(sub: Any, env: Mapping[str, str]) -> None:
 
 
 def compare_command(console: Console, args: argparse.Namespace, argv: list[str]) -> int:
-    base = prepare_scenario(args.scenario, None, args.request_count)
+    base = prepare_scenario(args.scenario, None, args.request_count, args.mock_batching)
     options = PeerOptions(install=True, nodelay=not args.sglang_as_shipped, root=args.peers_dir)
     choices = resolve_routers(base, args.routers, options)
     scenario = comparable_scenario(base, choices)
