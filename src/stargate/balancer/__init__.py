@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from stargate.balancer.admission import AdmissionRejection, check_admission
-from stargate.balancer.estimates import effective_queue_ms, has_free_slot, queue_estimate, with_reservation
+from stargate.balancer.estimates import (
+    effective_queue_ms,
+    has_free_slot,
+    queue_estimate,
+    with_reservation,
+    with_reservations,
+)
 from stargate.balancer.registry import ALIASES, build_policy
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Policy
 from stargate.balancer.types import (
@@ -46,4 +52,5 @@ __all__ = [
     "queue_estimate",
     "valid_tps",
     "with_reservation",
+    "with_reservations",
 ]

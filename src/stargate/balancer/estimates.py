@@ -14,7 +14,7 @@ rule stays the rule for admission, the queue-SLO filter and the expected-queue h
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, Candidate, ModelStats, valid_tps
@@ -189,28 +189,36 @@ def has_capacity(stats: ModelStats, max_queued: int) -> bool:
     return limit == 0 or stats.num_running_queries < limit + max_queued
 
 
+def _reservation_ms(tps: float, input_tokens: int) -> int | None:
+    """Priority-map bump of one reservation: ``ceil(tokens / tps * 1000)`` ms, None with no valid tps."""
+    if input_tokens == 0:
+        return 0
+    if not valid_tps(tps):
+        return None
+    millis = input_tokens / tps * 1000.0
+    return U64_MAX if not math.isfinite(millis) or millis >= U64_MAX else math.ceil(millis)
+
+
 def _bump_priority_map(
-    estimates: Mapping[int, int], tps: float, input_tokens: int, priority: int
+    estimates: Mapping[int, int], tps: float, pending: Collection[tuple[int, int]]
 ) -> Mapping[int, int]:
+    """Every key gains the bumps of the reservations at its priority or more urgent ones; a
+    reservation's priority missing from the map is inserted at its floor value first."""
     if not estimates:
         return estimates
-    if input_tokens == 0:
-        delta = 0
-    elif not valid_tps(tps):
-        return EMPTY_PRIORITY_MAP
-    else:
-        millis = input_tokens / tps * 1000.0
-        delta = U64_MAX if not math.isfinite(millis) or millis >= U64_MAX else math.ceil(millis)
-    bumped = {
-        key: saturating_add(value, delta) if key > priority else value for key, value in estimates.items()
-    }
-    if priority in estimates:
-        base = estimates[priority]
-    else:
-        floor = floor_lookup(estimates, priority)
-        base = 0 if floor is None else floor
-    bumped[priority] = saturating_add(base, delta)
-    return MappingProxyType(dict(sorted(bumped.items())))
+    bumps: dict[int, int] = {}
+    for input_tokens, priority in pending:
+        delta = _reservation_ms(tps, input_tokens)
+        if delta is None:
+            return EMPTY_PRIORITY_MAP
+        bumps[priority] = bumps.get(priority, 0) + delta
+    bumped: dict[int, int] = {}
+    floor = added = 0
+    for key in sorted(estimates.keys() | bumps.keys()):
+        floor = estimates.get(key, floor)
+        added += bumps.get(key, 0)
+        bumped[key] = saturating_add(floor, added)
+    return MappingProxyType(bumped)
 
 
 def with_reservation(stats: ModelStats, input_tokens: int, priority: int) -> ModelStats:
@@ -222,20 +230,34 @@ def with_reservation(stats: ModelStats, input_tokens: int, priority: int) -> Mod
     because no per-priority estimate can account for the new work. Throughput, KV and concurrency
     fields are never touched.
     """
+    return with_reservations(stats, ((input_tokens, priority),))
+
+
+def with_reservations(stats: ModelStats, pending: Collection[tuple[int, int]]) -> ModelStats:
+    """Apply every pending ``(input tokens, priority)`` reservation at once.
+
+    Equal to applying ``with_reservation`` once per reservation, in any order: every change is a
+    saturating sum of non-negative terms, and those commute. A cluster re-applies its pending
+    reservations whenever one ends, so this runs once per request, not once per reservation.
+    """
+    if not pending:
+        return stats
+    count = len(pending)
+    tokens = sum(input_tokens for input_tokens, _ in pending)
     return ModelStats(
         last_mean_input_tps=stats.last_mean_input_tps,
         output_tps=stats.output_tps,
-        queue_size=saturating_add(stats.queue_size, 1),
-        queued_input_size=saturating_add(stats.queued_input_size, input_tokens),
+        queue_size=saturating_add(stats.queue_size, count),
+        queued_input_size=saturating_add(stats.queued_input_size, tokens),
         max_output_tps=stats.max_output_tps,
         kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens,
         kv_cache_used_tokens=stats.kv_cache_used_tokens,
         kv_cache_free_tokens=stats.kv_cache_free_tokens,
-        num_running_queries=saturating_add(stats.num_running_queries, 1),
+        num_running_queries=saturating_add(stats.num_running_queries, count),
         max_engine_concurrency=stats.max_engine_concurrency,
-        total_query_input_size=saturating_add(stats.total_query_input_size, input_tokens),
+        total_query_input_size=saturating_add(stats.total_query_input_size, tokens),
         queue_time_estimate_ms_by_priority=_bump_priority_map(
-            stats.queue_time_estimate_ms_by_priority, stats.last_mean_input_tps, input_tokens, priority
+            stats.queue_time_estimate_ms_by_priority, stats.last_mean_input_tps, pending
         ),
         input_processing_queries=stats.input_processing_queries,
         output_generation_queries=stats.output_generation_queries,

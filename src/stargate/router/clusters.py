@@ -1,10 +1,10 @@
 """One routed cluster of one target: members, aggregated snapshot (spec §1.8) and reservations (§1.9).
 
-A ``ClusterState`` is mutated only by ``RoutingState`` (synchronously, on the event loop). After each
-mutation it holds a fresh immutable ``Candidate`` that readers share; nothing is recomputed per
-request. Reservations added between heartbeats are folded onto the current candidate one at a
-time; removing one re-folds the remaining ones onto the published aggregate, which gives the same
-result as applying them all in insertion order.
+A ``ClusterState`` is mutated only by ``RoutingState`` (synchronously, on the event loop). The
+immutable ``Candidate`` that readers share is built at the first read after a change. Reservations
+added between heartbeats are folded onto the current stats one at a time; removing one applies the
+remaining ones to the published aggregate at once, which gives the same result as applying them one
+by one (``with_reservations``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass, replace
 
-from stargate.balancer import with_reservation
+from stargate.balancer import with_reservation, with_reservations
 from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
 from stargate.wire.limits import sat_u64
 
@@ -149,10 +149,11 @@ class ClusterState:
 
     __slots__ = (
         "_base",
+        "_candidate",
         "_counter",
         "_departed",
         "_in_flight",
-        "candidate",
+        "_stats",
         "cluster_id",
         "generation",
         "members",
@@ -173,8 +174,27 @@ class ClusterState:
         self.source_id: str | None = None
         self._counter = RoundRobin()
         self._base = Candidate(cluster_id=cluster_id, stats=ModelStats(), rtt_s=0.0, active_backend_count=0)
-        self.candidate = self._base
+        self._stats = self._base.stats
+        self._candidate: Candidate | None = self._base
         self.picker = BackendPicker((), self._counter)
+
+    @property
+    def candidate(self) -> Candidate:
+        """The published aggregate with pending reservations and the in-flight count; built when a
+        decision reads it after a change, not on every change (a request changes it several times)."""
+        candidate = self._candidate
+        if candidate is None:
+            base = self._base
+            candidate = Candidate(
+                cluster_id=self.cluster_id,
+                stats=self._stats,
+                rtt_s=base.rtt_s,
+                updated_at=base.updated_at,
+                active_backend_count=base.active_backend_count,
+                in_flight=self._in_flight,
+            )
+            self._candidate = candidate
+        return candidate
 
     def upsert(self, member: Member) -> None:
         """The member just published: it becomes the source and its own reservations end.
@@ -218,8 +238,8 @@ class ClusterState:
             self._refold()
             return
         self.reservations[reservation] = None
-        stats = with_reservation(self.candidate.stats, reservation.prefill_tokens, reservation.priority)
-        self.candidate = replace(self.candidate, stats=stats)
+        self._stats = with_reservation(self._stats, reservation.prefill_tokens, reservation.priority)
+        self._candidate = None
 
     def release(self, reservation: Reservation) -> bool:
         if reservation not in self.reservations:
@@ -279,14 +299,12 @@ class ClusterState:
         """Add (+1) or remove (-1) one attempt, in its current phase, from the in-flight count."""
         current = self._in_flight
         prefill = sign if reservation.prefilling else 0
-        in_flight = InFlight(
+        self._in_flight = InFlight(
             current.requests + sign,
             current.prefilling + prefill,
             current.prefill_tokens + prefill * reservation.prefill_tokens,
         )
-        self._in_flight = in_flight
-        self._base = replace(self._base, in_flight=in_flight)
-        self.candidate = replace(self.candidate, in_flight=in_flight)
+        self._candidate = None
 
     def _drop_reservations_of(self, backend_id: str) -> None:
         if self.reservations:
@@ -303,7 +321,8 @@ class ClusterState:
             self.picker = BackendPicker(tuple(m.backend for m in ordered), self._counter)
         if not ordered:
             self._base = replace(self._base, active_backend_count=0)
-            self.candidate = self._base
+            self._stats = self._base.stats
+            self._candidate = None
             return
         if self.source_id is None:
             self.source_id = max(ordered, key=lambda m: m.updated_at).backend.inference_server_id
@@ -319,7 +338,6 @@ class ClusterState:
             rtt_s=rtt_ns / 1e9,
             updated_at=source.updated_at,
             active_backend_count=len(ordered),
-            in_flight=self._in_flight,
         )
         self._refold()
 
@@ -328,7 +346,6 @@ class ClusterState:
         return member if departed is None else replace(member, stats=departed.adjust(member.stats))
 
     def _refold(self) -> None:
-        stats = self._base.stats
-        for reservation in self.reservations:
-            stats = with_reservation(stats, reservation.prefill_tokens, reservation.priority)
-        self.candidate = self._base if stats is self._base.stats else replace(self._base, stats=stats)
+        pending = [(r.prefill_tokens, r.priority) for r in self.reservations]
+        self._stats = with_reservations(self._base.stats, pending)
+        self._candidate = None

@@ -4,6 +4,8 @@ import math
 from types import MappingProxyType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.balancer_builders import make_candidate, make_request, make_stats, rng
 
 from stargate.balancer import (
@@ -15,8 +17,10 @@ from stargate.balancer import (
     has_free_slot,
     queue_estimate,
     with_reservation,
+    with_reservations,
 )
 from stargate.balancer.estimates import U64_MAX, prefill_ms, queue_ms, ttft_ms
+from stargate.balancer.types import ModelStats
 
 
 def test_b21_priority_map_uses_greatest_key_not_above_priority() -> None:
@@ -162,3 +166,48 @@ def test_scaled_prefill_never_rescues_invalid_tps() -> None:
     assert prefill_ms(make_stats(tps=100.0), 10, 0.0) == 0.0
     assert prefill_ms(make_stats(tps=0.0), 0, 1.0) == 0.0
     assert prefill_ms(make_stats(tps=100.0), 100, 0.5) == 500.0
+
+
+def _counters(s: ModelStats) -> list[int]:
+    return [s.queue_size, s.queued_input_size, s.num_running_queries, s.total_query_input_size]
+
+
+def _spec_fold(stats: ModelStats, pending: list[tuple[int, int]]) -> tuple[list[int], dict[int, int]]:
+    """§1.9 applied one reservation at a time, written from the spec as the reference."""
+    counters = _counters(stats)
+    estimates = dict(stats.queue_time_estimate_ms_by_priority)
+    tps = stats.last_mean_input_tps
+    for tokens, priority in pending:
+        counters = [min(U64_MAX, c + d) for c, d in zip(counters, (1, tokens, 1, tokens), strict=True)]
+        if not estimates:
+            continue
+        if tokens and not (0.0 < tps < math.inf):
+            estimates = {}
+            continue
+        millis = tokens / tps * 1000.0 if tokens else 0.0
+        delta = U64_MAX if millis >= U64_MAX else math.ceil(millis)
+        floor = max((k for k in estimates if k <= priority), default=None)
+        base = estimates[floor] if floor is not None else 0
+        estimates = {k: min(U64_MAX, v + delta) if k > priority else v for k, v in estimates.items()}
+        estimates[priority] = min(U64_MAX, base + delta)
+    return counters, estimates
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    queue_map=st.dictionaries(st.integers(-3, 6), st.integers(0, U64_MAX), max_size=4),
+    tps=st.sampled_from([0.0, 0.5, 7.0, 1000.0, math.inf]),
+    pending=st.lists(st.tuples(st.sampled_from([0, 1, 37, 10**6, U64_MAX]), st.integers(-4, 7)), max_size=6),
+)
+def test_reservations_applied_at_once_equal_one_at_a_time_in_any_order(
+    queue_map: dict[int, int], tps: float, pending: list[tuple[int, int]]
+) -> None:
+    stats = make_stats(tps=tps, queue_map=queue_map, queued=3, running=2)
+    at_once = with_reservations(stats, pending)
+    for order in (pending, pending[::-1]):
+        counters, estimates = _spec_fold(stats, order)
+        assert _counters(at_once) == counters
+        assert dict(at_once.queue_time_estimate_ms_by_priority) == estimates
+        if pending:
+            assert list(at_once.queue_time_estimate_ms_by_priority) == sorted(estimates)
+    assert with_reservations(stats, []) is stats
