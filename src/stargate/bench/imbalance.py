@@ -10,11 +10,15 @@ holds 2 can still end with equal totals). This measure follows the in-flight cou
   number, ``B`` when one holds everything. Moments with nothing in flight are left out.
 * ``mean`` = time-weighted mean of ``r`` over the busy time; ``p99`` = the time-weighted 99th
   percentile (the smallest ``v`` with ``r(t) <= v`` for at least 99 % of the busy time).
+* Per slot (``slots`` given): ``r(t) = max_b (n_b(t) / s_b) / (N(t) / S)`` with ``s_b`` the
+  backend's engine slots and ``S`` their sum. On a fleet of unequal backends a router that gives a
+  big backend more requests than a small one is not piling up; this measure says so, the plain one
+  does not. With equal slots the two are the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -39,8 +43,13 @@ def weighted_quantile(samples: Sequence[tuple[float, float]], q: float) -> float
     return ordered[-1][0]
 
 
-def in_flight_imbalance(spans: Iterable[tuple[str, float, float]], members: Sequence[str]) -> Imbalance:
-    """``spans``: (backend, dispatch_s, finished_s) per request; ``members``: every backend id."""
+def in_flight_imbalance(
+    spans: Iterable[tuple[str, float, float]],
+    members: Sequence[str],
+    slots: Mapping[str, float] | None = None,
+) -> Imbalance:
+    """``spans``: (backend, dispatch_s, finished_s) per request; ``members``: every backend id;
+    ``slots``: each backend's capacity for the per-slot measure (a backend missing from it counts 1)."""
     events: list[tuple[float, int, str]] = []
     for member, start, end in spans:
         if end > start:
@@ -51,7 +60,8 @@ def in_flight_imbalance(spans: Iterable[tuple[str, float, float]], members: Sequ
     if not events or not counts:
         return Imbalance(None, None, 0.0)
     events.sort()
-    backends = len(counts)
+    size = {member: 1.0 for member in counts} if slots is None else {m: slots.get(m, 1.0) for m in counts}
+    capacity = sum(size.values())
     samples: list[tuple[float, float]] = []
     total = 0
     index = 0
@@ -63,7 +73,8 @@ def in_flight_imbalance(spans: Iterable[tuple[str, float, float]], members: Sequ
             total += delta
             index += 1
         if total > 0 and index < len(events):
-            samples.append((max(counts.values()) * backends / total, events[index][0] - now))
+            peak = max(count / size[member] for member, count in counts.items())
+            samples.append((peak * capacity / total, events[index][0] - now))
     busy = sum(weight for _, weight in samples)
     mean = sum(value * weight for value, weight in samples) / busy if busy > 0 else None
     return Imbalance(mean, weighted_quantile(samples, 0.99), busy)

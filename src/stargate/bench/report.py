@@ -86,6 +86,8 @@ _RESULT_COLUMNS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("Max/mean", lambda s: _score(s.max_over_mean)),
     ("In-flight imb", lambda s: _score(s.inflight_imbalance)),
     ("In-flight imb p99", lambda s: _score(s.inflight_imbalance_p99)),
+    ("Per-slot imb", lambda s: _score(s.slot_inflight_imbalance)),
+    ("Per-slot imb p99", lambda s: _score(s.slot_inflight_imbalance_p99)),
     ("Key moves", lambda s: str(s.moved_cache_keys)),
     ("Lag p99 ms", lambda s: _ms(s.p99_schedule_lag_ms)),
     ("Retries", lambda s: str(s.retries_seen)),
@@ -181,7 +183,8 @@ def render_markdown(scenario: Scenario, summaries: Sequence[RunSummary], charts:
         "Balance scores are 1 - total-variation distance over all backends, including idle ones. "
         "In-flight imb is the time-weighted mean over the run of max / mean in-flight requests across "
         "backends (1 = even, the backend count = all on one), p99 its 99th percentile over time; "
-        "moments with nothing in flight are left out.",
+        "moments with nothing in flight are left out. Per-slot imb is the same over in-flight requests "
+        "per engine slot (equal to In-flight imb when every backend has the same slots).",
     ]
     grouped = across_repeats([s.to_dict() for s in summaries])
     if len(grouped) < len(summaries):

@@ -285,6 +285,12 @@ class Scenario(Strict):
             for i in range(self.backends.count)
         }
 
+    def slot_counts(self) -> dict[str, float]:
+        """Engine slots (``max_concurrent_requests``) per backend id: the per-slot in-flight measure.
+        With a backend of unbounded concurrency slots mean nothing: every backend counts 1."""
+        limits = [self.backends.profile_of(i).max_concurrent_requests for i in range(self.backends.count)]
+        return {f"backend-{i}": float(limit or 1) if all(limits) else 1.0 for i, limit in enumerate(limits)}
+
     def select_algorithms(self, names: list[str]) -> Scenario:
         """Keep the named algorithms in config order; unknown names are an error listing the known."""
         known = [entry.name for entry in self.algorithms]

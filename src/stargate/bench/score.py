@@ -138,6 +138,8 @@ class RunSummary:
     parity_equal_balance: float | None  # the original's flawed score, kept for comparison only
     inflight_imbalance: float | None  # time-weighted mean of max/mean in-flight across backends
     inflight_imbalance_p99: float | None  # its time-weighted 99th percentile
+    slot_inflight_imbalance: float | None  # the same over in-flight per engine slot
+    slot_inflight_imbalance_p99: float | None
     retries_seen: int
     timeouts: int
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -215,23 +217,27 @@ def _ms(seconds: float) -> float:
     return seconds * 1000.0
 
 
-def _members(records: Sequence[RequestRecord], scenario: Scenario) -> tuple[dict[str, str], dict[str, float]]:
-    """Attribution universe: member id → cluster id and member id → capacity weight.
+def _members(
+    records: Sequence[RequestRecord], scenario: Scenario
+) -> tuple[dict[str, str], dict[str, float], dict[str, float]]:
+    """Attribution universe: member id → cluster id, → capacity weight and → engine slots.
 
     Normally the Pylon ids of the topology; for routers without Pylons (records carry engine ids
-    only) the engines, each weighted by the capacity of its Pylons.
+    only) the engines, each with the capacity and slots of its Pylons.
     """
     specs = plan.backend_specs(scenario)
-    weights = scenario.capacity_weights()
+    weights, slots = scenario.capacity_weights(), scenario.slot_counts()
     backend_ids = {spec.backend_id for spec in specs}
     if any(r.backend_id in backend_ids for r in records) or not any(r.engine_id for r in records):
-        return {s.backend_id: s.cluster_id for s in specs}, weights
+        return {s.backend_id: s.cluster_id for s in specs}, weights, slots
     cluster_of: dict[str, str] = {}
     capacity: dict[str, float] = defaultdict(float)
+    engine_slots: dict[str, float] = defaultdict(float)
     for spec in specs:
         cluster_of[spec.engine_id] = spec.cluster_id
         capacity[spec.engine_id] += weights[spec.backend_id]
-    return cluster_of, dict(capacity)
+        engine_slots[spec.engine_id] += slots[spec.backend_id]
+    return cluster_of, dict(capacity), dict(engine_slots)
 
 
 def _member_of(record: RequestRecord, cluster_of: Mapping[str, str]) -> str | None:
@@ -307,7 +313,7 @@ def summarize(
     reused = sum(r.cache_hit_tokens or 0 for r in observed)
     uncached = sum(max(0, r.input_tokens - (r.cache_hit_tokens or 0)) for r in observed)
 
-    cluster_of, capacity = _members(records, scenario)
+    cluster_of, capacity, slots = _members(records, scenario)
     by_member: dict[str, list[RequestRecord]] = defaultdict(list)
     by_cluster: dict[str, list[RequestRecord]] = defaultdict(list)
     key_clusters: dict[str, set[str]] = defaultdict(set)
@@ -331,11 +337,10 @@ def summarize(
     cluster_loads = {row.member_id: float(row.success_count) for row in cluster_rows}
     cluster_inputs = {row.member_id: float(row.input_tokens) for row in cluster_rows}
     moved = sum(1 for seen in key_clusters.values() if len(seen) > 1)
-    imbalance = in_flight_imbalance(
-        ((member, r.dispatch_s, r.finished_s) for member, items in by_member.items() for r in items
-         if r.finished_s is not None),
-        universe,
-    )  # fmt: skip
+    spans = [(member, r.dispatch_s, r.finished_s) for member, items in by_member.items() for r in items
+             if r.finished_s is not None]  # fmt: skip
+    imbalance = in_flight_imbalance(spans, universe)
+    slot_imbalance = in_flight_imbalance(spans, universe, slots)
     failures = Counter((r.status, r.backend_id, r.error_class or "not_ok") for r in records if not r.ok)
 
     return RunSummary(
@@ -388,6 +393,8 @@ def summarize(
         parity_equal_balance=parity_equal_balance(loads),
         inflight_imbalance=imbalance.mean,
         inflight_imbalance_p99=imbalance.p99,
+        slot_inflight_imbalance=slot_imbalance.mean,
+        slot_inflight_imbalance_p99=slot_imbalance.p99,
         retries_seen=sum(r.retries_seen for r in records),
         timeouts=sum(1 for r in records if r.error_class == "timeout"),
         failures=[

@@ -43,3 +43,15 @@ def test_weighted_quantile() -> None:
     assert weighted_quantile([(1.0, 99.5), (4.0, 0.5)], 0.99) == 1.0
     assert weighted_quantile([(1.0, 98.0), (3.0, 2.0)], 0.99) == 3.0
     assert weighted_quantile([], 0.99) is None
+
+
+def test_per_slot_counts_a_big_backend_by_its_slots() -> None:
+    # a has 6 slots, b 2: 3 on a and 1 on b fill both to half -> 1 per slot, 1.5 plain (3 / (4/2))
+    spans = [("a", 0.0, 1.0)] * 3 + [("b", 0.0, 1.0)]
+    assert in_flight_imbalance(spans, ["a", "b"]).mean == 1.5
+    assert in_flight_imbalance(spans, ["a", "b"], {"a": 6.0, "b": 2.0}).mean == pytest.approx(1.0)
+    # all 4 on the small backend: 4/2 per slot against 4/8 -> 4 (the slot share of b is 1/4)
+    small = [("b", 0.0, 1.0)] * 4
+    assert in_flight_imbalance(small, ["a", "b"], {"a": 6.0, "b": 2.0}).mean == pytest.approx(4.0)
+    # equal slots: the same as the plain measure
+    assert in_flight_imbalance(spans, ["a", "b"], {"a": 3.0, "b": 3.0}).mean == pytest.approx(1.5)
