@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from stargate.balancer.config import load_lb_config
+from stargate.balancer.config import load_lb_config, parse_lb_config
 from stargate.bench import plan
 from stargate.bench.peers.compare import (
     RECOMMENDED_FILE,
@@ -40,7 +40,7 @@ def test_a_recommended_file_without_exactly_one_model_is_a_config_error(tmp_path
     path = tmp_path / "two.json"
     path.write_bytes(orjson.dumps({"models": {"a": {"algorithm": "random"}, "b": {"algorithm": "random"}}}))
     with pytest.raises(ConfigError, match="recommended"):
-        recommended_lb_config("m", path)
+        recommended_lb_config("m", path=path)
 
 
 def test_compare_runs_recommended_with_its_router_flag() -> None:
@@ -54,3 +54,15 @@ def test_the_demo_entry_named_recommended_also_runs_with_the_router_flag() -> No
     demo = load_scenario(ROOT / "benches" / "demo.yaml")
     (choice,) = resolve_routers(demo, "stargate:recommended", PeerOptions())
     assert choice.spec.stargate_args == RECOMMENDED_STARGATE_ARGS
+
+
+def test_several_stargates_run_the_recommended_config_with_ring_placement() -> None:
+    multi = load_scenario(ROOT / "benches" / "lb-balance-prefix-reuse-4c2p-2s.yaml")
+    assert multi.stargates.count > 1
+    (choice,) = resolve_routers(multi, "stargate:recommended", PeerOptions())
+    (settings,) = choice.spec.lb_config["models"].values()  # type: ignore[union-attr]
+    shipped = recommended_lb_config(multi.model)["models"][multi.model]  # type: ignore[index]
+    assert shipped["cache_affinity_placement"] == "load"
+    assert settings == {**shipped, "cache_affinity_placement": "ring"}
+    definition = parse_lb_config(choice.spec.lb_config).resolve(multi.model, None)
+    assert definition.cache_affinity_placement.value == "ring"
