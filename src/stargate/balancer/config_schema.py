@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
 from stargate.errors import ConfigError
 from stargate.wire.limits import U64_MAX
 
@@ -116,6 +116,7 @@ class WaitAndWidenFields(_WaitAndWidenFamilyFields):
     load_aware: bool = False
     cache_affinity_yield_margin_ms: U64 | None = None
     cache_affinity_placement: Literal["ring", "load"] | None = None
+    cache_affinity_prefill: Literal["scale", "growth"] | None = None
 
 
 class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
@@ -160,6 +161,9 @@ def _reason(error: ErrorDetails, field: str) -> str:
     if kind == "literal_error" and field == "cache_affinity_placement":
         names = ", ".join(p.value for p in Placement)
         return f"unknown cache_affinity_placement {describe_json(value)}, expected one of: {names}"
+    if kind == "literal_error" and field == "cache_affinity_prefill":
+        names = ", ".join(p.value for p in PrefillEstimate)
+        return f"unknown cache_affinity_prefill {describe_json(value)}, expected one of: {names}"
     if kind == "enum":
         return f"unknown comparator {describe_json(value)}, expected one of: {COMPARATOR_NAMES}"
     if kind == "comparator_null":
@@ -224,4 +228,5 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any
         settings["load_aware"] = fields.load_aware
         settings["cache_affinity_yield_margin_ms"] = fields.cache_affinity_yield_margin_ms
         settings["cache_affinity_placement"] = Placement(fields.cache_affinity_placement or "ring")
+        settings["cache_affinity_prefill"] = PrefillEstimate(fields.cache_affinity_prefill or "scale")
     return settings

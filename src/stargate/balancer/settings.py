@@ -32,6 +32,13 @@ class Placement(StrEnum):
     LOAD = "load"  # the best load-aware estimate; this replica then remembers the key there
 
 
+class PrefillEstimate(StrEnum):
+    """How wait-and-widen estimates the prefill of a request on its affinity group."""
+
+    SCALE = "scale"  # input tokens x cache_affinity_input_tokens_scale (the original)
+    GROWTH = "growth"  # what the prompt grew by since the key's last request there
+
+
 class Comparator(StrEnum):
     TTFT = "ttft"
     QUEUE_TIME = "queue-time"
@@ -71,6 +78,7 @@ class AlgorithmDefinition:
     load_aware: bool = False
     cache_affinity_yield_margin_ms: int | None = None  # None: hold the affinity group until X
     cache_affinity_placement: Placement = Placement.RING
+    cache_affinity_prefill: PrefillEstimate = PrefillEstimate.SCALE
 
 
 class Policy(Protocol):

@@ -30,7 +30,7 @@ from stargate.balancer.estimates import (
     queue_ms,
     raw_queue_ms,
 )
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
 from stargate.balancer.types import (
     UNAVAILABLE,
     Candidate,
@@ -313,6 +313,10 @@ class WaitAndWiden:
     With ``cache_affinity_placement: load`` (not in the original) a key's first request is decided
     like a request without a key, over every candidate at full prefill, and the key is placed where
     it went; the ring is not used.
+
+    With ``cache_affinity_prefill: growth`` (not in the original) the group's prefill is what the
+    prompt grew by since the key's last request went there (a conversation re-sends its history),
+    instead of the scaled input; the scale stays the estimate when that is unknown.
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
@@ -331,6 +335,7 @@ class WaitAndWiden:
         self._scale = definition.cache_affinity_input_tokens_scale
         margin = definition.cache_affinity_yield_margin_ms
         self._yield_margin = None if margin is None else float(margin)
+        self._growth = definition.cache_affinity_prefill is PrefillEstimate.GROWTH
 
     def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
         if not candidates:
@@ -342,30 +347,52 @@ class WaitAndWiden:
         if key and groups is not None:
             group = groups.group(candidates, request.target, key)
             if group:
-                decision = self._decide_with_affinity(candidates, request, group, queue_limit, rng)
-                if (
-                    self._yield_margin is not None
-                    and isinstance(decision, Selected)
-                    and decision.choice.rank_depth == GLOBAL_RANK_DEPTH
-                ):
-                    groups.place(key, candidates[decision.choice.index].cluster_id)
+                scale = self._group_scale(groups, candidates, request, group, key)
+                decision = self._decide_with_affinity(candidates, request, group, scale, queue_limit, rng)
+                if isinstance(decision, Selected):
+                    cluster_id = candidates[decision.choice.index].cluster_id
+                    if self._yield_margin is not None and decision.choice.rank_depth == GLOBAL_RANK_DEPTH:
+                        groups.place(key, cluster_id)
+                    if self._growth:
+                        groups.routed(key, cluster_id, request.input_tokens)
                 return decision
             # Placed by load: a new key has no cache anywhere, so it goes where the estimate is best.
             plain = as_decision(
                 selector.phase(candidates, None, request, 1.0, request.elapsed_ms, queue_limit, rng)
             )
             if isinstance(plain, Selected):
-                groups.place(key, candidates[plain.choice.index].cluster_id)
+                cluster_id = candidates[plain.choice.index].cluster_id
+                groups.place(key, cluster_id)
+                if self._growth:
+                    groups.routed(key, cluster_id, request.input_tokens)
             return plain
         return as_decision(
             selector.phase(candidates, None, request, 1.0, request.elapsed_ms, queue_limit, rng)
         )
+
+    def _group_scale(
+        self,
+        groups: AffinityGroups,
+        candidates: tuple[Candidate, ...],
+        request: LbRequest,
+        group: tuple[int, ...],
+        key: str,
+    ) -> float:
+        """Share of the input the group still has to prefill: the growth since the key's last
+        request there (``growth``, a group of one), else ``cache_affinity_input_tokens_scale``."""
+        tokens = request.input_tokens
+        if self._growth and tokens and len(group) == 1:
+            uncached = groups.uncached_tokens(key, candidates[group[0]].cluster_id, tokens)
+            if uncached is not None:
+                return uncached / tokens
+        return self._scale
 
     def _decide_with_affinity(
         self,
         candidates: tuple[Candidate, ...],
         request: LbRequest,
         group: tuple[int, ...],
+        scale: float,
         queue_limit: float | None,
         rng: random.Random,
     ) -> Decision:
@@ -374,16 +401,17 @@ class WaitAndWiden:
             return UNAVAILABLE
         elapsed = request.elapsed_ms
         selector = self._selector
-        if self._yield_margin is not None and self._affinity_loses(candidates, request, group, queue_limit):
+        loses = self._affinity_loses
+        if self._yield_margin is not None and loses(candidates, request, group, scale, queue_limit):
             slept = max(0.0, elapsed - self._wait_ms)
             public = selector.phase(candidates, None, request, 1.0, slept, queue_limit, rng)
             if isinstance(public, Choice):
                 return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
-        affine = selector.phase(candidates, group, request, self._scale, elapsed, queue_limit, rng)
+        affine = selector.phase(candidates, group, request, scale, elapsed, queue_limit, rng)
         if isinstance(affine, Choice):
             if self.definition.load_aware:
                 # Work in flight there is the uncached part, as the estimate assumed.
-                expected = round(request.input_tokens * self._scale)
+                expected = round(request.input_tokens * scale)
                 return Selected(Choice(affine.index, prefill_tokens=expected))
             return Selected(affine)
         if elapsed < self._wait_ms:
@@ -400,12 +428,13 @@ class WaitAndWiden:
         candidates: tuple[Candidate, ...],
         request: LbRequest,
         group: tuple[int, ...],
+        scale: float,
         queue_limit: float | None,
     ) -> bool:
         """The group's best estimate (cache discount applied, full members included: their queue
         estimate is the wait) is worse than the best selectable global one by more than the margin."""
         best, margin = self._selector.best_ttft, self._yield_margin
-        affine = best(candidates, group, request, self._scale, queue_limit, selectable_only=False)
+        affine = best(candidates, group, request, scale, queue_limit, selectable_only=False)
         public = best(candidates, None, request, 1.0, queue_limit, selectable_only=True)
         return margin is not None and public < INF and affine > public + margin
 
@@ -422,6 +451,12 @@ def _check(definition: AlgorithmDefinition) -> Problem | None:
         return (
             "cache_affinity_placement",
             "cache_affinity_placement \"load\" places a key on one backend: "
+            "set cache_affinity_backend_selection_count to 1",
+        )
+    if definition.cache_affinity_prefill is PrefillEstimate.GROWTH and definition.selection_count != 1:
+        return (
+            "cache_affinity_prefill",
+            "cache_affinity_prefill \"growth\" follows a key's prompt on one backend: "
             "set cache_affinity_backend_selection_count to 1",
         )
     return check_affinity_settings(definition)

@@ -8,21 +8,27 @@ A key can also be *placed*: its KV cache is on the cluster one of its requests w
 ring (a yield to load, or the first request under ``cache_affinity_placement: load``). Placements
 are kept by cluster id, survive membership changes of other clusters, and end when their cluster
 leaves; the least recently used is forgotten first.
+
+With ``cache_affinity_prefill: growth`` the groups also remember, per key, the cluster and input
+tokens of its last routed request: a conversation's next turn re-sends that prompt and adds to it,
+so there only the growth is left to prefill.
 """
 
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import TypeVar
 
 from stargate.balancer.ring import AffinityRing, KeyCache, hash_prefix
 from stargate.balancer.settings import AlgorithmDefinition, Placement
 from stargate.balancer.types import Candidate, Target
 
 _cluster_id = attrgetter("cluster_id")
+_V = TypeVar("_V")
 
 
 PLACED_CAPACITY = 65_536
-"""Placed keys remembered; the least recently used is forgotten first."""
+"""Placed (and routed) keys remembered; the least recently used is forgotten first."""
 
 
 class AffinityGroups:
@@ -35,6 +41,7 @@ class AffinityGroups:
         "_placed",
         "_ring",
         "_ring_placement",
+        "_routed",
         "_seed",
         "_target",
         "_virtual_nodes",
@@ -50,17 +57,26 @@ class AffinityGroups:
         self._last: tuple[Candidate, ...] = ()
         self._cache: KeyCache[tuple[int, ...]] = KeyCache()
         self._placed: dict[str, str] = {}
+        self._routed: dict[str, tuple[str, int]] = {}
         self._index: dict[str, int] = {}
         self._ring_placement = definition.cache_affinity_placement is Placement.RING
 
     def place(self, key: str, cluster_id: str) -> None:
         """The key's request went to ``cluster_id``: its KV cache is there now, so that cluster is
         the key's group from now on."""
-        placed = self._placed
-        placed.pop(key, None)
-        if len(placed) >= PLACED_CAPACITY:
-            del placed[next(iter(placed))]
-        placed[key] = cluster_id
+        _remember(self._placed, key, cluster_id)
+
+    def routed(self, key: str, cluster_id: str, input_tokens: int) -> None:
+        """The key's request of ``input_tokens`` went to ``cluster_id``."""
+        _remember(self._routed, key, (cluster_id, input_tokens))
+
+    def uncached_tokens(self, key: str, cluster_id: str, input_tokens: int) -> int | None:
+        """Tokens left to prefill on ``cluster_id`` if it holds the prompt of the key's last request
+        and this one extends it; None when that is unknown (another cluster, or a shorter prompt)."""
+        last = self._routed.get(key)
+        if last is None or last[0] != cluster_id or not 0 < last[1] <= input_tokens:
+            return None
+        return input_tokens - last[1]
 
     def group(self, candidates: tuple[Candidate, ...], target: Target, key: str) -> tuple[int, ...]:
         """Candidate indices of the key's affinity group (exclusions not applied); empty when the
@@ -93,9 +109,18 @@ class AffinityGroups:
     def _rebuild(self, candidates: tuple[Candidate, ...], target: Target) -> AffinityRing:
         if self._target is not None and target != self._target:
             self._placed.clear()
+            self._routed.clear()
         self._ids = tuple(map(_cluster_id, candidates))
         self._index = {cluster_id: index for index, cluster_id in enumerate(self._ids)}
         self._target = target
         self._ring = AffinityRing(hash_prefix(self._seed, target), self._ids, self._virtual_nodes)
         self._cache.clear()
         return self._ring
+
+
+def _remember(memory: dict[str, _V], key: str, value: _V) -> None:
+    """Insert as most recently used; past ``PLACED_CAPACITY`` the least recently used goes."""
+    memory.pop(key, None)
+    if len(memory) >= PLACED_CAPACITY:
+        del memory[next(iter(memory))]
+    memory[key] = value

@@ -27,7 +27,7 @@ from stargate.balancer.estimates import (
     load_tie_key,
     load_ttft_ms,
 )
-from stargate.balancer.settings import Placement
+from stargate.balancer.settings import Placement, PrefillEstimate
 from stargate.balancer.types import InFlight
 from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, AffinityGroups
 from stargate.errors import ConfigError
@@ -443,3 +443,71 @@ def test_load_placement_needs_a_group_of_one() -> None:
         parse_lb_config(
             {"models": {"m": {"algorithm": "wait-and-widen", "cache_affinity_placement": "nearest"}}}
         )
+
+
+# ---- prefill of the affinity group from the prompt's growth ----------------------------------------
+
+
+def _growth_policy() -> Any:
+    return _affinity_policy(
+        margin=250, cache_affinity_placement=Placement.LOAD, cache_affinity_prefill=PrefillEstimate.GROWTH
+    )
+
+
+def _second_turn(policy: Any, first_tokens: int, second_tokens: int) -> tuple[tuple[Candidate, ...], Any]:
+    first = (
+        make_candidate("affinity-a", tps=1000.0, queued=20_000, running=3, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+    )
+    placed = policy.decide(first, make_request(input_tokens=first_tokens, key="k"), rng())
+    assert chosen_id(first, placed) == "affinity-b"
+    # b now has 9 s of prefill ahead; a is idle, where the whole prompt would be prefilled.
+    second = (
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, queued=9000, running=2, max_concurrency=8),
+    )
+    return second, policy.decide(second, make_request(input_tokens=second_tokens, key="k"), rng())
+
+
+def test_growth_counts_only_what_the_prompt_added_since_the_keys_last_request() -> None:
+    # 100 new tokens on b: 9.1 s there against 10 s on a, so the key stays with its cache...
+    candidates, decision = _second_turn(_growth_policy(), 9900, 10_000)
+    assert chosen_id(candidates, decision) == "affinity-b"
+    assert chosen(decision).rank_depth == 1
+    assert chosen(decision).prefill_tokens == 100  # ... and b is charged the growth, not 2000
+    # The scaled estimate (0.2 x 10 000 = 2 s on b: 11 s) yields to a at 10 s.
+    scaled = _affinity_policy(margin=250, cache_affinity_placement=Placement.LOAD)
+    candidates, decision = _second_turn(scaled, 9900, 10_000)
+    assert chosen_id(candidates, decision) == "affinity-a"
+    assert chosen(decision).rank_depth == 2
+
+
+def test_a_prompt_that_does_not_extend_the_last_one_falls_back_to_the_scale() -> None:
+    candidates, decision = _second_turn(_growth_policy(), 12_000, 10_000)
+    assert chosen_id(candidates, decision) == "affinity-a"  # no known prefix: 11 s against 10 s
+
+
+def test_growth_follows_the_key_to_where_it_went() -> None:
+    policy = _growth_policy()
+    candidates, decision = _second_turn(policy, 5000, 10_000)  # 5 s growth: yields to a
+    assert chosen_id(candidates, decision) == "affinity-a"
+    # The third turn on a (now the key's backend) counts its growth from the 10 000 sent there.
+    third = (
+        make_candidate("affinity-a", tps=1000.0, queued=2000, running=1, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+    )
+    decision = policy.decide(third, make_request(input_tokens=10_300, key="k"), rng())
+    assert chosen_id(third, decision) == "affinity-a"
+    assert chosen(decision).prefill_tokens == 300
+
+
+def test_growth_needs_a_group_of_one_and_a_known_value() -> None:
+    model = {"algorithm": "wait-and-widen", "cache_affinity_prefill": "growth"}
+    with pytest.raises(ConfigError, match="cache_affinity_backend_selection_count"):
+        parse_lb_config({"models": {"m": {**model, "cache_affinity_backend_selection_count": 2}}})
+    with pytest.raises(ConfigError, match="expected one of: scale, growth"):
+        parse_lb_config({"models": {"m": {**model, "cache_affinity_prefill": "history"}}})
+    definition = parse_lb_config(
+        {"models": {"m": {**model, "cache_affinity_backend_selection_count": 1}}}
+    ).resolve("m", None)
+    assert definition.cache_affinity_prefill is PrefillEstimate.GROWTH
