@@ -19,7 +19,7 @@ from stargate.balancer import (
     Target,
     build_policy,
 )
-from stargate.balancer.settings import Placement
+from stargate.balancer.settings import Placement, PrefillEstimate
 
 DEFINITIONS = {
     "power-of-n (k=2, ttft)": AlgorithmDefinition(Algorithm.POWER_OF_N, comparator=Comparator.TTFT),
@@ -43,6 +43,7 @@ DEFINITIONS = {
         cache_affinity_input_tokens_scale=0.2,
         cache_affinity_yield_margin_ms=1000,
         cache_affinity_placement=Placement.LOAD,
+        cache_affinity_prefill=PrefillEstimate.GROWTH,
         max_queued=16,
         load_aware=True,
     ),
