@@ -23,10 +23,7 @@ from stargate.balancer.comparators import score_for
 from stargate.balancer.config_schema import WaitAndWidenFields
 from stargate.balancer.estimates import (
     INF,
-    load_queue_ms,
-    load_running,
     load_tie_key,
-    prefill_ms,
     queue_ms,
     raw_queue_ms,
 )
@@ -232,24 +229,44 @@ class WawSelector:
         *,
         selectable_only: bool,
     ) -> float:
-        """Lowest TTFT estimate (the ranking's queue notion, ``scale``d prefill) among ``indices``."""
-        priority, tokens = request.priority, request.input_tokens
+        """Lowest TTFT estimate (the ranking's queue notion, ``scale``d prefill) among ``indices``.
+
+        The load-aware queue (``load_queue_ms``, ``load_running``) is written flat, as in ``phase``:
+        the yield check runs this over every candidate of every keyed decision.
+        """
+        priority, tokens, excluded = request.priority, request.input_tokens, request.excluded
+        max_queued, load_aware = self._max_queued, self._load_aware
+        ms_per_token = scale * 1000.0
         best = INF
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
         for _, candidate in pairs:
-            if request.excluded and candidate.cluster_id in request.excluded:
+            if excluded and candidate.cluster_id in excluded:
                 continue
             stats = candidate.stats
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
-            if self._load_aware:
-                queue, running = load_queue_ms(candidate, priority), load_running(candidate)
+            limit = stats.max_engine_concurrency
+            tps = stats.last_mean_input_tps
+            valid = 0.0 < tps < INF
+            if load_aware:
+                own = candidate.in_flight
+                running = stats.num_running_queries
+                if own.requests > running:
+                    running = own.requests
+                backlog = stats.queued_input_size
+                if own.prefill_tokens > backlog:
+                    backlog = own.prefill_tokens
+                queue = 0.0 if backlog == 0 else backlog * 1000.0 / tps if valid else INF
+                if not (limit > 0 and running < limit):
+                    spec = raw_queue_ms(stats, priority)
+                    if spec > queue:
+                        queue = spec
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
-            limit = stats.max_engine_concurrency
-            if selectable_only and not (limit == 0 or running < limit + self._max_queued):
+            if selectable_only and not (limit == 0 or running < limit + max_queued):
                 continue
-            estimate = candidate.rtt_s * 1000.0 + queue + prefill_ms(stats, tokens, scale)
+            prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if valid else INF
+            estimate = candidate.rtt_s * 1000.0 + queue + prefill
             if estimate < best:
                 best = estimate
         return best

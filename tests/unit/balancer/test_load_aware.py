@@ -29,6 +29,7 @@ from stargate.balancer.estimates import (
 )
 from stargate.balancer.settings import Placement, PrefillEstimate
 from stargate.balancer.types import InFlight
+from stargate.balancer.wait_and_widen import Ranking, WawSelector
 from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, AffinityGroups
 from stargate.errors import ConfigError
 
@@ -511,3 +512,31 @@ def test_growth_needs_a_group_of_one_and_a_known_value() -> None:
         {"models": {"m": {**model, "cache_affinity_backend_selection_count": 1}}}
     ).resolve("m", None)
     assert definition.cache_affinity_prefill is PrefillEstimate.GROWTH
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    stats=st.lists(
+        st.tuples(st.integers(0, 50_000), st.integers(0, 12), st.integers(0, 8), st.integers(0, 20_000)),
+        min_size=1,
+        max_size=5,
+    ),
+    tokens=st.integers(0, 20_000),
+    scale=st.sampled_from([0.0, 0.2, 1.0]),
+)
+def test_the_flat_best_estimate_of_the_yield_check_is_the_load_ttft_estimate(
+    stats: list[tuple[int, int, int, int]], tokens: int, scale: float
+) -> None:
+    candidates = tuple(
+        with_in_flight(
+            make_candidate(f"c{i}", tps=1000.0, queued=queued, running=running, max_concurrency=limit),
+            running,
+            min(running, 1),
+            own_tokens,
+        )
+        for i, (queued, running, limit, own_tokens) in enumerate(stats)
+    )
+    selector = WawSelector(waw(load_aware=True), Ranking.TTFT)
+    request = make_request(input_tokens=tokens)
+    best = selector.best_ttft(candidates, None, request, scale, None, selectable_only=False)
+    assert best == pytest.approx(min(load_ttft_ms(c, tokens, 0, scale) for c in candidates))
