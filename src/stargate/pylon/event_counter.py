@@ -3,7 +3,8 @@
 A ``prometheus_client`` ``Counter`` costs a lock, label validation and a child lookup on every
 increment, which adds up on paths taken dozens of times per proxied request. ``EventCounter`` keeps
 plain per-label-set counts and builds the samples at scrape time; the exposition is the same as a
-``Counter``'s (``_total`` and ``_created`` per label set, the family described even with no series).
+``Counter``'s (``_total`` and ``_created`` per label set, the family described even with no series,
+``PROMETHEUS_DISABLE_CREATED_SERIES`` honoured).
 Increments must come from one thread (Pylon's event loop).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
+from prometheus_client import metrics as client_metrics
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,6 +43,8 @@ class EventCounter(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
+        # As a Counter: no _created series when prometheus_client's switch turned them off.
+        with_created = client_metrics._use_created
         for values, count in self._counts.items():
-            family.add_metric(list(values), count, created=self._created[values])
+            family.add_metric(list(values), count, created=self._created[values] if with_created else None)
         yield family
