@@ -308,6 +308,22 @@ async def test_pylon_closes_slow_heads_including_a_trickling_one(
     assert_quiet(caplog)
 
 
+async def test_pylon_keeps_an_idle_keep_alive_connection_after_a_request_with_a_body(
+    pylon: PylonApp, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reading a request body must not start the next head's deadline: only its first byte does."""
+    caplog.set_level(logging.WARNING)
+    reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "ka-1"))
+    conns.send(PYLON_CHAT)
+    assert (await until(reader, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    await until(reader, b"0\r\n\r\n")  # the end of the chunked answer
+    await asyncio.sleep(HEAD_TIMEOUT_MS / 1000 * 2)  # idle, longer than the head timeout
+    conns.send(head("/v1/chat/completions", PYLON_CHAT, "llama", "ka-2") + PYLON_CHAT)
+    assert (await until(reader, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    assert client_lines(caplog, "test.pylon.clients") == []
+    assert_quiet(caplog)
+
+
 def test_both_binaries_take_the_head_timeout_flag() -> None:
     base = ["--stargate-id", "s", "--advertise-addr", "127.0.0.1:1", "--disable-dns-discovery"]
     assert settings_from_args(build_parser({}).parse_args(base)).http_header_read_timeout_ms == 10_000

@@ -18,11 +18,12 @@ from stargate.wire.headers import (
     HOP_BY_HOP,
     IDENTITY,
     InvalidNumber,
-    connection_nominated,
     forwardable,
+    nominated_names,
     optional_unsigned,
     parse_unsigned,
     text_value,
+    without_names,
 )
 from stargate.wire.limits import I31_MAX, U32_MAX, U64_MAX, sat_u64
 
@@ -121,22 +122,31 @@ class RetryPolicy:
 def response_headers(
     upstream: Iterable[tuple[str, str]], status: int, policy: RetryPolicy
 ) -> tuple[CIMultiDict[str], str | None]:
-    """Relayed headers plus retry metadata; second value = non-retryable failure reason, if any."""
+    """Relayed headers plus retry metadata; second value = non-retryable failure reason, if any.
+
+    One pass over ``upstream``; Connection-nominated names are taken out afterwards (rarely any).
+    """
     out: CIMultiDict[str] = CIMultiDict()
     authorized = False
     retry_after: str | None = None
-    pairs = list(upstream)
-    nominated = connection_nominated(pairs)
-    for name, value in pairs:
+    connection: list[str] = []
+    for name, value in upstream:
         lowered = name.lower()
+        if lowered == "connection":
+            connection.append(value)
         if lowered == policy.header:
             authorized = value.strip().lower() == "true"
             continue
-        if lowered in _RESPONSE_DROP or lowered in nominated:
+        if lowered in _RESPONSE_DROP:
             continue
         if lowered == "retry-after":
             retry_after = value
         out.add(name, value)
+    if connection:
+        nominated = nominated_names(connection)
+        out = without_names(out, nominated)
+        if "retry-after" in nominated:
+            retry_after = None
     if 200 <= status < 300:
         return out, None
     if status in policy.statuses and (authorized or not policy.require_header):

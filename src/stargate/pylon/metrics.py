@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.registry import Collector
 
 from stargate.balancer.types import ModelStats
+from stargate.pylon.event_counter import EventCounter
 from stargate.pylon.stats.observation import Observation
 from stargate.pylon.token_histogram import TokenHistogram
 from stargate.wire.labels import LabelChildren
@@ -107,12 +108,15 @@ class PylonMetrics:
             ["model", "routing_key", "source"],
             registry=r,
         )
-        self.stream_events = Counter(
-            "pylon_engine_stats_stream_events", "Valid engine stats stream events", ["type"], registry=r
+        # Bumped per engine stats event: scrape-time counters, not locked ``Counter`` children.
+        self.stream_events = EventCounter(
+            "pylon_engine_stats_stream_events", "Valid engine stats stream events", ["type"]
         )
-        self.stream_invalid = Counter(
-            "pylon_engine_stats_stream_invalid_events", "Invalid engine stats events", ["reason"], registry=r
+        r.register(self.stream_events)
+        self.stream_invalid = EventCounter(
+            "pylon_engine_stats_stream_invalid_events", "Invalid engine stats events", ["reason"]
         )
+        r.register(self.stream_invalid)
         self.stream_reconnects = Counter(
             "pylon_engine_stats_stream_reconnects", "Engine stats stream reconnects", ["reason"], registry=r
         )
@@ -122,12 +126,12 @@ class PylonMetrics:
         self.stale_cleanups = Counter(
             "pylon_engine_stats_stale_cleanups", "Stale stats cleanups", ["kind"], registry=r
         )
-        self.dirty_snapshots = Counter(
+        self.dirty_snapshots = EventCounter(
             "pylon_engine_stats_dirty_snapshots",
             "Changes that make the next published snapshot differ",
             ["source", "reason"],
-            registry=r,
         )
+        r.register(self.dirty_snapshots)
         self.source_transitions = Counter(
             "pylon_engine_stats_source_transitions",
             "Stats source transitions",
@@ -202,7 +206,6 @@ class PylonMetrics:
         self._started = LabelChildren(self.requests_inflight)
         self._finished: dict[tuple[str, str], _FinishedSeries] = {}
         self._admitted = LabelChildren(self.admission)
-        self._dirty = LabelChildren(self.dirty_snapshots)
         self._labels_published: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._advertised: dict[str, dict[str, str]] = {}
 
@@ -210,7 +213,7 @@ class PylonMetrics:
         self.registry.register(collector)
 
     def snapshot_dirty(self, source: str, reason: str) -> None:
-        self._dirty(source, reason).inc()
+        self.dirty_snapshots.inc(source, reason)
 
     def advertise(self, router: str, statuses: dict[str, str]) -> None:
         """One-hot ``pylon_model_advertised_status`` of what was sent to ``router``; models no

@@ -114,22 +114,35 @@ def optional_unsigned(raw: str | None, limit: int) -> int | None:
 
 def connection_nominated(items: Iterable[tuple[str, str]]) -> frozenset[str]:
     """Lower-cased names listed in ``Connection`` headers: hop-by-hop for this hop only (RFC 9110 §7.6.1)."""
-    names: set[str] = set()
-    for name, value in items:
-        if name.lower() == "connection":
-            names.update(token.strip(" \t").lower() for token in value.split(","))
+    return nominated_names(value for name, value in items if name.lower() == "connection")
+
+
+def nominated_names(connection_values: Iterable[str]) -> frozenset[str]:
+    """Lower-cased names listed in these ``Connection`` header values."""
+    names = {token.strip(" \t").lower() for value in connection_values for token in value.split(",")}
     names.discard("")
     return frozenset(names)
 
 
+def without_names(headers: CIMultiDict[str], names: frozenset[str]) -> CIMultiDict[str]:
+    """``headers`` less every field whose lower-cased name is in ``names`` (order kept)."""
+    if not names:
+        return headers
+    return CIMultiDict((name, value) for name, value in headers.items() if name.lower() not in names)
+
+
 def forwardable(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> CIMultiDict[str]:
-    """Headers (multi-values and order kept) less ``dropped``, hop-by-hop and Connection-nominated names."""
-    pairs = list(items)
-    nominated = connection_nominated(pairs)
-    skip = dropped | nominated if nominated else dropped
+    """Headers (multi-values and order kept) less ``dropped``, hop-by-hop and Connection-nominated names.
+
+    One pass over ``items`` (this runs per relayed request): nominated names are taken out afterwards,
+    only when a ``Connection`` header lists any.
+    """
     out: CIMultiDict[str] = CIMultiDict()
-    for name, value in pairs:
+    connection: list[str] = []
+    for name, value in items:
         lowered = name.lower()
-        if lowered not in skip and lowered not in HOP_BY_HOP:
+        if lowered == "connection":
+            connection.append(value)
+        elif lowered not in dropped and lowered not in HOP_BY_HOP:
             out.add(name, value)
-    return out
+    return without_names(out, nominated_names(connection)) if connection else out

@@ -53,7 +53,11 @@ class GuardedRequestHandler(RequestHandler):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        head_starts = self._head_timer is None and (self._awaiting_head() or self._body_complete())
+        # Only bytes start a head: aiohttp also calls this with b"" whenever a handler reads its
+        # body (resume_reading), which would arm the deadline per request and on idle keep-alives.
+        head_starts = (
+            bool(data) and self._head_timer is None and (self._awaiting_head() or self._body_complete())
+        )
         super().data_received(data)
         if self._messages:
             self._cancel_head_timer()

@@ -51,17 +51,17 @@ class EngineStatsStream:
         if event is None:
             return
         if isinstance(event, Invalid):
-            self._metrics.stream_invalid.labels(event.reason).inc()
+            self._metrics.stream_invalid.inc(event.reason)
             return
         self.valid_event_seen = True
         if isinstance(event, PingEvent):
-            self._metrics.stream_events.labels("ping").inc()
+            self._metrics.stream_events.inc("ping")
             self._hub.on_ping(event)
         elif isinstance(event, StatsEvent):
-            self._metrics.stream_events.labels("stats").inc()
+            self._metrics.stream_events.inc("stats")
             reason = self._hub.on_engine_stats(event)
             if reason is not None:
-                self._metrics.stream_invalid.labels(reason).inc()
+                self._metrics.stream_invalid.inc(reason)
 
     async def _connect_once(self) -> str:
         """Read one connection to its end; returns the reconnect reason (or ``unsupported``)."""
