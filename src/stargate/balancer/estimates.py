@@ -137,18 +137,31 @@ def load_queue_ms(candidate: Candidate, priority: int) -> float:
     own tokens still before their first byte, whichever is larger. With no free slot the §3.1
     estimate (which may come from the engine's priority map) also applies; the larger wins.
     """
+    return load_queue_and_running(candidate, priority)[0]
+
+
+def load_queue_and_running(candidate: Candidate, priority: int) -> tuple[float, int]:
+    """``load_queue_ms`` and ``load_running`` in one flat pass (``load_backlog`` inlined):
+    wait-and-widen needs both for every candidate of every decision."""
     stats = candidate.stats
-    backlog = load_backlog(candidate)
+    own = candidate.in_flight
+    running = stats.num_running_queries
+    if own.requests > running:
+        running = own.requests
+    backlog = stats.queued_input_size
+    if own.prefill_tokens > backlog:
+        backlog = own.prefill_tokens
     if backlog == 0:
-        load = 0.0
+        queue = 0.0
     else:
         tps = stats.last_mean_input_tps
-        load = backlog * 1000.0 / tps if 0.0 < tps < INF else INF
+        queue = backlog * 1000.0 / tps if 0.0 < tps < INF else INF
     limit = stats.max_engine_concurrency
-    if limit > 0 and load_running(candidate) < limit:
-        return load
-    spec = raw_queue_ms(stats, priority)
-    return spec if spec > load else load
+    if not (limit > 0 and running < limit):
+        spec = raw_queue_ms(stats, priority)
+        if spec > queue:
+            queue = spec
+    return queue, running
 
 
 def load_ttft_ms(candidate: Candidate, input_tokens: int, priority: int, scale: float = 1.0) -> float:

@@ -23,9 +23,9 @@ from stargate.balancer.comparators import score_for
 from stargate.balancer.config_schema import WaitAndWidenFields
 from stargate.balancer.estimates import (
     INF,
+    load_queue_and_running,
     load_tie_key,
     queue_ms,
-    raw_queue_ms,
 )
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
 from stargate.balancer.types import (
@@ -125,24 +125,7 @@ class WawSelector:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
-                # load_running and load_queue_ms, written flat: this runs per candidate per decision.
-                own = candidate.in_flight
-                running = stats.num_running_queries
-                if own.requests > running:
-                    running = own.requests
-                backlog = stats.queued_input_size
-                if own.prefill_tokens > backlog:
-                    backlog = own.prefill_tokens
-                if backlog == 0:
-                    queue = 0.0
-                else:
-                    tps = stats.last_mean_input_tps
-                    queue = backlog * 1000.0 / tps if 0.0 < tps < INF else INF
-                limit = stats.max_engine_concurrency
-                if not (limit > 0 and running < limit):
-                    spec = raw_queue_ms(stats, priority)
-                    if spec > queue:
-                        queue = spec
+                queue, running = load_queue_and_running(candidate, priority)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
@@ -229,11 +212,8 @@ class WawSelector:
         *,
         selectable_only: bool,
     ) -> float:
-        """Lowest TTFT estimate (the ranking's queue notion, ``scale``d prefill) among ``indices``.
-
-        The load-aware queue (``load_queue_ms``, ``load_running``) is written flat, as in ``phase``:
-        the yield check runs this over every candidate of every keyed decision.
-        """
+        """Lowest TTFT estimate (the ranking's queue notion, ``scale``d prefill) among ``indices``;
+        the prefill is written flat: the yield check runs this per candidate of every keyed decision."""
         priority, tokens, excluded = request.priority, request.input_tokens, request.excluded
         max_queued, load_aware = self._max_queued, self._load_aware
         ms_per_token = scale * 1000.0
@@ -245,27 +225,15 @@ class WawSelector:
             stats = candidate.stats
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
-            limit = stats.max_engine_concurrency
-            tps = stats.last_mean_input_tps
-            valid = 0.0 < tps < INF
             if load_aware:
-                own = candidate.in_flight
-                running = stats.num_running_queries
-                if own.requests > running:
-                    running = own.requests
-                backlog = stats.queued_input_size
-                if own.prefill_tokens > backlog:
-                    backlog = own.prefill_tokens
-                queue = 0.0 if backlog == 0 else backlog * 1000.0 / tps if valid else INF
-                if not (limit > 0 and running < limit):
-                    spec = raw_queue_ms(stats, priority)
-                    if spec > queue:
-                        queue = spec
+                queue, running = load_queue_and_running(candidate, priority)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
+            limit = stats.max_engine_concurrency
             if selectable_only and not (limit == 0 or running < limit + max_queued):
                 continue
-            prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if valid else INF
+            tps = stats.last_mean_input_tps
+            prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
             estimate = candidate.rtt_s * 1000.0 + queue + prefill
             if estimate < best:
                 best = estimate
