@@ -103,11 +103,15 @@ class WawSelector:
         slept_ms: float,
         queue_limit: float | None,
         rng: random.Random,
+        *,
+        free_slot_only: bool = False,
     ) -> PhaseResult:
-        """Evaluate ``indices`` (all candidates when None); excluded clusters are skipped."""
+        """Evaluate ``indices`` (all candidates when None); excluded clusters are skipped, and
+        with ``free_slot_only`` so are clusters at their slot limit (``max_queued`` not counted)."""
         excluded = request.excluded
         priority, tokens = request.priority, request.input_tokens
-        plain, max_queued = self._plain, self._max_queued
+        plain = self._plain
+        max_queued = 0 if free_slot_only else self._max_queued
         rank_ttft = self._ranking is Ranking.TTFT
         rank_plain = self._ranking is Ranking.PLAIN
         ms_per_token = scale * 1000.0
@@ -149,16 +153,10 @@ class WawSelector:
             else:
                 rank = queue
             limit = stats.max_engine_concurrency
-            entries.append(
-                (
-                    bucket_ttft,
-                    cluster_id,
-                    index,
-                    rank,
-                    limit == 0 or running < limit + max_queued,
-                    running,
-                )
-            )
+            has_capacity = limit == 0 or running < limit + max_queued
+            if free_slot_only and not has_capacity:
+                continue
+            entries.append((bucket_ttft, cluster_id, index, rank, has_capacity, running))
             if bucket_ttft < INF:
                 if bucket_ttft < low:
                     low = bucket_ttft
@@ -210,12 +208,13 @@ class WawSelector:
         scale: float,
         queue_limit: float | None,
         *,
-        selectable_only: bool,
+        free_slot_only: bool,
     ) -> float:
-        """Lowest TTFT estimate (the ranking's queue notion, ``scale``d prefill) among ``indices``;
-        the prefill is written flat: the yield check runs this per candidate of every keyed decision."""
+        """Lowest TTFT estimate (the ranking's queue notion, ``scale``d prefill) among ``indices``,
+        with ``free_slot_only`` among those below their slot limit; the prefill is written flat: the
+        yield check runs this per candidate of every keyed decision."""
         priority, tokens, excluded = request.priority, request.input_tokens, request.excluded
-        max_queued, load_aware = self._max_queued, self._load_aware
+        load_aware = self._load_aware
         ms_per_token = scale * 1000.0
         best = INF
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
@@ -230,7 +229,7 @@ class WawSelector:
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
             limit = stats.max_engine_concurrency
-            if selectable_only and not (limit == 0 or running < limit + max_queued):
+            if free_slot_only and not (limit == 0 or running < limit):
                 continue
             tps = stats.last_mean_input_tps
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
@@ -291,9 +290,10 @@ class WaitAndWiden:
     plain decision waits for the next bucket unlock when a bucket is locked only by time.
 
     With ``cache_affinity_yield_margin_ms`` (not in the original) the group yields to load: when
-    its best estimate is worse than the best selectable global one by more than the margin, the
-    request is routed globally at once (``rank_depth`` 2), before or after X, and the key follows
-    it: its KV cache is where that request went, so that cluster becomes the key's group.
+    its best estimate is worse by more than the margin than the best global one among clusters
+    with a free slot (charged the cached prefill the move repeats), the request is routed at once
+    (``rank_depth`` 2) to such a cluster, before or after X, and the key follows it: its KV cache
+    is where that request went, so that cluster becomes the key's group.
 
     With ``cache_affinity_placement: load`` (not in the original) a key's first request is decided
     like a request without a key, over every candidate at full prefill, and the key is placed where
@@ -389,7 +389,9 @@ class WaitAndWiden:
         loses = self._affinity_loses
         if self._yield_margin is not None and loses(candidates, request, group, scale, queue_limit):
             slept = max(0.0, elapsed - self._wait_ms)
-            public = selector.phase(candidates, None, request, 1.0, slept, queue_limit, rng)
+            public = selector.phase(
+                candidates, None, request, 1.0, slept, queue_limit, rng, free_slot_only=True
+            )
             if isinstance(public, Choice):
                 return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
         affine = selector.phase(candidates, group, request, scale, elapsed, queue_limit, rng)
@@ -417,10 +419,16 @@ class WaitAndWiden:
         queue_limit: float | None,
     ) -> bool:
         """The group's best estimate (cache discount applied, full members included: their queue
-        estimate is the wait) is worse than the best selectable global one by more than the margin."""
+        estimate is the wait) is worse by more than the margin than the best global one among the
+        clusters with a free slot, charged the prefill the move repeats.
+
+        A move re-prefills what the group holds cached (``1 - scale`` of the prompt), and the
+        requests that queue behind it there (or share the engine with it) wait for that work too,
+        so a global estimate counts that part twice. When every cluster is at its slot limit a move
+        would only trade one queue for another: the group holds."""
         best, margin = self._selector.best_ttft, self._yield_margin
-        affine = best(candidates, group, request, scale, queue_limit, selectable_only=False)
-        public = best(candidates, None, request, 1.0, queue_limit, selectable_only=True)
+        affine = best(candidates, group, request, scale, queue_limit, free_slot_only=False)
+        public = best(candidates, None, request, 2.0 - scale, queue_limit, free_slot_only=True)
         return margin is not None and public < INF and affine > public + margin
 
 

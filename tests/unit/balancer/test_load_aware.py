@@ -254,6 +254,43 @@ def test_full_affinity_group_yields_before_x_when_the_wait_costs_more_than_the_m
     assert chosen(decision).rank_depth == 2
 
 
+def test_a_move_is_charged_the_cached_prefill_it_repeats() -> None:
+    # Group: 2000 + 0.2 x 1000 = 2200 ms. Idle a or b: 1000 ms of prefill, of which the 800 ms the
+    # group holds cached are repeated there: 1800 ms, plus the 500 ms margin: the group holds...
+    request = make_request(input_tokens=1000, key="prefix-a")
+    holds = _ring(c_queued=2000)
+    assert chosen_id(holds, _affinity_policy(margin=500).decide(holds, request, rng())) == "affinity-c"
+    # ... until it is worse than that: 2700 ms.
+    yields = _ring(c_queued=2500)
+    decision = _affinity_policy(margin=500).decide(yields, request, rng())
+    assert chosen_id(yields, decision) in {"affinity-a", "affinity-b"}
+
+
+def _full(cluster_id: str, queued: int) -> Candidate:
+    return make_candidate(cluster_id, tps=1000.0, queued=queued, running=8, max_concurrency=8)
+
+
+def test_affinity_holds_when_every_other_backend_is_at_its_slot_limit() -> None:
+    # a and b could still queue (max_queued 4) and their estimates (500 + 1000 ms) beat the group's
+    # (3000 + 200 ms) by more than the margin, but a move would only trade queues: the group holds.
+    candidates = (_full("affinity-a", 500), _full("affinity-b", 500), _ring(c_queued=3000)[2])
+    policy = _affinity_policy(margin=500, max_queued=4)
+    for seed in range(10):
+        decision = policy.decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng(seed))
+        assert chosen_id(candidates, decision) == "affinity-c"
+        assert chosen(decision).rank_depth == 1
+
+
+def test_affinity_yields_to_a_backend_with_a_free_slot_not_to_a_queue() -> None:
+    free_b = make_candidate("affinity-b", tps=1000.0, queued=1000, running=2, max_concurrency=8)
+    candidates = (_full("affinity-a", 0), free_b, _ring(c_queued=4000)[2])
+    for seed in range(10):
+        policy = _affinity_policy(margin=500, max_queued=4)  # fresh: the key follows a yield
+        decision = policy.decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng(seed))
+        assert chosen_id(candidates, decision) == "affinity-b"  # a's 1000 ms estimate is a queue
+        assert chosen(decision).rank_depth == 2
+
+
 # ---- property: below the slot limit the less-loaded of two equal backends wins more often -----------
 
 loads = st.integers(min_value=0, max_value=20_000)
@@ -462,21 +499,22 @@ def _second_turn(policy: Any, first_tokens: int, second_tokens: int) -> tuple[tu
     )
     placed = policy.decide(first, make_request(input_tokens=first_tokens, key="k"), rng())
     assert chosen_id(first, placed) == "affinity-b"
-    # b now has 9 s of prefill ahead; a is idle, where the whole prompt would be prefilled.
+    # b now has 17 s of prefill ahead; a is idle, where the whole prompt would be prefilled.
     second = (
         make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
-        make_candidate("affinity-b", tps=1000.0, queued=9000, running=2, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, queued=17_000, running=2, max_concurrency=8),
     )
     return second, policy.decide(second, make_request(input_tokens=second_tokens, key="k"), rng())
 
 
 def test_growth_counts_only_what_the_prompt_added_since_the_keys_last_request() -> None:
-    # 100 new tokens on b: 9.1 s there against 10 s on a, so the key stays with its cache...
+    # 100 new tokens on b: 17.1 s there against 10 s on a plus the 9.9 s of cached prefill a move
+    # repeats, so the key stays with its cache...
     candidates, decision = _second_turn(_growth_policy(), 9900, 10_000)
     assert chosen_id(candidates, decision) == "affinity-b"
     assert chosen(decision).rank_depth == 1
     assert chosen(decision).prefill_tokens == 100  # ... and b is charged the growth, not 2000
-    # The scaled estimate (0.2 x 10 000 = 2 s on b: 11 s) yields to a at 10 s.
+    # The scaled estimate (0.2 x 10 000 = 2 s on b: 19 s) yields to a at 10 + 8 s.
     scaled = _affinity_policy(margin=250, cache_affinity_placement=Placement.LOAD)
     candidates, decision = _second_turn(scaled, 9900, 10_000)
     assert chosen_id(candidates, decision) == "affinity-a"
@@ -485,7 +523,7 @@ def test_growth_counts_only_what_the_prompt_added_since_the_keys_last_request() 
 
 def test_a_prompt_that_does_not_extend_the_last_one_falls_back_to_the_scale() -> None:
     candidates, decision = _second_turn(_growth_policy(), 12_000, 10_000)
-    assert chosen_id(candidates, decision) == "affinity-a"  # no known prefix: 11 s against 10 s
+    assert chosen_id(candidates, decision) == "affinity-a"  # no known prefix: 19 s against 18 s
 
 
 def test_growth_follows_the_key_to_where_it_went() -> None:
@@ -538,5 +576,5 @@ def test_the_flat_best_estimate_of_the_yield_check_is_the_load_ttft_estimate(
     )
     selector = WawSelector(waw(load_aware=True), Ranking.TTFT)
     request = make_request(input_tokens=tokens)
-    best = selector.best_ttft(candidates, None, request, scale, None, selectable_only=False)
+    best = selector.best_ttft(candidates, None, request, scale, None, free_slot_only=False)
     assert best == pytest.approx(min(load_ttft_ms(c, tokens, 0, scale) for c in candidates))
