@@ -271,8 +271,9 @@ def _full(cluster_id: str, queued: int) -> Candidate:
 
 
 def test_affinity_holds_when_every_other_backend_is_at_its_slot_limit() -> None:
-    # a and b could still queue (max_queued 4) and their estimates (500 + 1000 ms) beat the group's
-    # (3000 + 200 ms) by more than the margin, but a move would only trade queues: the group holds.
+    # a and b could still queue (max_queued 4) and their estimates (500 ms queued + 1800 ms charged
+    # prefill) beat the group's (3000 + 200 ms) by more than the margin, but a move would only trade
+    # queues: the group holds.
     candidates = (_full("affinity-a", 500), _full("affinity-b", 500), _ring(c_queued=3000)[2])
     policy = _affinity_policy(margin=500, max_queued=4)
     for seed in range(10):
