@@ -9,11 +9,12 @@ instances (round-robin counters, caches).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from stargate.balancer.types import Candidate, Decision, LbRequest
+from stargate.balancer.types import AffinityRoute, Candidate, Decision, LbRequest
 
 
 class Algorithm(StrEnum):
@@ -91,4 +92,12 @@ class Policy(Protocol):
     definition: AlgorithmDefinition
 
     def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
+        ...
+
+
+@runtime_checkable
+class RouteLearner(Protocol):
+    """A policy that remembers where keys went and learns where other routers sent them."""
+
+    def learn_routes(self, cluster_id: str, routes: Sequence[AffinityRoute], offset_s: float) -> None:
         ...

@@ -24,8 +24,17 @@ def valid_tps(value: float) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class AffinityRoute:
+    """A request of ``key`` that a backend admitted, whichever router sent it: its KV cache is there."""
+
+    key: str
+    input_tokens: int
+    admitted_at_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelStats:
-    """One backend's (or one cluster's aggregated) stats for one model; proto fields 1..17."""
+    """One backend's (or one cluster's aggregated) stats for one model; proto fields 1..18."""
 
     last_mean_input_tps: float = 0.0
     output_tps: float = 0.0
@@ -44,6 +53,9 @@ class ModelStats:
     stats_observed_at_unix_ms: int = 0
     stats_capabilities: tuple[str, ...] = ()
     stats_sources: tuple[str, ...] = ()
+    recent_cache_affinity_routes: tuple[AffinityRoute, ...] = ()
+    """Not a load figure: what the backend admitted with a cache-affinity key in its last
+    heartbeat period (``AffinityGroups.learn``)."""
 
     @property
     def has_kv_metrics(self) -> bool:

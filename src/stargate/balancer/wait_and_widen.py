@@ -30,6 +30,7 @@ from stargate.balancer.estimates import (
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
 from stargate.balancer.types import (
     UNAVAILABLE,
+    AffinityRoute,
     Candidate,
     Choice,
     Decision,
@@ -302,6 +303,9 @@ class WaitAndWiden:
     With ``cache_affinity_prefill: growth`` (not in the original) the group's prefill is what the
     prompt grew by since the key's last request went there (a conversation re-sends its history),
     instead of the scaled input; the scale stays the estimate when that is unknown.
+
+    Whenever keys are placed (either option above), ``learn_routes`` takes the routes Pylon
+    publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
@@ -321,6 +325,20 @@ class WaitAndWiden:
         margin = definition.cache_affinity_yield_margin_ms
         self._yield_margin = None if margin is None else float(margin)
         self._growth = definition.cache_affinity_prefill is PrefillEstimate.GROWTH
+        self._learns = self._groups is not None and (
+            self._yield_margin is not None or definition.cache_affinity_placement is Placement.LOAD
+        )
+        self._records = self._learns or self._growth
+
+    def learn_routes(self, cluster_id: str, routes: Sequence[AffinityRoute], offset_s: float) -> None:
+        """Routes a backend of ``cluster_id`` published; ``offset_s`` turns their wall-clock
+        milliseconds into the requests' monotonic seconds."""
+        groups = self._groups
+        if groups is None or not self._learns:
+            return
+        for route in routes:
+            at = route.admitted_at_unix_ms / 1000.0 + offset_s
+            groups.learn(route.key, cluster_id, route.input_tokens, at)
 
     def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
         if not candidates:
@@ -338,8 +356,8 @@ class WaitAndWiden:
                     cluster_id = candidates[decision.choice.index].cluster_id
                     if self._yield_margin is not None and decision.choice.rank_depth == GLOBAL_RANK_DEPTH:
                         groups.place(key, cluster_id)
-                    if self._growth:
-                        groups.routed(key, cluster_id, request.input_tokens)
+                    if self._records:
+                        groups.routed(key, cluster_id, request.input_tokens, request.now)
                 return decision
             # Placed by load: a new key has no cache anywhere, so it goes where the estimate is best.
             plain = as_decision(
@@ -348,8 +366,8 @@ class WaitAndWiden:
             if isinstance(plain, Selected):
                 cluster_id = candidates[plain.choice.index].cluster_id
                 groups.place(key, cluster_id)
-                if self._growth:
-                    groups.routed(key, cluster_id, request.input_tokens)
+                if self._records:
+                    groups.routed(key, cluster_id, request.input_tokens, request.now)
             return plain
         return as_decision(
             selector.phase(candidates, None, request, 1.0, request.elapsed_ms, queue_limit, rng)

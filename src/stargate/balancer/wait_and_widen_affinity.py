@@ -12,6 +12,11 @@ leaves; the least recently used is forgotten first.
 With ``cache_affinity_prefill: growth`` the groups also remember, per key, the cluster and input
 tokens of its last routed request: a conversation's next turn re-sends that prompt and adds to it,
 so there only the growth is left to prefill.
+
+Router replicas each remember their own placements. ``learn`` takes the routes Pylon publishes (its
+admitted requests with a key, whichever router sent them): a route newer than this router's last
+one for the key places the key there, so every replica follows the newest route of a key and they
+agree on where its KV cache is within one Pylon message.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class AffinityGroups:
         self._last: tuple[Candidate, ...] = ()
         self._cache: KeyCache[tuple[int, ...]] = KeyCache()
         self._placed: dict[str, str] = {}
-        self._routed: dict[str, tuple[str, int]] = {}
+        self._routed: dict[str, tuple[str, int, float]] = {}
         self._index: dict[str, int] = {}
         self._ring_placement = definition.cache_affinity_placement is Placement.RING
 
@@ -66,9 +71,18 @@ class AffinityGroups:
         the key's group from now on."""
         _remember(self._placed, key, cluster_id)
 
-    def routed(self, key: str, cluster_id: str, input_tokens: int) -> None:
-        """The key's request of ``input_tokens`` went to ``cluster_id``."""
-        _remember(self._routed, key, (cluster_id, input_tokens))
+    def routed(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
+        """The key's request of ``input_tokens`` went to ``cluster_id`` at ``at`` (monotonic s)."""
+        _remember(self._routed, key, (cluster_id, input_tokens, at))
+
+    def learn(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
+        """A backend of ``cluster_id`` admitted the key's request at ``at``, maybe from another
+        router: newer than the last route known here to another cluster, it places the key there."""
+        last = self._routed.get(key)
+        if last is not None and (last[2] >= at or last[0] == cluster_id):
+            return
+        _remember(self._routed, key, (cluster_id, input_tokens, at))
+        _remember(self._placed, key, cluster_id)
 
     def uncached_tokens(self, key: str, cluster_id: str, input_tokens: int) -> int | None:
         """Tokens left to prefill on ``cluster_id`` if it holds the prompt of the key's last request

@@ -80,6 +80,8 @@ class PylonApp:
             pin_input_tps=settings.pin_input_tps,
             max_engine_concurrency=settings.max_engine_concurrency,
             fallback_enabled=settings.fallback_stats_at_start,
+            # Every stream sends at least once a period: each route reaches every router.
+            route_window_ms=2 * settings.min_update_interval_ms,
         )
         self.metrics.add_collector(
             LiveLoadCollector(

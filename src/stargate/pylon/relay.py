@@ -279,6 +279,8 @@ class Relay:
             span.set_attributes(_admission_attributes(decision))
         if decision.rejected:
             return self._reject(decision)
+        if observer is not None:
+            self.hub.on_admitted(gen, request.headers.get(h.CACHE_AFFINITY_KEY), observer.input_tokens)
         headers = upstream_headers(
             request.headers.items(),
             retry_header=self.s.upstream_retry_header,

@@ -121,7 +121,9 @@ class StargateServer:
         self.tracing = tracing
         self.client_faults = client_faults or ClientFaults(logging.getLogger("stargate.router.clients"))
         self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
-        self.state = RoutingState(clock=self.clock.monotonic, on_active_count=self.metrics.set_active)
+        self.state = RoutingState(
+            clock=self.clock.monotonic, wall_clock=self.clock.wall, on_active_count=self.metrics.set_active
+        )
         self.endpoints = Endpoints(
             self.state.list_models,
             self.state.active_model_ids,

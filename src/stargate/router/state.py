@@ -13,14 +13,15 @@ with fresh load-balancer instances and counters.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from stargate.balancer import build_policy
-from stargate.balancer.settings import AlgorithmDefinition, Policy
-from stargate.balancer.types import Candidate, ModelStats, Target
+from stargate.balancer.settings import AlgorithmDefinition, Policy, RouteLearner
+from stargate.balancer.types import AffinityRoute, Candidate, ModelStats, Target
 from stargate.errors import RequestError
 from stargate.router.clusters import Backend, BackendPicker, ClusterState, Member, Reservation
 
@@ -37,7 +38,7 @@ class TargetView:
     them and a view taken before a retirement keeps the old ones.
     """
 
-    __slots__ = ("_pickers", "_policies", "candidates", "generation", "target")
+    __slots__ = ("_on_new_policy", "_pickers", "_policies", "candidates", "generation", "target")
 
     def __init__(
         self,
@@ -46,18 +47,21 @@ class TargetView:
         candidates: tuple[Candidate, ...],
         pickers: Mapping[str, BackendPicker],
         policies: dict[AlgorithmDefinition, Policy],
+        on_new_policy: Callable[[Policy], None] = lambda _policy: None,
     ) -> None:
         self.target = target
         self.generation = generation
         self.candidates = candidates
         self._pickers = pickers
         self._policies = policies
+        self._on_new_policy = on_new_policy
 
     def policy(self, definition: AlgorithmDefinition) -> Policy:
         """The load balancer of this target generation for ``definition`` (compared by identity)."""
         policy = self._policies.get(definition)
         if policy is None:
             policy = self._policies[definition] = build_policy(definition)
+            self._on_new_policy(policy)
         return policy
 
     def pick_backend(self, cluster_id: str, failed_backend_ids: Set[str] = frozenset()) -> Backend | None:
@@ -93,20 +97,26 @@ class _ClusterGeneration:
 
 
 class _TargetState:
-    __slots__ = ("clusters", "generation", "pickers", "policies", "view")
+    __slots__ = ("clusters", "generation", "on_new_policy", "pickers", "policies", "route_marks", "view")
 
-    def __init__(self, target: Target, generation: int) -> None:
+    def __init__(
+        self, target: Target, generation: int, on_new_policy: Callable[[_TargetState, Policy], None]
+    ) -> None:
         self.generation = generation
         self.clusters: dict[str, ClusterState] = {}
+        self.route_marks: dict[str, int] = {}  # per backend: newest published route already learnt
         self.policies: dict[AlgorithmDefinition, Policy] = {}
         self.pickers: dict[str, BackendPicker] = {}
-        self.view = TargetView(target, generation, (), self.pickers, self.policies)
+        self.on_new_policy: Callable[[Policy], None] = functools.partial(on_new_policy, self)
+        self.view = TargetView(target, generation, (), self.pickers, self.policies, self.on_new_policy)
 
     def rebuild(self, target: Target, *, membership_changed: bool) -> None:
         if membership_changed:
             self.pickers = {cid: c.picker for cid, c in self.clusters.items()}
         candidates = tuple(c.candidate for c in self.clusters.values())
-        self.view = TargetView(target, self.generation, candidates, self.pickers, self.policies)
+        self.view = TargetView(
+            target, self.generation, candidates, self.pickers, self.policies, self.on_new_policy
+        )
 
     def active_count(self) -> int:
         return sum(len(c.members) for c in self.clusters.values())
@@ -123,9 +133,11 @@ class RoutingState:
         self,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         on_active_count: Callable[[Target, int], None] | None = None,
     ) -> None:
         self._clock = clock
+        self._wall_clock = wall_clock
         self._on_active_count = on_active_count
         self._generations = itertools.count(1)
         self._live: dict[str, _Registration] = {}
@@ -349,7 +361,7 @@ class RoutingState:
     def _upsert(self, target: Target, handle: RegistrationHandle, member: Member) -> None:
         state = self._targets.get(target)
         if state is None:
-            state = self._targets[target] = _TargetState(target, next(self._generations))
+            state = self._targets[target] = _TargetState(target, next(self._generations), self._catch_up)
         cluster_id = handle.backend.cluster_id
         generation = self._cluster_generations[(handle.routing_key, cluster_id)].generation
         cluster = state.clusters.get(cluster_id)
@@ -358,6 +370,42 @@ class RoutingState:
         joined = member.backend.inference_server_id not in cluster.members
         cluster.upsert(member)
         state.rebuild(target, membership_changed=joined)
+        routes = member.stats.recent_cache_affinity_routes
+        if routes and state.policies:
+            self._learn(state, cluster_id, member.backend.inference_server_id, routes)
+
+    def _learn(
+        self, state: _TargetState, cluster_id: str, backend_id: str, routes: Sequence[AffinityRoute]
+    ) -> None:
+        """Hand the routes a backend published (each is in several heartbeats) to the target's
+        policies that learn them, each route once; Pylon lists them oldest first."""
+        mark = state.route_marks.get(backend_id, 0)
+        start = len(routes)
+        while start and routes[start - 1].admitted_at_unix_ms >= mark:
+            start -= 1
+        if start == len(routes):
+            return
+        state.route_marks[backend_id] = routes[-1].admitted_at_unix_ms
+        fresh = routes[start:]
+        offset_s = self._clock() - self._wall_clock()
+        for policy in state.policies.values():
+            if isinstance(policy, RouteLearner):
+                policy.learn_routes(cluster_id, fresh, offset_s)
+
+    def _catch_up(self, state: _TargetState, policy: Policy) -> None:
+        """A new policy learns the routes the backends published last, oldest first."""
+        if not isinstance(policy, RouteLearner):
+            return
+        offset_s = self._clock() - self._wall_clock()
+        published = [
+            (route, cluster_id)
+            for cluster_id, cluster in state.clusters.items()
+            for member in cluster.members.values()
+            for route in member.stats.recent_cache_affinity_routes
+        ]
+        published.sort(key=lambda pair: pair[0].admitted_at_unix_ms)
+        for route, cluster_id in published:
+            policy.learn_routes(cluster_id, (route,), offset_s)
 
     def _remove_member(self, target: Target, handle: RegistrationHandle) -> None:
         state = self._targets.get(target)
@@ -371,6 +419,7 @@ class RoutingState:
         if member is None or member.generation != handle.generation:
             return
         cluster.remove(handle.backend.inference_server_id)
+        state.route_marks.pop(handle.backend.inference_server_id, None)
         if not cluster.members:
             del state.clusters[cluster_id]
         if not state.clusters:
@@ -393,4 +442,5 @@ def _stats_json(stats: ModelStats) -> dict[str, object]:
     }
     fields["stats_capabilities"] = list(stats.stats_capabilities)
     fields["stats_sources"] = list(stats.stats_sources)
+    fields["recent_cache_affinity_routes"] = len(stats.recent_cache_affinity_routes)  # keys stay private
     return fields

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
+from stargate.balancer.types import EMPTY_PRIORITY_MAP, AffinityRoute, ModelStats
 from stargate.proto import stargate_pb2
 from stargate.wire.limits import sat_u32, sat_u64
+
+MAX_AFFINITY_ROUTES = 256
+"""Cache-affinity routes one message carries (Pylon sends the newest) and a router reads."""
 
 
 def stats_to_proto(stats: ModelStats) -> stargate_pb2.ModelStats:
@@ -37,6 +40,14 @@ def stats_to_proto(stats: ModelStats) -> stargate_pb2.ModelStats:
         stats_observed_at_unix_ms=sat_u64(stats.stats_observed_at_unix_ms),
         stats_capabilities=list(stats.stats_capabilities),
         stats_sources=list(stats.stats_sources),
+        recent_cache_affinity_routes=[
+            stargate_pb2.CacheAffinityRoute(
+                cache_affinity_key=route.key,
+                input_tokens=sat_u64(route.input_tokens),
+                admitted_at_unix_ms=sat_u64(route.admitted_at_unix_ms),
+            )
+            for route in stats.recent_cache_affinity_routes[-MAX_AFFINITY_ROUTES:]
+        ],
     )
 
 
@@ -63,4 +74,9 @@ def stats_from_proto(stats: stargate_pb2.ModelStats) -> ModelStats:
         stats_observed_at_unix_ms=stats.stats_observed_at_unix_ms,
         stats_capabilities=tuple(stats.stats_capabilities),
         stats_sources=tuple(stats.stats_sources),
+        recent_cache_affinity_routes=tuple(
+            AffinityRoute(route.cache_affinity_key, route.input_tokens, route.admitted_at_unix_ms)
+            for route in stats.recent_cache_affinity_routes[-MAX_AFFINITY_ROUTES:]
+            if route.cache_affinity_key
+        ),
     )

@@ -28,7 +28,7 @@ from stargate.balancer.estimates import (
     load_ttft_ms,
 )
 from stargate.balancer.settings import Placement, PrefillEstimate
-from stargate.balancer.types import InFlight
+from stargate.balancer.types import AffinityRoute, InFlight
 from stargate.balancer.wait_and_widen import Ranking, WawSelector
 from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, AffinityGroups
 from stargate.errors import ConfigError
@@ -579,3 +579,70 @@ def test_the_flat_best_estimate_of_the_yield_check_is_the_load_ttft_estimate(
     request = make_request(input_tokens=tokens)
     best = selector.best_ttft(candidates, None, request, scale, None, free_slot_only=False)
     assert best == pytest.approx(min(load_ttft_ms(c, tokens, 0, scale) for c in candidates))
+
+
+# ---- replicas learn each other's routes from Pylon --------------------------------------------------
+
+
+def _route(key: str, at_s: float, tokens: int = 1000) -> AffinityRoute:
+    """A route Pylon published; with ``offset_s`` 0 its wall clock is the requests' clock."""
+    return AffinityRoute(key, tokens, round(at_s * 1000))
+
+
+def _even() -> tuple[Candidate, ...]:
+    return (
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-c", tps=1000.0, max_concurrency=8),
+    )
+
+
+def _request_at(key: str, now_s: float) -> Any:
+    return dataclasses.replace(make_request(input_tokens=1000, key=key), received_at=now_s, now=now_s)
+
+
+def test_a_newer_route_from_another_router_places_the_key_there() -> None:
+    policy, candidates = _placing_policy(), _even()
+    first = chosen_id(candidates, policy.decide(candidates, _request_at("k", 1.0), rng()))
+    other = next(c.cluster_id for c in candidates if c.cluster_id != first)
+    policy.learn_routes(other, [_route("k", 2.0)], 0.0)  # another replica sent k there later
+    for seed in range(5):
+        decision = policy.decide(candidates, _request_at("k", 3.0), rng(seed))
+        assert chosen_id(candidates, decision) == other
+        assert chosen(decision).rank_depth == 1
+
+
+def test_a_route_older_than_this_routers_own_is_ignored() -> None:
+    policy, candidates = _placing_policy(), _even()
+    first = chosen_id(candidates, policy.decide(candidates, _request_at("k", 5.0), rng()))
+    other = next(c.cluster_id for c in candidates if c.cluster_id != first)
+    policy.learn_routes(other, [_route("k", 4.0)], 0.0)
+    assert chosen_id(candidates, policy.decide(candidates, _request_at("k", 6.0), rng())) == first
+
+
+def test_routes_convert_wall_clock_by_the_offset() -> None:
+    policy, candidates = _placing_policy(), _even()
+    first = chosen_id(candidates, policy.decide(candidates, _request_at("k", 5.0), rng()))
+    other = next(c.cluster_id for c in candidates if c.cluster_id != first)
+    # Admitted at wall 1000.5 s = monotonic 5.5 s: after this router's own route at 5.0 s.
+    policy.learn_routes(other, [_route("k", 1000.5)], -995.0)
+    assert chosen_id(candidates, policy.decide(candidates, _request_at("k", 6.0), rng())) == other
+
+
+def test_a_learnt_route_of_an_unknown_key_places_it_and_gives_the_growth() -> None:
+    policy = _affinity_policy(
+        margin=250, cache_affinity_placement=Placement.LOAD, cache_affinity_prefill=PrefillEstimate.GROWTH
+    )
+    candidates = _even()
+    policy.learn_routes("affinity-a", [_route("k", 1.0, tokens=900)], 0.0)
+    decision = policy.decide(candidates, _request_at("k", 2.0), rng())
+    assert chosen_id(candidates, decision) == "affinity-a"
+    assert chosen(decision).prefill_tokens == 100  # only what the prompt grew by is left to prefill
+
+
+def test_the_seed_ring_does_not_learn_routes() -> None:
+    # Without a margin or placement by load the group is the ring's, exactly as the spec says.
+    policy, candidates = _affinity_policy(margin=None), _ring(c_queued=0)
+    policy.learn_routes("affinity-a", [_route("prefix-a", 1.0)], 0.0)
+    decision = policy.decide(candidates, _request_at("prefix-a", 2.0), rng())
+    assert chosen_id(candidates, decision) == "affinity-c"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+
 import pytest
 
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition
-from stargate.balancer.types import ModelStats, Target
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Placement
+from stargate.balancer.types import AffinityRoute, LbRequest, ModelStats, Selected, Target
 from stargate.errors import RequestError
 from stargate.router.state import RegistrationHandle, RoutingState
 
@@ -196,3 +199,66 @@ def test_96_list_models_by_routing_key_and_filters() -> None:
     assert state.active_model_ids() == ["model-a", "model-b"]
     with pytest.raises(RequestError, match="model_ids must not contain empty values"):
         state.list_models(None, ["model-a", " "])
+
+
+class Learner:
+    """A policy that records the routes it is handed."""
+
+    def __init__(self, definition: AlgorithmDefinition) -> None:
+        self.definition = definition
+        self.learnt: list[tuple[str, str, float]] = []
+
+    def decide(self, *_: object) -> None:
+        raise AssertionError("not decided here")
+
+    def learn_routes(self, cluster_id: str, routes: Sequence[AffinityRoute], offset_s: float) -> None:
+        for route in routes:
+            at = round(route.admitted_at_unix_ms / 1000.0 + offset_s, 6)
+            self.learnt.append((cluster_id, route.key, at))
+
+
+def test_published_routes_reach_the_targets_policies_once_each_on_the_monotonic_clock() -> None:
+    state = RoutingState(clock=lambda: 5.0, wall_clock=lambda: 1_000.0)
+    a = join(state, "a", cluster_id="c1")
+    state.apply_update(a, {"model-a": ModelStats()}, MS)
+    view = state.view(T)
+    assert view is not None
+    definition = AlgorithmDefinition(Algorithm.WAIT_AND_WIDEN)
+    learner = Learner(definition)
+    view._policies[definition] = learner  # type: ignore[assignment]  # as a decision would have built
+    first = (AffinityRoute("k1", 10, 999_000), AffinityRoute("k2", 10, 999_500))
+    state.apply_update(a, {"model-a": ModelStats(recent_cache_affinity_routes=first)}, MS)
+    # The next heartbeat repeats the routes of the window: only the new one is handed on (the
+    # newest known is handed again: routes of one millisecond may span two heartbeats).
+    later = (*first, AffinityRoute("k3", 10, 999_900))
+    state.apply_update(a, {"model-a": ModelStats(recent_cache_affinity_routes=later)}, MS)
+    assert learner.learnt == [
+        ("c1", "k1", 4.0),
+        ("c1", "k2", 4.5),
+        ("c1", "k2", 4.5),
+        ("c1", "k3", 4.9),
+    ]
+
+
+def test_a_policy_built_after_routes_were_published_learns_them_at_once() -> None:
+    state = RoutingState(clock=lambda: 5.0, wall_clock=lambda: 1_000.0)
+    a, b = join(state, "a", cluster_id="c1"), join(state, "b", cluster_id="c2")
+    state.apply_update(a, {"model-a": ModelStats(last_mean_input_tps=1000.0)}, MS)
+    routes = (AffinityRoute("session", 100, 999_000),)  # another router sent it to c2 a second ago
+    published = ModelStats(last_mean_input_tps=1000.0, recent_cache_affinity_routes=routes)
+    state.apply_update(b, {"model-a": published}, MS)
+    view = state.view(T)
+    assert view is not None
+    definition = AlgorithmDefinition(
+        Algorithm.WAIT_AND_WIDEN,
+        selection_count=1,
+        load_aware=True,
+        cache_affinity_yield_margin_ms=1000,
+        cache_affinity_placement=Placement.LOAD,
+    )
+    policy = view.policy(definition)
+    request = LbRequest(T, input_tokens=100, received_at=5.0, now=5.0, cache_affinity_key="session")
+    for seed in range(8):
+        decision = policy.decide(view.candidates, request, random.Random(seed))
+        assert isinstance(decision, Selected)
+        assert view.candidates[decision.choice.index].cluster_id == "c2"

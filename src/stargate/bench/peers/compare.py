@@ -88,6 +88,9 @@ RECOMMENDED = "recommended"
 RECOMMENDED_STARGATE_ARGS = ("--default-max-wait-ms", "60000")
 """The recommended deployment's router flag (docs/configuration.md): requests without x-max-wait-ms
 wait for a free slot instead of getting the spec's immediate 503."""
+RECOMMENDED_PYLON_ARGS = ("--stats-update-coalesce-ms", "10")
+"""The recommended deployment's Pylon flag (docs/pylon.md): load changes are published within 10 ms,
+so every replica sees what the others have in flight, not only what the last heartbeat counted."""
 RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
 
 
@@ -124,7 +127,8 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
                 # The scenario's own "recommended" entry (the demo's) or the file, as deployed.
                 replicas = scenario.stargates.count
                 spec = spec or RunSpec(name, recommended_lb_config(scenario.model, replicas), [])
-                spec = dataclasses.replace(spec, stargate_args=RECOMMENDED_STARGATE_ARGS)
+                spec = dataclasses.replace(spec, stargate_args=RECOMMENDED_STARGATE_ARGS,
+                                           pylon_args=[*spec.pylon_args, *RECOMMENDED_PYLON_ARGS])
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])

@@ -8,12 +8,13 @@ is no longer current is dropped.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
-from stargate.balancer.types import EMPTY_PRIORITY_MAP, ModelStats
+from stargate.balancer.types import EMPTY_PRIORITY_MAP, AffinityRoute, ModelStats
 from stargate.pylon.ids import CALIBRATION, RequestIds
 from stargate.pylon.load import EngineLoad, LiveLoad
 from stargate.pylon.metrics import PylonMetrics
@@ -24,6 +25,10 @@ from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
 from stargate.wire.limits import sat_u64
+from stargate.wire.proto import MAX_AFFINITY_ROUTES
+
+MAX_AFFINITY_KEY_CHARS = 1024
+"""Longer cache-affinity keys are routed as usual but not published."""
 
 
 class LimitSource(StrEnum):
@@ -52,6 +57,7 @@ class _GenState:
     engine_load: EngineLoad | None = None
     observed_at_ms: int = 0
     usage_counted: set[str] = field(default_factory=set)
+    routes: deque[AffinityRoute] = field(default_factory=lambda: deque(maxlen=MAX_AFFINITY_ROUTES))
 
     @property
     def effective_limit(self) -> int:
@@ -72,6 +78,7 @@ class StatsHub:
         max_engine_concurrency: int | None = None,
         fallback_enabled: bool = False,
         floor_s: float = agg.DURATION_FLOOR_S,
+        route_window_ms: int = 2000,
     ) -> None:
         self.registry = registry
         self.load = load
@@ -82,6 +89,7 @@ class StatsHub:
         self._initial_tps = initial_input_tps
         self._pin = pin_input_tps
         self._fallback_limit = max_engine_concurrency or 0
+        self._route_window_ms = route_window_ms
         self._gens: dict[Generation, _GenState] = {}
         self._counters = CounterTracker(floor_s)
         self.on_change: Callable[[], None] = lambda: None
@@ -176,6 +184,13 @@ class StatsHub:
         return None
 
     # -- request observations (fallback math, §6.4) -----------------------------------------
+    def on_admitted(self, gen: Generation, cache_affinity_key: str | None, input_tokens: int) -> None:
+        """A request was admitted: with a cache-affinity key, the next heartbeats publish where it went."""
+        state = self._gens.get(gen)
+        if state is None or not cache_affinity_key or len(cache_affinity_key) > MAX_AFFINITY_KEY_CHARS:
+            return
+        state.routes.append(AffinityRoute(cache_affinity_key, input_tokens, self.clock.wall_ms()))
+
     def on_request_tracked(self, request_id: str, gen: Generation) -> None:
         self._counters.observe(request_id, gen, self.clock.monotonic())
 
@@ -311,6 +326,10 @@ class StatsHub:
         if state.engine_load is not None:
             live = state.engine_load.floor(live)
         caps, srcs = tp.ordered_labels()
+        routes = state.routes
+        oldest = self.clock.wall_ms() - self._route_window_ms
+        while routes and routes[0].admitted_at_unix_ms < oldest:
+            routes.popleft()
         return ModelStats(
             last_mean_input_tps=tp.published_input_tps,
             output_tps=tp.output_tps,
@@ -331,4 +350,5 @@ class StatsHub:
             stats_observed_at_unix_ms=state.observed_at_ms,
             stats_capabilities=caps,
             stats_sources=srcs,
+            recent_cache_affinity_routes=tuple(routes),
         )

@@ -1,0 +1,44 @@
+"""Pylon publishes the cache-affinity keys it admitted (proto field 18), so every router replica
+learns where the others sent a key."""
+
+from __future__ import annotations
+
+from stargate.pylon.stats.hub import MAX_AFFINITY_KEY_CHARS
+from stargate.wire.proto import MAX_AFFINITY_ROUTES, stats_from_proto, stats_to_proto
+
+from .helpers import make_rig
+
+
+def test_admitted_keys_are_published_for_the_window_then_dropped() -> None:
+    rig = make_rig()
+    start_ms = rig.clock.wall_ms()
+    rig.hub.on_admitted(rig.gen, "session-1", 1200)
+    rig.clock.advance(1.5)
+    rig.hub.on_admitted(rig.gen, "session-2", 300)
+    routes = rig.hub.snapshot(rig.gen).recent_cache_affinity_routes
+    assert [(r.key, r.input_tokens, r.admitted_at_unix_ms) for r in routes] == [
+        ("session-1", 1200, start_ms),
+        ("session-2", 300, start_ms + 1500),
+    ]
+    rig.clock.advance(1.0)  # session-1 is now 2.5 s old: past the 2 s window (twice the heartbeat)
+    assert [r.key for r in rig.hub.snapshot(rig.gen).recent_cache_affinity_routes] == ["session-2"]
+
+
+def test_requests_without_a_key_or_with_an_oversized_one_publish_nothing() -> None:
+    rig = make_rig()
+    rig.hub.on_admitted(rig.gen, None, 10)
+    rig.hub.on_admitted(rig.gen, "", 10)
+    rig.hub.on_admitted(rig.gen, "k" * (MAX_AFFINITY_KEY_CHARS + 1), 10)
+    assert rig.hub.snapshot(rig.gen).recent_cache_affinity_routes == ()
+
+
+def test_routes_are_bounded_newest_kept_and_survive_the_wire() -> None:
+    rig = make_rig()
+    for index in range(MAX_AFFINITY_ROUTES + 10):
+        rig.hub.on_admitted(rig.gen, f"key-{index}", index)
+    snap = rig.hub.snapshot(rig.gen)
+    assert len(snap.recent_cache_affinity_routes) == MAX_AFFINITY_ROUTES
+    assert snap.recent_cache_affinity_routes[0].key == "key-10"
+    message = stats_to_proto(snap)
+    assert message.recent_cache_affinity_routes[-1].cache_affinity_key == f"key-{MAX_AFFINITY_ROUTES + 9}"
+    assert stats_from_proto(message).recent_cache_affinity_routes == snap.recent_cache_affinity_routes
