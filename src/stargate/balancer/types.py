@@ -54,8 +54,8 @@ class ModelStats:
     stats_capabilities: tuple[str, ...] = ()
     stats_sources: tuple[str, ...] = ()
     recent_cache_affinity_routes: tuple[AffinityRoute, ...] = ()
-    """Not a load figure: what the backend admitted with a cache-affinity key in its last
-    heartbeat period (``AffinityGroups.learn``)."""
+    """Not a load figure: what the backend admitted with a cache-affinity key in its last two
+    heartbeat periods (``AffinityGroups.learn``)."""
 
     @property
     def has_kv_metrics(self) -> bool:
