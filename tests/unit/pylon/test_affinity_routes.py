@@ -24,12 +24,17 @@ def test_admitted_keys_are_published_for_the_window_then_dropped() -> None:
     assert [r.key for r in rig.hub.snapshot(rig.gen).recent_cache_affinity_routes] == ["session-2"]
 
 
-def test_requests_without_a_key_or_with_an_oversized_one_publish_nothing() -> None:
+def test_requests_without_a_key_or_with_an_oversized_or_undecodable_one_publish_nothing() -> None:
     rig = make_rig()
     rig.hub.on_admitted(rig.gen, None, 10)
     rig.hub.on_admitted(rig.gen, "", 10)
     rig.hub.on_admitted(rig.gen, "k" * (MAX_AFFINITY_KEY_CHARS + 1), 10)
-    assert rig.hub.snapshot(rig.gen).recent_cache_affinity_routes == ()
+    rig.hub.on_admitted(rig.gen, b"\xff\xfe".decode("utf-8", "surrogateescape"), 10)  # as aiohttp decodes
+    snap = rig.hub.snapshot(rig.gen)
+    assert snap.recent_cache_affinity_routes == ()
+    stats_to_proto(snap)  # the heartbeat is still buildable
+    rig.hub.on_admitted(rig.gen, "sessión-ü", 10)
+    assert [r.key for r in rig.hub.snapshot(rig.gen).recent_cache_affinity_routes] == ["sessión-ü"]
 
 
 def test_routes_are_bounded_newest_kept_and_survive_the_wire() -> None:

@@ -28,7 +28,15 @@ from stargate.wire.limits import sat_u64
 from stargate.wire.proto import MAX_AFFINITY_ROUTES
 
 MAX_AFFINITY_KEY_CHARS = 1024
-"""Longer cache-affinity keys are routed as usual but not published."""
+"""Longer cache-affinity keys (and ones that are not UTF-8) are routed as usual but not published."""
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class LimitSource(StrEnum):
@@ -189,6 +197,8 @@ class StatsHub:
         state = self._gens.get(gen)
         if state is None or not cache_affinity_key or len(cache_affinity_key) > MAX_AFFINITY_KEY_CHARS:
             return
+        if not cache_affinity_key.isascii() and not _utf8(cache_affinity_key):
+            return  # a header's undecodable bytes: a protobuf string could not carry it
         state.routes.append(AffinityRoute(cache_affinity_key, input_tokens, self.clock.wall_ms()))
 
     def on_request_tracked(self, request_id: str, gen: Generation) -> None:
