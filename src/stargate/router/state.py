@@ -378,34 +378,29 @@ class RoutingState:
         self, state: _TargetState, cluster_id: str, backend_id: str, routes: Sequence[AffinityRoute]
     ) -> None:
         """Hand the routes a backend published (each is in several heartbeats) to the target's
-        policies that learn them, each route once; Pylon lists them oldest first."""
+        policies, each once: Pylon lists them oldest first, and the newest is handed again, as
+        routes of the same millisecond may come in the next message."""
         mark = state.route_marks.get(backend_id, 0)
         start = len(routes)
         while start and routes[start - 1].admitted_at_unix_ms >= mark:
             start -= 1
-        if start == len(routes):
-            return
         state.route_marks[backend_id] = routes[-1].admitted_at_unix_ms
-        fresh = routes[start:]
-        offset_s = self._clock() - self._wall_clock()
-        for policy in state.policies.values():
-            if isinstance(policy, RouteLearner):
-                policy.learn_routes(cluster_id, fresh, offset_s)
+        self._hand(state.policies.values(), cluster_id, routes[start:])
 
     def _catch_up(self, state: _TargetState, policy: Policy) -> None:
-        """A new policy learns the routes the backends published last, oldest first."""
-        if not isinstance(policy, RouteLearner):
+        """A new policy learns the routes the backends published last (a key's newest route wins
+        in whatever order they come)."""
+        for cluster_id, cluster in state.clusters.items():
+            for member in cluster.members.values():
+                self._hand((policy,), cluster_id, member.stats.recent_cache_affinity_routes)
+
+    def _hand(self, policies: Iterable[Policy], cluster_id: str, routes: Sequence[AffinityRoute]) -> None:
+        if not routes:
             return
         offset_s = self._clock() - self._wall_clock()
-        published = [
-            (route, cluster_id)
-            for cluster_id, cluster in state.clusters.items()
-            for member in cluster.members.values()
-            for route in member.stats.recent_cache_affinity_routes
-        ]
-        published.sort(key=lambda pair: pair[0].admitted_at_unix_ms)
-        for route, cluster_id in published:
-            policy.learn_routes(cluster_id, (route,), offset_s)
+        for policy in policies:
+            if isinstance(policy, RouteLearner):
+                policy.learn_routes(cluster_id, routes, offset_s)
 
     def _remove_member(self, target: Target, handle: RegistrationHandle) -> None:
         state = self._targets.get(target)

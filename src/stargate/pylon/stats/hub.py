@@ -197,8 +197,8 @@ class StatsHub:
         state = self._gens.get(gen)
         if state is None or not cache_affinity_key or len(cache_affinity_key) > MAX_AFFINITY_KEY_CHARS:
             return
-        if not cache_affinity_key.isascii() and not _utf8(cache_affinity_key):
-            return  # a header's undecodable bytes: a protobuf string could not carry it
+        if not _utf8(cache_affinity_key):
+            return  # a header's undecodable bytes: a protobuf string could not carry them
         state.routes.append(AffinityRoute(cache_affinity_key, input_tokens, self.clock.wall_ms()))
 
     def on_request_tracked(self, request_id: str, gen: Generation) -> None:
