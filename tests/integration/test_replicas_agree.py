@@ -91,7 +91,8 @@ async def _send(
     http: aiohttp.ClientSession, stargate: StargateAddrs, key: str, request_id: str, tokens: int = 1
 ) -> str:
     headers = {"x-request-id": request_id, "x-model": MODEL, "x-input-tokens": "50",
-               "x-output-tokens": str(tokens), "x-cache-affinity-key": key, "x-max-wait-ms": "5000"}  # fmt: skip
+               "x-output-tokens": str(tokens), "x-cache-affinity-key": key,
+               "x-max-wait-ms": "5000"}  # fmt: skip
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hello"}]}
     async with http.post(f"http://{stargate.http}/v1/chat/completions", json=body, headers=headers) as resp:
         await resp.read()

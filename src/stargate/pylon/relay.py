@@ -280,7 +280,8 @@ class Relay:
         if decision.rejected:
             return self._reject(decision)
         if observer is not None:
-            self.hub.on_admitted(gen, request.headers.get(h.CACHE_AFFINITY_KEY), observer.input_tokens)
+            key = h.text_value(request.headers.get(h.CACHE_AFFINITY_KEY))  # the router's key, or none
+            self.hub.on_admitted(gen, key, observer.input_tokens)
         headers = upstream_headers(
             request.headers.items(),
             retry_header=self.s.upstream_retry_header,

@@ -4,6 +4,7 @@ learns where the others sent a key."""
 from __future__ import annotations
 
 from stargate.pylon.stats.hub import MAX_AFFINITY_KEY_CHARS
+from stargate.wire.headers import text_value
 from stargate.wire.proto import MAX_AFFINITY_ROUTES, stats_from_proto, stats_to_proto
 
 from .helpers import make_rig
@@ -24,17 +25,18 @@ def test_admitted_keys_are_published_for_the_window_then_dropped() -> None:
     assert [r.key for r in rig.hub.snapshot(rig.gen).recent_cache_affinity_routes] == ["session-2"]
 
 
-def test_requests_without_a_key_or_with_an_oversized_or_undecodable_one_publish_nothing() -> None:
+def test_requests_without_a_key_or_with_one_the_router_does_not_read_publish_nothing() -> None:
     rig = make_rig()
     rig.hub.on_admitted(rig.gen, None, 10)
-    rig.hub.on_admitted(rig.gen, "", 10)
     rig.hub.on_admitted(rig.gen, "k" * (MAX_AFFINITY_KEY_CHARS + 1), 10)
-    rig.hub.on_admitted(rig.gen, b"\xff\xfe".decode("utf-8", "surrogateescape"), 10)  # as aiohttp decodes
+    # The relay reads the header as the router does (text_value): visible ASCII, trimmed.
+    for raw in (b"\xff\xfe".decode("utf-8", "surrogateescape"), "sessión-ü", " \t"):
+        rig.hub.on_admitted(rig.gen, text_value(raw), 10)
     snap = rig.hub.snapshot(rig.gen)
     assert snap.recent_cache_affinity_routes == ()
-    stats_to_proto(snap)  # the heartbeat is still buildable
-    rig.hub.on_admitted(rig.gen, "sessión-ü", 10)
-    assert [r.key for r in rig.hub.snapshot(rig.gen).recent_cache_affinity_routes] == ["sessión-ü"]
+    stats_to_proto(snap)  # the heartbeat stays buildable
+    rig.hub.on_admitted(rig.gen, text_value(" session-7\t"), 10)
+    assert [r.key for r in rig.hub.snapshot(rig.gen).recent_cache_affinity_routes] == ["session-7"]
 
 
 def test_routes_are_bounded_newest_kept_and_survive_the_wire() -> None:

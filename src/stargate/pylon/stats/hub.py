@@ -28,15 +28,7 @@ from stargate.wire.limits import sat_u64
 from stargate.wire.proto import MAX_AFFINITY_ROUTES
 
 MAX_AFFINITY_KEY_CHARS = 1024
-"""Longer cache-affinity keys (and ones that are not UTF-8) are routed as usual but not published."""
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+"""Longer cache-affinity keys are routed as usual but not published."""
 
 
 class LimitSource(StrEnum):
@@ -193,12 +185,11 @@ class StatsHub:
 
     # -- request observations (fallback math, §6.4) -----------------------------------------
     def on_admitted(self, gen: Generation, cache_affinity_key: str | None, input_tokens: int) -> None:
-        """A request was admitted: with a cache-affinity key, the next heartbeats publish where it went."""
+        """A request was admitted: with a cache-affinity key (as the router reads the header:
+        ``text_value``), the next heartbeats publish where it went."""
         state = self._gens.get(gen)
         if state is None or not cache_affinity_key or len(cache_affinity_key) > MAX_AFFINITY_KEY_CHARS:
             return
-        if not _utf8(cache_affinity_key):
-            return  # a header's undecodable bytes: a protobuf string could not carry them
         state.routes.append(AffinityRoute(cache_affinity_key, input_tokens, self.clock.wall_ms()))
 
     def on_request_tracked(self, request_id: str, gen: Generation) -> None:
