@@ -94,17 +94,14 @@ so every replica sees what the others have in flight, not only what the last hea
 RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
 
 
-def recommended_lb_config(model: str, replicas: int = 1, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
+def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
     """``examples/lb-config/recommended.json`` with its one model entry renamed to ``model``: what
     ``stargate:recommended`` runs (with ``RECOMMENDED_STARGATE_ARGS``) unless the scenario has its own
-    ``recommended`` entry. With several Stargate replicas (the bench spreads requests over them, as
-    a gateway without session stickiness does) placement is ``ring``, as docs/configuration.md
-    recommends there: replicas placing a key by load each place it on their own."""
+    ``recommended`` entry. Several Stargate replicas run it unchanged: Pylon publishes where keys
+    went, so replicas placing keys by load follow each other (docs/configuration.md)."""
     try:
         config = orjson.loads(path.read_bytes())
         (settings,) = config["models"].values()
-        if replicas > 1 and settings.get("cache_affinity_placement") == "load":
-            settings = {**settings, "cache_affinity_placement": "ring"}
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"cannot use {path} as the recommended config: {exc}", path="--routers") from exc
     return {**config, "models": {model: settings}}
@@ -125,8 +122,7 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
             spec = entries.get(name)
             if name == RECOMMENDED:
                 # The scenario's own "recommended" entry (the demo's) or the file, as deployed.
-                replicas = scenario.stargates.count
-                spec = spec or RunSpec(name, recommended_lb_config(scenario.model, replicas), [])
+                spec = spec or RunSpec(name, recommended_lb_config(scenario.model), [])
                 spec = dataclasses.replace(spec, stargate_args=RECOMMENDED_STARGATE_ARGS,
                                            pylon_args=[*spec.pylon_args, *RECOMMENDED_PYLON_ARGS])
             if spec is None:
