@@ -133,3 +133,68 @@ async def test_published_load_tracks_pylon_in_flight_while_engine_lags(
                 proc.kill()
                 with contextlib.suppress(ProcessLookupError):
                     await proc.wait()
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+async def test_published_prompt_work_leaves_out_what_the_engine_holds_cached(
+    stargate: FakeStargate, prefix_caching: bool
+) -> None:
+    engine = await spawn(
+        "stargate.mock_engine.cli",
+        "--http-listen-addr", "127.0.0.1:0",
+        "--model-name", "llama",
+        "--max-concurrent-requests", "8",
+        "--num-tokens", "1",
+    )  # fmt: skip
+    pylon: asyncio.subprocess.Process | None = None
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
+        pylon = await spawn(
+            *pylon_args(
+                engine_url,
+                stargate.address,
+                "--disable-bringup",
+                "--initial-input-tps", "1000",
+                "--benchmark-pin-input-tps",
+                "--max-engine-concurrency", "8",
+                "--min-update-interval-ms", str(HEARTBEAT_MS),
+                "--stats-update-coalesce-ms", "10",
+                "--engine-prefix-caching", str(prefix_caching).lower(),
+            )
+        )  # fmt: skip
+        ready = await read_line(pylon, "pylon ready ")
+        pylon_url = "http://" + dict(part.split("=", 1) for part in ready.split())["http"]
+        await stargate.wait_messages(1, timeout=20)
+
+        async def turn(client: aiohttp.ClientSession, request_id: str, tokens: int, key: str | None) -> None:
+            headers = {"x-request-id": request_id, "x-model": "llama", "x-input-tokens": str(tokens)}
+            if key is not None:
+                headers["x-cache-affinity-key"] = key
+            async with client.post(f"{pylon_url}/v1/chat/completions", json=BODY, headers=headers) as resp:
+                assert resp.status == 200
+                await resp.read()
+
+        async with aiohttp.ClientSession() as client:
+            await turn(client, "first-turn", 1000, "conv")  # prefilled and answered: the engine holds it
+            async with client.post(f"{engine_url}/test-control/pause") as resp:
+                assert resp.status == 200
+            tasks = [
+                asyncio.create_task(turn(client, "second-turn", 1200, "conv")),
+                asyncio.create_task(turn(client, "keyless", 500, None)),
+            ]
+            stats = await published(stargate, "2 pending", lambda s: s.queue_size == 2)
+            work = 200 + 500 if prefix_caching else 1200 + 500
+            assert (stats.queued_input_size, stats.total_query_input_size) == (work, 1700)
+            assert dict(stats.queue_time_estimate_ms_by_priority) == {0: work}  # ms at 1000 tokens/s
+            async with client.post(f"{engine_url}/test-control/resume") as resp:
+                assert resp.status == 200
+            await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for proc in (pylon, engine):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    await proc.wait()

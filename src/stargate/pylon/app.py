@@ -68,7 +68,7 @@ class PylonApp:
         self._relay_timeouts = relay_timeouts or RelayTimeouts()
         self.metrics = PylonMetrics()
         self.registry = ModelRegistry()
-        self.load = LiveLoad()
+        self.load = LiveLoad(prefix_caching=settings.engine_prefix_caching)
         self.ids = RequestIds()
         self.hub = StatsHub(
             registry=self.registry,

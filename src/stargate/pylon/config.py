@@ -82,6 +82,7 @@ class PylonSettings:
     engine_metrics_interval_ms: int
     min_update_interval_ms: int
     stats_update_coalesce_ms: int
+    engine_prefix_caching: bool
     auth_token: str | None
     auth_token_file: str | None
     metrics_host: str
@@ -248,6 +249,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--min-update-interval-ms", type=positive_int, default=1000, help="registration heartbeat period")
     a("--stats-update-coalesce-ms", type=non_negative_int, default=0,
       help="send the snapshot this long after a load change (0 = heartbeats only; 10 recommended)")
+    a("--engine-prefix-caching", type=parse_bool, default=False, metavar="BOOL",
+      help="the engine keeps prompts' KV cache: a request's prompt work is what the last prompt of its "
+      "cache-affinity key here did not cover (false = every input token, as the spec says)")
     a("--auth-token", env_var="STARGATE_AUTH_TOKEN", default=None, help="bearer token for Stargate")
     a("--auth-token-file", env_var="STARGATE_AUTH_TOKEN_FILE", default=None,
       help="token file, re-read per stream")
@@ -351,6 +355,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         engine_metrics_interval_ms=ns.engine_metrics_interval_ms,
         min_update_interval_ms=ns.min_update_interval_ms,
         stats_update_coalesce_ms=ns.stats_update_coalesce_ms,
+        engine_prefix_caching=ns.engine_prefix_caching,
         auth_token=ns.auth_token or None,
         auth_token_file=ns.auth_token_file or None,
         otel_endpoint=ns.otel_endpoint or None,

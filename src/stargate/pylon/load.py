@@ -4,6 +4,14 @@ Phases only move forward: pending → input_processing → output_generation. Pr
 per *effective* priority: a pending request counts at its own priority, an input-processing
 request at priority 0 (it already delays every class), later phases and zero-token requests
 count nothing. Every update is O(1); estimates cost O(distinct priorities).
+
+A request's prompt work is its input tokens (the spec), or with ``prefix_caching`` (not in the
+original; ``--engine-prefix-caching``) what the engine's prefix cache does not cover: a
+conversation re-sends its history under one cache-affinity key, and once a key's prompt has been
+prefilled here (its first output) the engine holds that prompt's KV, so a longer prompt of the key
+only prefills the growth. A prompt sent before the last one's prefill ended finds nothing cached.
+Without this a replica serving long conversations looks loaded with work it will never do, and
+routers move conversations away from their cache.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from enum import IntEnum
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
 from stargate.wire.limits import U64_MAX, sat_u64
+
+PROMPT_MEMORY = 65_536
+"""Cache-affinity keys whose last prefilled prompt is remembered; the least recently used goes."""
 
 
 class Phase(IntEnum):
@@ -30,10 +41,12 @@ class _Tracked:
     phase: Phase
     priority: int
     input_tokens: int
+    work_tokens: int  # the prompt work the engine still has to do (input tokens minus its cache)
+    key: str | None = None
 
     @property
     def work_priority(self) -> int | None:
-        if self.input_tokens == 0 or self.phase is Phase.OUTPUT_GENERATION:
+        if self.work_tokens == 0 or self.phase is Phase.OUTPUT_GENERATION:
             return None
         return self.priority if self.phase is Phase.PENDING else 0
 
@@ -51,7 +64,7 @@ class _GenerationLoad:
         self.total_input += sign * t.input_tokens
         p = t.work_priority
         if p is not None:
-            left = self.work_by_priority.get(p, 0) + sign * t.input_tokens
+            left = self.work_by_priority.get(p, 0) + sign * t.work_tokens
             if left > 0:
                 self.work_by_priority[p] = left
             else:
@@ -103,18 +116,33 @@ class LiveLoad:
     startup), so the change can be published without waiting for the next heartbeat.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, prefix_caching: bool = False) -> None:
         self._requests: dict[str, _Tracked] = {}
         self._generations: dict[Generation, _GenerationLoad] = {}
+        self._prefix_caching = prefix_caching
+        self._prompts: dict[tuple[Generation, str], int] = {}  # key → its last prefilled prompt's tokens
         self.on_change: Callable[[Generation], None] = _unchanged
 
     def __len__(self) -> int:
         return len(self._requests)
 
-    def track(self, request_id: str, generation: Generation, priority: int, input_tokens: int) -> None:
-        """Start tracking as pending; a re-tracked id moves its load entirely to ``generation``."""
+    def track(
+        self,
+        request_id: str,
+        generation: Generation,
+        priority: int,
+        input_tokens: int,
+        key: str | None = None,
+    ) -> None:
+        """Start tracking as pending; a re-tracked id moves its load entirely to ``generation``.
+        ``key`` is the request's cache-affinity key (used with ``prefix_caching``)."""
         self.release(request_id)
-        t = _Tracked(generation, Phase.PENDING, priority, input_tokens)
+        work = input_tokens
+        if self._prefix_caching and key:
+            cached = self._prompts.get((generation, key), 0)
+            if cached <= input_tokens:  # a shorter prompt is another thread: its cache is unknown
+                work -= cached
+        t = _Tracked(generation, Phase.PENDING, priority, input_tokens, work, key)
         self._requests[request_id] = t
         self._generations.setdefault(generation, _GenerationLoad()).add(t, 1)
         self.on_change(generation)
@@ -127,7 +155,17 @@ class LiveLoad:
         agg.add(t, -1)
         t.phase = phase
         agg.add(t, 1)
+        if phase is Phase.OUTPUT_GENERATION and self._prefix_caching and t.key:
+            self._remember((t.generation, t.key), t.input_tokens)
         self.on_change(t.generation)
+
+    def _remember(self, prompt: tuple[Generation, str], tokens: int) -> None:
+        """The engine holds this prompt's KV now (its prefill ended): most recently used last."""
+        prompts = self._prompts
+        prompts.pop(prompt, None)
+        if len(prompts) >= PROMPT_MEMORY:
+            del prompts[next(iter(prompts))]
+        prompts[prompt] = tokens
 
     def release(self, request_id: str) -> None:
         t = self._requests.pop(request_id, None)
@@ -143,6 +181,8 @@ class LiveLoad:
         for rid in [rid for rid, t in self._requests.items() if t.generation == generation]:
             del self._requests[rid]
         self._generations.pop(generation, None)
+        for prompt in [prompt for prompt in self._prompts if prompt[0] == generation]:
+            del self._prompts[prompt]
 
     def snapshot(self, generation: Generation) -> LoadSnapshot:
         agg = self._generations.get(generation)
@@ -181,7 +221,7 @@ class LiveLoad:
         work = dict(agg.work_by_priority)
         own = self._requests.get(exclude_request_id) if exclude_request_id else None
         if own is not None and own.generation == generation and own.work_priority is not None:
-            left = work.get(own.work_priority, 0) - own.input_tokens
+            left = work.get(own.work_priority, 0) - own.work_tokens
             if left > 0:
                 work[own.work_priority] = left
             else:

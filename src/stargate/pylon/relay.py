@@ -190,8 +190,9 @@ class Relay:
             return _problem(ModelNotAdmitted())
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
         observer: RequestObserver | None = None
+        key = h.text_value(request.headers.get(h.CACHE_AFFINITY_KEY))  # the router's key, or none
         if endpoint is not None:
-            self.load.track(meta.request_id, gen, meta.priority or 0, meta.input_tokens)
+            self.load.track(meta.request_id, gen, meta.priority or 0, meta.input_tokens, key)
             self.hub.on_request_tracked(meta.request_id, gen)
             observer = RequestObserver(
                 request_id=meta.request_id,
@@ -209,7 +210,7 @@ class Relay:
         status = 500
         try:
             response = await self._handle_tracked(
-                request, meta.request_id, gen, meta.priority, endpoint, observer, span
+                request, meta.request_id, gen, meta.priority, endpoint, observer, key, span
             )
             status = response.status
             return response
@@ -243,6 +244,7 @@ class Relay:
         priority: int | None,
         endpoint: Endpoint | None,
         observer: RequestObserver | None,
+        key: str | None = None,
         span: Span | None = None,
     ) -> web.StreamResponse:
         try:
@@ -280,7 +282,6 @@ class Relay:
         if decision.rejected:
             return self._reject(decision)
         if observer is not None:
-            key = h.text_value(request.headers.get(h.CACHE_AFFINITY_KEY))  # the router's key, or none
             self.hub.on_admitted(gen, key, observer.input_tokens)
         headers = upstream_headers(
             request.headers.items(),

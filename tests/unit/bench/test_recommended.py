@@ -64,5 +64,14 @@ def test_several_stargates_run_the_recommended_config_unchanged() -> None:
     (choice,) = resolve_routers(multi, "stargate:recommended", PeerOptions())
     assert choice.spec.lb_config == recommended_lb_config(multi.model)
     assert "--stats-update-coalesce-ms" in choice.spec.pylon_args
+    # Its engines keep a KV cache: Pylon publishes the prompt work their caches do not hold.
+    assert choice.spec.pylon_args[-2:] == ["--engine-prefix-caching", "true"]
     definition = parse_lb_config(choice.spec.lb_config).resolve(multi.model, None)
     assert definition.cache_affinity_placement.value == "load"
+
+
+def test_engines_without_a_kv_cache_run_pylon_without_prefix_caching() -> None:
+    scenario = load_scenario(ROOT / "benches" / "queue-mismatch-retry-ab.yaml")
+    assert scenario.backends.profile_of(0).kv_cache_capacity_tokens == 0
+    (choice,) = resolve_routers(scenario, "stargate:recommended", PeerOptions())
+    assert "--engine-prefix-caching" not in choice.spec.pylon_args

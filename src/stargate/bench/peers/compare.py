@@ -91,6 +91,9 @@ wait for a free slot instead of getting the spec's immediate 503."""
 RECOMMENDED_PYLON_ARGS = ("--stats-update-coalesce-ms", "10")
 """The recommended deployment's Pylon flag (docs/pylon.md): load changes are published within 10 ms,
 so every replica sees what the others have in flight, not only what the last heartbeat counted."""
+PREFIX_CACHING_PYLON_ARGS = ("--engine-prefix-caching", "true")
+"""Added where the scenario's engines keep a KV cache, as docs/pylon.md recommends for engines with
+prefix caching: a conversation's published prompt work is what its engine's cache does not hold."""
 RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
 
 
@@ -105,6 +108,11 @@ def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"cannot use {path} as the recommended config: {exc}", path="--routers") from exc
     return {**config, "models": {model: settings}}
+
+
+def _has_kv_cache(scenario: Scenario) -> bool:
+    backends = scenario.backends
+    return all(backends.profile_of(index).kv_cache_capacity_tokens > 0 for index in range(backends.count))
 
 
 def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list[RouterChoice]:
@@ -123,8 +131,11 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
             if name == RECOMMENDED:
                 # The scenario's own "recommended" entry (the demo's) or the file, as deployed.
                 spec = spec or RunSpec(name, recommended_lb_config(scenario.model), [])
+                pylon_args = [*spec.pylon_args, *RECOMMENDED_PYLON_ARGS]
+                if _has_kv_cache(scenario):
+                    pylon_args += PREFIX_CACHING_PYLON_ARGS
                 spec = dataclasses.replace(spec, stargate_args=RECOMMENDED_STARGATE_ARGS,
-                                           pylon_args=[*spec.pylon_args, *RECOMMENDED_PYLON_ARGS])
+                                           pylon_args=pylon_args)
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])

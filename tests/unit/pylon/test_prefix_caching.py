@@ -1,0 +1,105 @@
+"""``--engine-prefix-caching``: a request's prompt work is what the engine's prefix cache does not
+cover, known from the last prompt of its cache-affinity key that finished prefill here."""
+
+from __future__ import annotations
+
+import pytest
+
+from stargate.pylon import load as load_module
+from stargate.pylon.load import LiveLoad, Phase
+from stargate.pylon.models import Generation, ModelRegistry
+
+
+def generation(model: str = "llama") -> Generation:
+    return ModelRegistry().allocate(model)
+
+
+def prefilled(load: LiveLoad, request_id: str, gen: Generation, tokens: int, key: str | None) -> None:
+    """A request of ``key`` that reached its first output (the engine holds its prompt) and ended."""
+    load.track(request_id, gen, 0, tokens, key)
+    load.advance(request_id, Phase.OUTPUT_GENERATION)
+    load.release(request_id)
+
+
+def test_off_counts_every_input_token_as_the_spec_says() -> None:
+    gen = generation()
+    load = LiveLoad()
+    prefilled(load, "r1", gen, 1000, "conv")
+    load.track("r2", gen, 0, 1200, "conv")
+    snap = load.snapshot(gen)
+    assert (snap.queued_input_size, snap.total_query_input_size) == (1200, 1200)
+    assert load.estimates(gen, 100.0) == {0: 12_000}
+
+
+def test_a_longer_prompt_of_a_prefilled_key_counts_only_its_growth() -> None:
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    prefilled(load, "r1", gen, 1000, "conv")
+    load.track("r2", gen, 2, 1200, "conv")
+    load.track("r3", gen, 2, 500, None)
+    snap = load.snapshot(gen)
+    # Work is the growth (200) plus the keyless prompt; the input total stays every token.
+    assert (snap.queue_size, snap.queued_input_size, snap.total_query_input_size) == (2, 700, 1700)
+    assert load.estimates(gen, 100.0) == {2: 7000}
+    # Admission leaves out the request's own work: its growth, not its whole prompt.
+    assert load.estimates(gen, 100.0, exclude_request_id="r2") == {2: 5000}
+    load.advance("r2", Phase.INPUT_PROCESSING)
+    assert load.estimates(gen, 100.0) == {0: 2000, 2: 7000}
+    load.advance("r2", Phase.OUTPUT_GENERATION)
+    load.release("r2")
+    # r2's prompt is cached now: the next turn counts what it adds to 1200.
+    load.track("r4", gen, 0, 1250, "conv")
+    assert load.snapshot(gen).queued_input_size == 500 + 50
+
+
+def test_a_prompt_sent_before_the_last_prefill_ended_counts_in_full() -> None:
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    load.track("r1", gen, 0, 1000, "conv")
+    load.advance("r1", Phase.INPUT_PROCESSING)  # still prefilling: nothing cached yet
+    load.track("r2", gen, 0, 1100, "conv")
+    assert load.snapshot(gen).queued_input_size == 2100
+
+
+def test_a_shorter_prompt_another_key_or_another_model_counts_in_full() -> None:
+    gen, other = generation("llama"), generation("mistral")
+    load = LiveLoad(prefix_caching=True)
+    prefilled(load, "r1", gen, 1000, "conv")
+    load.track("shorter", gen, 0, 900, "conv")
+    load.track("another-key", gen, 0, 1200, "other")
+    load.track("another-model", other, 0, 1200, "conv")
+    assert load.snapshot(gen).queued_input_size == 900 + 1200
+    assert load.snapshot(other).queued_input_size == 1200
+
+
+def test_the_same_prompt_again_is_no_prompt_work() -> None:
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    prefilled(load, "r1", gen, 1000, "conv")
+    load.track("r2", gen, 0, 1000, "conv")
+    snap = load.snapshot(gen)
+    assert (snap.queue_size, snap.queued_input_size) == (1, 0)
+    assert load.estimates(gen, 100.0) == {}
+
+
+def test_a_purged_generation_forgets_its_prompts() -> None:
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    prefilled(load, "r1", gen, 1000, "conv")
+    load.purge_generation(gen)
+    load.track("r2", gen, 0, 1200, "conv")
+    assert load.snapshot(gen).queued_input_size == 1200
+
+
+def test_the_prompt_memory_is_bounded_least_recently_used_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(load_module, "PROMPT_MEMORY", 2)
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    prefilled(load, "a1", gen, 100, "a")
+    prefilled(load, "b1", gen, 100, "b")
+    prefilled(load, "a2", gen, 100, "a")  # "a" used again: "b" is now the least recently used
+    prefilled(load, "c1", gen, 100, "c")
+    load.track("a3", gen, 0, 150, "a")
+    load.track("b2", gen, 0, 150, "b")
+    load.track("c2", gen, 0, 150, "c")
+    assert load.snapshot(gen).queued_input_size == 50 + 150 + 50
