@@ -13,6 +13,7 @@ from support.pylon_fakes import MOCK_LINE, FakeStargate, pylon_args, read_line, 
 from support.waiting import value_of
 
 from stargate.proto import stargate_pb2
+from stargate.wire.proto import CACHED_PROMPT_WORK
 
 TOKENS = 40
 HEARTBEAT_MS = 5000  # changes must reach Stargate long before a heartbeat would carry them
@@ -187,6 +188,8 @@ async def test_published_prompt_work_leaves_out_what_the_engine_holds_cached(
             work = 200 + 500 if prefix_caching else 1200 + 500
             assert (stats.queued_input_size, stats.total_query_input_size) == (work, 1700)
             assert dict(stats.queue_time_estimate_ms_by_priority) == {0: work}  # ms at 1000 tokens/s
+            # It says so, so that a router credits no expected cache hit on top.
+            assert (CACHED_PROMPT_WORK in stats.stats_capabilities) is prefix_caching
             async with client.post(f"{engine_url}/test-control/resume") as resp:
                 assert resp.status == 200
             await asyncio.gather(*tasks)

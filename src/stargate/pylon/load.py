@@ -126,6 +126,10 @@ class LiveLoad:
     def __len__(self) -> int:
         return len(self._requests)
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix_caching
+
     def track(
         self,
         request_id: str,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from stargate.balancer import with_reservation, with_reservations
 from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
 from stargate.wire.limits import sat_u64
+from stargate.wire.proto import CACHED_PROMPT_WORK
 
 MAX_RESERVATIONS_PER_CLUSTER = 65_536
 """Reservations normally end within one heartbeat; the cap only guards against a silent backend."""
@@ -38,8 +39,8 @@ class Reservation:
 
     ``prefill_tokens`` is the prefill work the attempt brings: its input tokens, or less when the
     decision expected its prefix cached (load-aware affinity picks). Queued-input work is counted
-    with it; a heartbeat, which counts the whole prompt, is credited the difference while the
-    attempt prefills.
+    with it; a heartbeat that counts the whole prompt is credited the difference while the attempt
+    prefills (not one from a Pylon that publishes ``CACHED_PROMPT_WORK``: it left the cache out).
     """
 
     target: Target
@@ -210,11 +211,12 @@ class ClusterState:
         self._drop_reservations_of(backend_id)
         self._departed.pop(backend_id, None)
         cached = 0
+        counted_whole = CACHED_PROMPT_WORK not in member.stats.stats_capabilities
         for attempt in self.running:
             if attempt.backend_id == backend_id:
                 attempt.counted = True
                 attempt.counted_prefilling = attempt.prefilling
-                if attempt.prefilling:
+                if attempt.prefilling and counted_whole:
                     cached += attempt.input_tokens - attempt.prefill_tokens
         if cached:
             self._departed[backend_id] = Departures(waiting_tokens=cached)

@@ -16,6 +16,10 @@ from stargate.wire.limits import sat_u32, sat_u64
 MAX_AFFINITY_ROUTES = 256
 """Cache-affinity routes one message carries (Pylon sends the newest) and a router reads."""
 
+CACHED_PROMPT_WORK = "model.load.cached_prompt_work"
+"""Stats capability of a Pylon whose published prompt work already leaves out what the engine's
+prefix cache holds (``--engine-prefix-caching``): a router credits no expected cache hits on top."""
+
 
 def stats_to_proto(stats: ModelStats) -> stargate_pb2.ModelStats:
     by_priority: dict[int, int] = {}

@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 from stargate.balancer.types import Candidate, ModelStats, Target
 from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.wire.proto import CACHED_PROMPT_WORK
 
 MS = 1_000_000  # ns per ms
 T = Target(None, "model-a")
@@ -414,3 +415,26 @@ def test_a_pick_that_expects_its_prefix_cached_counts_only_the_uncached_prefill(
     assert only_candidate(state).in_flight.prefill_tokens == 0
     publish(state, a, published)  # the next heartbeat: no request of ours is prefilling any more
     assert only_candidate(state).stats.queued_input_size == 1300
+
+
+def test_a_pylon_that_leaves_the_cache_out_is_credited_nothing_more() -> None:
+    """A Pylon with --engine-prefix-caching publishes the uncached work itself (its capability says
+    so): the router credits no expected cache hit on top, and a first byte takes out what was left."""
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    cached = state.reserve(T, "a", 1000, 0, prefill_tokens=200)
+    full = state.reserve(T, "a", 300, 0)
+    published = ModelStats(
+        last_mean_input_tps=100.0,
+        max_engine_concurrency=8,
+        num_running_queries=2,
+        queued_input_size=500,  # 200 uncached + 300
+        stats_capabilities=(CACHED_PROMPT_WORK,),
+    )
+    publish(state, a, published)
+    assert only_candidate(state).stats.queued_input_size == 500
+    state.first_byte(cached)
+    assert only_candidate(state).stats.queued_input_size == 300
+    state.finish(full)
+    assert only_candidate(state).stats.queued_input_size == 0

@@ -25,7 +25,7 @@ from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
 from stargate.wire.limits import sat_u64
-from stargate.wire.proto import MAX_AFFINITY_ROUTES
+from stargate.wire.proto import CACHED_PROMPT_WORK, MAX_AFFINITY_ROUTES
 
 MAX_AFFINITY_KEY_CHARS = 1024
 """Longer cache-affinity keys are routed as usual but not published."""
@@ -327,6 +327,8 @@ class StatsHub:
         if state.engine_load is not None:
             live = state.engine_load.floor(live)
         caps, srcs = tp.ordered_labels()
+        if self.load.prefix_caching:
+            caps = (*caps, CACHED_PROMPT_WORK)
         routes = state.routes
         oldest = self.clock.wall_ms() - self._route_window_ms
         while routes and routes[0].admitted_at_unix_ms < oldest:
