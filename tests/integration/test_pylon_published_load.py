@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
@@ -46,27 +46,22 @@ async def stream(client: aiohttp.ClientSession, url: str, request_id: str) -> No
         await resp.read()
 
 
-@pytest.mark.parametrize("source", ["prometheus", "stream"])
-async def test_published_load_tracks_pylon_in_flight_while_engine_lags(
-    stargate: FakeStargate, source: str
-) -> None:
+@contextlib.asynccontextmanager
+async def engine_and_pylon(
+    stargate: FakeStargate, engine_flags: list[str], pylon_flags: list[str], tasks: list[asyncio.Task[None]]
+) -> AsyncIterator[tuple[str, str]]:
+    """A mock engine and a Pylon in front of it registered with ``stargate``: their URLs. On exit
+    the client ``tasks`` are cancelled, then both processes killed."""
     engine = await spawn(
         "stargate.mock_engine.cli",
         "--http-listen-addr", "127.0.0.1:0",
         "--model-name", "llama",
         "--max-concurrent-requests", "8",
-        "--num-tokens", "400",
-        "--token-delay-ms", "25",
+        *engine_flags,
     )  # fmt: skip
     pylon: asyncio.subprocess.Process | None = None
-    tasks: list[asyncio.Task[None]] = []
     try:
         engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
-        source_flags = (
-            ["--engine-stats-source", "prometheus", "--engine-stats-stream", "off"]
-            if source == "prometheus"
-            else ["--engine-stats-stream", "required"]
-        )
         pylon = await spawn(
             *pylon_args(
                 engine_url,
@@ -74,19 +69,42 @@ async def test_published_load_tracks_pylon_in_flight_while_engine_lags(
                 "--disable-bringup",
                 "--initial-input-tps", "1000",
                 "--max-engine-concurrency", "8",
-                "--engine-metrics-interval-ms", "50",
                 "--min-update-interval-ms", str(HEARTBEAT_MS),
                 "--stats-update-coalesce-ms", "10",
-                *source_flags,
+                *pylon_flags,
             )
         )  # fmt: skip
         ready = await read_line(pylon, "pylon ready ")
-        pylon_url = "http://" + dict(part.split("=", 1) for part in ready.split())["http"]
         await stargate.wait_messages(1, timeout=20)
+        yield engine_url, "http://" + dict(part.split("=", 1) for part in ready.split())["http"]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for proc in (pylon, engine):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    await proc.wait()
+
+
+@pytest.mark.parametrize("source", ["prometheus", "stream"])
+async def test_published_load_tracks_pylon_in_flight_while_engine_lags(
+    stargate: FakeStargate, source: str
+) -> None:
+    source_flags = (
+        ["--engine-stats-source", "prometheus", "--engine-stats-stream", "off"]
+        if source == "prometheus"
+        else ["--engine-stats-stream", "required"]
+    )
+    engine_flags = ["--num-tokens", "400", "--token-delay-ms", "25"]
+    pylon_flags = ["--engine-metrics-interval-ms", "50", *source_flags]
+    tasks: list[asyncio.Task[None]] = []
+    async with engine_and_pylon(stargate, engine_flags, pylon_flags, tasks) as (engine_url, pylon_url):
         async with aiohttp.ClientSession() as client:
             async with client.post(f"{engine_url}/test-control/pause") as resp:
                 assert resp.status == 200
-            tasks = [asyncio.create_task(stream(client, pylon_url, f"r{i}")) for i in range(3)]
+            tasks += [asyncio.create_task(stream(client, pylon_url, f"r{i}")) for i in range(3)]
             # A request Pylon does not relay: only the engine's own report can count it.
             tasks.append(asyncio.create_task(stream(client, engine_url, "foreign")))
 
@@ -126,47 +144,16 @@ async def test_published_load_tracks_pylon_in_flight_while_engine_lags(
             await asyncio.gather(*tasks, return_exceptions=True)
             await published(stargate, "all released", lambda s: s.num_running_queries == 0, timeout_s=10)
         assert len(stargate.messages) < 200  # coalesced, not one message per chunk
-    finally:
-        for task in tasks:
-            task.cancel()
-        for proc in (pylon, engine):
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                with contextlib.suppress(ProcessLookupError):
-                    await proc.wait()
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 async def test_published_prompt_work_leaves_out_what_the_engine_holds_cached(
     stargate: FakeStargate, prefix_caching: bool
 ) -> None:
-    engine = await spawn(
-        "stargate.mock_engine.cli",
-        "--http-listen-addr", "127.0.0.1:0",
-        "--model-name", "llama",
-        "--max-concurrent-requests", "8",
-        "--num-tokens", "1",
-    )  # fmt: skip
-    pylon: asyncio.subprocess.Process | None = None
     tasks: list[asyncio.Task[None]] = []
-    try:
-        engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
-        pylon = await spawn(
-            *pylon_args(
-                engine_url,
-                stargate.address,
-                "--disable-bringup",
-                "--initial-input-tps", "1000",
-                "--benchmark-pin-input-tps",
-                "--max-engine-concurrency", "8",
-                "--min-update-interval-ms", str(HEARTBEAT_MS),
-                "--stats-update-coalesce-ms", "10",
-                "--engine-prefix-caching", str(prefix_caching).lower(),
-            )
-        )  # fmt: skip
-        ready = await read_line(pylon, "pylon ready ")
-        pylon_url = "http://" + dict(part.split("=", 1) for part in ready.split())["http"]
-        await stargate.wait_messages(1, timeout=20)
+    engine_flags = ["--num-tokens", "1"]
+    pylon_flags = ["--benchmark-pin-input-tps", "--engine-prefix-caching", str(prefix_caching).lower()]
+    async with engine_and_pylon(stargate, engine_flags, pylon_flags, tasks) as (engine_url, pylon_url):
 
         async def turn(client: aiohttp.ClientSession, request_id: str, tokens: int, key: str | None) -> None:
             headers = {"x-request-id": request_id, "x-model": "llama", "x-input-tokens": str(tokens)}
@@ -180,7 +167,7 @@ async def test_published_prompt_work_leaves_out_what_the_engine_holds_cached(
             await turn(client, "first-turn", 1000, "conv")  # prefilled and answered: the engine holds it
             async with client.post(f"{engine_url}/test-control/pause") as resp:
                 assert resp.status == 200
-            tasks = [
+            tasks += [
                 asyncio.create_task(turn(client, "second-turn", 1200, "conv")),
                 asyncio.create_task(turn(client, "keyless", 500, None)),
             ]
@@ -193,11 +180,3 @@ async def test_published_prompt_work_leaves_out_what_the_engine_holds_cached(
             async with client.post(f"{engine_url}/test-control/resume") as resp:
                 assert resp.status == 200
             await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        for proc in (pylon, engine):
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                with contextlib.suppress(ProcessLookupError):
-                    await proc.wait()
