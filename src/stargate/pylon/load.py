@@ -24,6 +24,7 @@ from enum import IntEnum
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
 from stargate.wire.limits import U64_MAX, sat_u64
+from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS
 
 PROMPT_MEMORY = 65_536
 """Cache-affinity keys whose last prefilled prompt is remembered; the least recently used goes."""
@@ -164,7 +165,10 @@ class LiveLoad:
         self.on_change(t.generation)
 
     def _remember(self, prompt: tuple[Generation, str], tokens: int) -> None:
-        """The engine holds this prompt's KV now (its prefill ended): most recently used last."""
+        """The engine holds this prompt's KV now (its prefill ended): most recently used last.
+        Keys too long to publish are not kept either: the memory stays bounded in bytes."""
+        if len(prompt[1]) > MAX_AFFINITY_KEY_CHARS:
+            return
         prompts = self._prompts
         prompts.pop(prompt, None)
         if len(prompts) >= PROMPT_MEMORY:

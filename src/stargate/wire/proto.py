@@ -15,6 +15,8 @@ from stargate.wire.limits import sat_u32, sat_u64
 
 MAX_AFFINITY_ROUTES = 256
 """Cache-affinity routes one message carries (Pylon sends the newest) and a router reads."""
+MAX_AFFINITY_KEY_CHARS = 1024
+"""Longer cache-affinity keys are routed as usual, but Pylon neither publishes nor remembers them."""
 
 CACHED_PROMPT_WORK = "model.load.cached_prompt_work"
 """Stats capability of a Pylon whose published prompt work already leaves out what the engine's

@@ -3,9 +3,8 @@ learns where the others sent a key."""
 
 from __future__ import annotations
 
-from stargate.pylon.stats.hub import MAX_AFFINITY_KEY_CHARS
 from stargate.wire.headers import text_value
-from stargate.wire.proto import MAX_AFFINITY_ROUTES, stats_from_proto, stats_to_proto
+from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES, stats_from_proto, stats_to_proto
 
 from .helpers import make_rig
 

@@ -8,6 +8,7 @@ import pytest
 from stargate.pylon import load as load_module
 from stargate.pylon.load import LiveLoad, Phase
 from stargate.pylon.models import Generation, ModelRegistry
+from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS
 
 
 def generation(model: str = "llama") -> Generation:
@@ -103,3 +104,12 @@ def test_the_prompt_memory_is_bounded_least_recently_used_first(monkeypatch: pyt
     load.track("b2", gen, 0, 150, "b")
     load.track("c2", gen, 0, 150, "c")
     assert load.snapshot(gen).queued_input_size == 50 + 150 + 50
+
+
+def test_keys_too_long_to_publish_are_not_remembered() -> None:
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    long_key = "k" * (MAX_AFFINITY_KEY_CHARS + 1)
+    prefilled(load, "r1", gen, 1000, long_key)
+    load.track("r2", gen, 0, 1200, long_key)
+    assert load.snapshot(gen).queued_input_size == 1200

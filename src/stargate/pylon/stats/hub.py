@@ -25,10 +25,7 @@ from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
 from stargate.wire.limits import sat_u64
-from stargate.wire.proto import CACHED_PROMPT_WORK, MAX_AFFINITY_ROUTES
-
-MAX_AFFINITY_KEY_CHARS = 1024
-"""Longer cache-affinity keys are routed as usual but not published."""
+from stargate.wire.proto import CACHED_PROMPT_WORK, MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES
 
 
 class LimitSource(StrEnum):
