@@ -7,11 +7,11 @@ count nothing. Every update is O(1); estimates cost O(distinct priorities).
 
 A request's prompt work is its input tokens (the spec), or with ``prefix_caching`` (not in the
 original; ``--engine-prefix-caching``) what the engine's prefix cache does not cover: a
-conversation re-sends its history under one cache-affinity key, and once a key's prompt has been
-prefilled here (its first output) the engine holds that prompt's KV, so a longer prompt of the key
-only prefills the growth. A prompt sent before the last one's prefill ended finds nothing cached.
-Without this a replica serving long conversations looks loaded with work it will never do, and
-routers move conversations away from their cache.
+conversation re-sends its history under one cache-affinity key, so a longer prompt of a key whose
+last prompt was sent to this engine only adds its growth. That holds from when the earlier prompt
+is sent, not from when its prefill ends: an engine schedules a turn queued behind its predecessor
+after that prefix is cached. Without this a replica serving long conversations looks loaded with
+work it will never do, and routers move conversations away from their cache.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from stargate.wire.limits import U64_MAX, sat_u64
 from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS
 
 PROMPT_MEMORY = 65_536
-"""Cache-affinity keys whose last prefilled prompt is remembered; the least recently used goes."""
+"""Cache-affinity keys whose last sent prompt is remembered; the least recently used goes."""
 
 
 class Phase(IntEnum):
@@ -121,7 +121,7 @@ class LiveLoad:
         self._requests: dict[str, _Tracked] = {}
         self._generations: dict[Generation, _GenerationLoad] = {}
         self._prefix_caching = prefix_caching
-        self._prompts: dict[tuple[Generation, str], int] = {}  # key → its last prefilled prompt's tokens
+        self._prompts: dict[tuple[Generation, str], int] = {}  # key → its last sent prompt's tokens
         self.on_change: Callable[[Generation], None] = _unchanged
 
     def __len__(self) -> int:
@@ -160,20 +160,21 @@ class LiveLoad:
         agg.add(t, -1)
         t.phase = phase
         agg.add(t, 1)
-        if phase is Phase.OUTPUT_GENERATION and self._prefix_caching and t.key:
-            self._remember((t.generation, t.key), t.input_tokens)
         self.on_change(t.generation)
 
-    def _remember(self, prompt: tuple[Generation, str], tokens: int) -> None:
-        """The engine holds this prompt's KV now (its prefill ended): most recently used last.
-        Keys too long to publish are not kept either: the memory stays bounded in bytes."""
-        if len(prompt[1]) > MAX_AFFINITY_KEY_CHARS:
+    def sent(self, request_id: str) -> None:
+        """The request goes to the engine now (admitted): with ``prefix_caching`` its prompt is the
+        key's cached prefix for the key's next prompt here (most recently used last). Keys too long
+        to publish are not kept: the memory stays bounded in bytes."""
+        t = self._requests.get(request_id)
+        if t is None or not self._prefix_caching or not t.key or len(t.key) > MAX_AFFINITY_KEY_CHARS:
             return
+        prompt = (t.generation, t.key)
         prompts = self._prompts
         prompts.pop(prompt, None)
         if len(prompts) >= PROMPT_MEMORY:
             del prompts[next(iter(prompts))]
-        prompts[prompt] = tokens
+        prompts[prompt] = t.input_tokens
 
     def release(self, request_id: str) -> None:
         t = self._requests.pop(request_id, None)

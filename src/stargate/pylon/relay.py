@@ -282,6 +282,7 @@ class Relay:
         if decision.rejected:
             return self._reject(decision)
         if observer is not None:
+            self.load.sent(request_id)
             self.hub.on_admitted(gen, key, observer.input_tokens)
         headers = upstream_headers(
             request.headers.items(),

@@ -1,5 +1,5 @@
 """``--engine-prefix-caching``: a request's prompt work is what the engine's prefix cache does not
-cover, known from the last prompt of its cache-affinity key that finished prefill here."""
+cover, known from the last prompt of its cache-affinity key that Pylon sent to the engine."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ def generation(model: str = "llama") -> Generation:
 
 
 def prefilled(load: LiveLoad, request_id: str, gen: Generation, tokens: int, key: str | None) -> None:
-    """A request of ``key`` that reached its first output (the engine holds its prompt) and ended."""
+    """A request of ``key`` sent to the engine, answered and ended."""
     load.track(request_id, gen, 0, tokens, key)
+    load.sent(request_id)
     load.advance(request_id, Phase.OUTPUT_GENERATION)
     load.release(request_id)
 
@@ -46,20 +47,32 @@ def test_a_longer_prompt_of_a_prefilled_key_counts_only_its_growth() -> None:
     assert load.estimates(gen, 100.0, exclude_request_id="r2") == {2: 5000}
     load.advance("r2", Phase.INPUT_PROCESSING)
     assert load.estimates(gen, 100.0) == {0: 2000, 2: 7000}
+    load.sent("r2")
     load.advance("r2", Phase.OUTPUT_GENERATION)
     load.release("r2")
-    # r2's prompt is cached now: the next turn counts what it adds to 1200.
+    # r2's prompt is the cached prefix now: the next turn counts what it adds to 1200.
     load.track("r4", gen, 0, 1250, "conv")
     assert load.snapshot(gen).queued_input_size == 500 + 50
 
 
-def test_a_prompt_sent_before_the_last_prefill_ended_counts_in_full() -> None:
+def test_a_turn_queued_behind_its_predecessor_counts_only_its_growth() -> None:
+    # The engine schedules it after the earlier prompt, whose prefix is cached by then.
     gen = generation()
     load = LiveLoad(prefix_caching=True)
     load.track("r1", gen, 0, 1000, "conv")
-    load.advance("r1", Phase.INPUT_PROCESSING)  # still prefilling: nothing cached yet
+    assert load.snapshot(gen).queued_input_size == 1000
+    load.sent("r1")
     load.track("r2", gen, 0, 1100, "conv")
-    assert load.snapshot(gen).queued_input_size == 2100
+    assert load.snapshot(gen).queued_input_size == 1000 + 100
+
+
+def test_a_request_never_sent_to_the_engine_leaves_no_prefix() -> None:
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    load.track("rejected", gen, 0, 1000, "conv")  # admission said no: it never reached the engine
+    load.release("rejected")
+    load.track("r2", gen, 0, 1100, "conv")
+    assert load.snapshot(gen).queued_input_size == 1100
 
 
 def test_a_shorter_prompt_another_key_or_another_model_counts_in_full() -> None:
