@@ -80,7 +80,13 @@ class FakeState:
         return self.advertised
 
     def reserve(
-        self, target: Target, backend_id: str, input_tokens: int, priority: int, prefill_tokens: int | None
+        self,
+        target: Target,
+        backend_id: str,
+        input_tokens: int,
+        priority: int,
+        prefill_tokens: int | None,
+        key: str | None,
     ) -> int:
         self.reserved.append((backend_id, input_tokens))
         return len(self.reserved) - 1

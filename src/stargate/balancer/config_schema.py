@@ -117,6 +117,7 @@ class WaitAndWidenFields(_WaitAndWidenFamilyFields):
     cache_affinity_yield_margin_ms: U64 | None = None
     cache_affinity_placement: Literal["ring", "load"] | None = None
     cache_affinity_prefill: Literal["scale", "growth"] | None = None
+    cache_affinity_await_prefill: bool = False
 
 
 class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
@@ -229,4 +230,5 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any
         settings["cache_affinity_yield_margin_ms"] = fields.cache_affinity_yield_margin_ms
         settings["cache_affinity_placement"] = Placement(fields.cache_affinity_placement or "ring")
         settings["cache_affinity_prefill"] = PrefillEstimate(fields.cache_affinity_prefill or "scale")
+        settings["cache_affinity_await_prefill"] = fields.cache_affinity_await_prefill
     return settings

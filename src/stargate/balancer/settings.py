@@ -80,6 +80,7 @@ class AlgorithmDefinition:
     cache_affinity_yield_margin_ms: int | None = None  # None: hold the affinity group until X
     cache_affinity_placement: Placement = Placement.RING
     cache_affinity_prefill: PrefillEstimate = PrefillEstimate.SCALE
+    cache_affinity_await_prefill: bool = False
 
 
 class Policy(Protocol):

@@ -77,6 +77,8 @@ class InFlight:
     requests: int = 0
     prefilling: int = 0
     prefill_tokens: int = 0
+    prefilling_keys: frozenset[str] = frozenset()
+    """Cache-affinity keys of the requests still prefilling: their prefix is not cached there yet."""
 
     @property
     def decoding(self) -> int:
@@ -122,6 +124,8 @@ class LbRequest:
     cache_affinity_key: str | None = None
     request_slo_ms: int | None = None
     excluded: frozenset[str] = frozenset()
+    wait_deadline: float = math.inf
+    """When routing must have decided: a policy's optional hold ends here (``x-max-wait-ms``)."""
 
     @property
     def elapsed_ms(self) -> float:

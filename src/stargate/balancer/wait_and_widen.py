@@ -46,6 +46,9 @@ PhaseResult = Choice | float | None
 MAX_VIRTUAL_NODES = 1000
 """Ring points per cluster: 64 clusters x 1000 points take most of a second to hash (default 150)."""
 
+AWAIT_PREFILL_POLL_MS = 10.0
+"""How often a request held for its key's prefill looks again (the router sees a first byte at once)."""
+
 GLOBAL_RANK_DEPTH = 2
 """rank_depth of a global (post-affinity-wait) pick: any value > 1 reports it as a fallback."""
 
@@ -304,6 +307,12 @@ class WaitAndWiden:
     prompt grew by since the key's last request went there (a conversation re-sends its history),
     instead of the scaled input; the scale stays the estimate when that is unknown.
 
+    With ``cache_affinity_await_prefill`` (not in the original) a request whose pick in the group is
+    still prefilling an earlier request of the same key from this router waits for that prefill to
+    end (its first byte), while the routing wait allows: sent beside it, the request would prefill
+    the shared prefix again instead of finding it cached. The yield rule still moves it when the
+    group loses by the margin.
+
     Whenever keys are placed (either option above), ``learn_routes`` takes the routes Pylon
     publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).
     """
@@ -329,6 +338,7 @@ class WaitAndWiden:
             self._yield_margin is not None or definition.cache_affinity_placement is Placement.LOAD
         )
         self._records = self._learns or self._growth
+        self._await_prefill = definition.cache_affinity_await_prefill
 
     def learn_routes(self, cluster_id: str, routes: Sequence[AffinityRoute], offset_s: float) -> None:
         """Routes a backend of ``cluster_id`` published; ``offset_s`` turns their wall-clock
@@ -414,6 +424,10 @@ class WaitAndWiden:
                 return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
         affine = selector.phase(candidates, group, request, scale, elapsed, queue_limit, rng)
         if isinstance(affine, Choice):
+            if self._await_prefill and request.now < request.wait_deadline:
+                key = request.cache_affinity_key
+                if key in candidates[affine.index].in_flight.prefilling_keys:
+                    return Wait(min(AWAIT_PREFILL_POLL_MS, (request.wait_deadline - request.now) * 1000.0))
             if self.definition.load_aware:
                 # Work in flight there is the uncached part, as the estimate assumed.
                 expected = round(request.input_tokens * scale)
@@ -463,6 +477,12 @@ def _check(definition: AlgorithmDefinition) -> Problem | None:
             "cache_affinity_placement",
             "cache_affinity_placement \"load\" places a key on one backend: "
             "set cache_affinity_backend_selection_count to 1",
+        )
+    if definition.cache_affinity_await_prefill and not definition.selection_count:
+        return (
+            "cache_affinity_await_prefill",
+            "cache_affinity_await_prefill holds a key's request for its affinity group: "
+            "set cache_affinity_backend_selection_count",
         )
     if definition.cache_affinity_prefill is PrefillEstimate.GROWTH and definition.selection_count != 1:
         return (

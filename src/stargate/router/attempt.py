@@ -254,6 +254,8 @@ class AttemptMachine:
         excluded = state.failed_cluster_ids
         if isinstance(snapshot, NoTarget) or all(c.cluster_id in excluded for c in candidates):
             return self._unroutable(state, snapshot)
+        max_wait_ms = MAX_WAIT_CAP_MS if request.max_wait_ms is None else request.max_wait_ms
+        wait_deadline = request.received_at + max_wait_ms / 1000.0
         lb_request = LbRequest(
             target=request.target,
             input_tokens=request.input_tokens,
@@ -263,6 +265,7 @@ class AttemptMachine:
             cache_affinity_key=request.cache_affinity_key,
             request_slo_ms=request.request_slo_ms,
             excluded=excluded,
+            wait_deadline=wait_deadline,
         )
         definition = request.definition
         if definition.max_input_work_seconds is not None:
@@ -280,10 +283,6 @@ class AttemptMachine:
             )
             return state, Pick(candidate.cluster_id, state.failed_backend_ids)
         if isinstance(decision, Wait):
-            max_wait_ms = request.max_wait_ms
-            wait_deadline = (
-                request.received_at + (MAX_WAIT_CAP_MS if max_wait_ms is None else max_wait_ms) / 1000.0
-            )
             pause = min(decision.ms / 1000.0, WAIT_POLL_CAP_S, wait_deadline - now)
             if pause > 0:
                 return _waited(state, pause)

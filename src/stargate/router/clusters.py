@@ -49,6 +49,7 @@ class Reservation:
     input_tokens: int
     priority: int
     prefill_tokens: int
+    key: str | None = None  # the request's cache-affinity key
     prefilling: bool = True
     counted: bool = False  # running when its backend last published: part of that heartbeat's counts
     counted_prefilling: bool = False  # ... and still waiting for its first byte then
@@ -154,6 +155,7 @@ class ClusterState:
         "_counter",
         "_departed",
         "_in_flight",
+        "_prefilling_keys",
         "_stats",
         "cluster_id",
         "generation",
@@ -172,6 +174,7 @@ class ClusterState:
         self.running: dict[Reservation, None] = {}
         self._departed: dict[str, Departures] = {}
         self._in_flight = NO_IN_FLIGHT
+        self._prefilling_keys: dict[str, int] = {}
         self.source_id: str | None = None
         self._counter = RoundRobin()
         self._base = Candidate(cluster_id=cluster_id, stats=ModelStats(), rtt_s=0.0, active_backend_count=0)
@@ -301,10 +304,22 @@ class ClusterState:
         """Add (+1) or remove (-1) one attempt, in its current phase, from the in-flight count."""
         current = self._in_flight
         prefill = sign if reservation.prefilling else 0
+        keys = current.prefilling_keys
+        key = reservation.key
+        if prefill and key:
+            counts = self._prefilling_keys
+            count = counts.get(key, 0) + prefill
+            if count > 0:
+                counts[key] = count
+            else:
+                counts.pop(key, None)
+            if (count > 0) != (key in keys):
+                keys = frozenset(counts)
         self._in_flight = InFlight(
             current.requests + sign,
             current.prefilling + prefill,
             current.prefill_tokens + prefill * reservation.prefill_tokens,
+            keys,
         )
         self._candidate = None
 

@@ -63,7 +63,13 @@ class RoutingStateView(Protocol):
     def view(self, target: Target) -> TargetSnapshot | None: ...
     def is_advertised(self, target: Target) -> bool: ...
     def reserve(
-        self, target: Target, backend_id: str, input_tokens: int, priority: int, prefill_tokens: int | None
+        self,
+        target: Target,
+        backend_id: str,
+        input_tokens: int,
+        priority: int,
+        prefill_tokens: int | None,
+        key: str | None,
     ) -> Any: ...
     def release(self, reservation: Any) -> None: ...
     def first_byte(self, reservation: Any) -> None: ...
@@ -185,8 +191,10 @@ class AttemptDriver:
             if choice is not None:
                 trace.rank_depth = choice.rank_depth
         prefill_tokens = choice.prefill_tokens if choice is not None else None
-        backend_id, target = backend.inference_server_id, request.target
-        return self._state.reserve(target, backend_id, request.input_tokens, request.priority, prefill_tokens)
+        tokens, key = request.input_tokens, request.cache_affinity_key
+        return self._state.reserve(
+            request.target, backend.inference_server_id, tokens, request.priority, prefill_tokens, key
+        )
 
     async def _send(
         self,

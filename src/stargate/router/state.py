@@ -231,15 +231,16 @@ class RoutingState:
         input_tokens: int,
         priority: int,
         prefill_tokens: int | None = None,
+        key: str | None = None,
     ) -> Reservation:
         """Add one attempt's optimistic load and in-flight record to its cluster; inert if the backend
         left. The attempt's driver must end it with ``finish``. ``prefill_tokens`` is the uncached
-        part of the prompt the decision expected (default: all of it)."""
+        part of the prompt the decision expected (default: all of it); ``key`` its cache-affinity key."""
         registration = self._live.get(backend_id)
         cluster_id = registration.handle.backend.cluster_id if registration else ""
         tokens = max(0, input_tokens)
         work = tokens if prefill_tokens is None else min(tokens, max(0, prefill_tokens))
-        reservation = Reservation(target, cluster_id, backend_id, tokens, priority, work)
+        reservation = Reservation(target, cluster_id, backend_id, tokens, priority, work, key)
         state = self._targets.get(target)
         cluster = state.clusters.get(cluster_id) if state is not None else None
         if state is not None and cluster is not None and backend_id in cluster.members:

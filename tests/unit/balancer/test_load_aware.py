@@ -28,7 +28,7 @@ from stargate.balancer.estimates import (
     load_ttft_ms,
 )
 from stargate.balancer.settings import Placement, PrefillEstimate
-from stargate.balancer.types import AffinityRoute, InFlight
+from stargate.balancer.types import AffinityRoute, InFlight, Wait
 from stargate.balancer.wait_and_widen import Ranking, WawSelector
 from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, AffinityGroups
 from stargate.errors import ConfigError
@@ -646,3 +646,60 @@ def test_the_seed_ring_does_not_learn_routes() -> None:
     policy.learn_routes("affinity-a", [_route("prefix-a", 1.0)], 0.0)
     decision = policy.decide(candidates, _request_at("prefix-a", 2.0), rng())
     assert chosen_id(candidates, decision) == "affinity-c"
+
+
+# ---- waiting for a key's prefill in progress ---------------------------------------------------
+
+
+def _prefilling(candidate: Candidate, *keys: str) -> Candidate:
+    return dataclasses.replace(candidate, in_flight=InFlight(len(keys), len(keys), 1000, frozenset(keys)))
+
+
+def _awaiting_policy(**settings: Any) -> Any:
+    return _affinity_policy(margin=1000, cache_affinity_await_prefill=True, **settings)
+
+
+def test_a_request_waits_while_its_key_is_still_prefilling_on_its_group() -> None:
+    # prefix-a's group is affinity-c, where an earlier prefix-a request has not had its first byte.
+    ring = _ring(c_queued=0)
+    candidates = (*ring[:2], _prefilling(ring[2], "prefix-a"))
+    decision = _awaiting_policy().decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert decision == Wait(10.0)
+    # Another key prefilling there does not hold it, and neither does the option switched off.
+    other = (*ring[:2], _prefilling(ring[2], "prefix-b"))
+    decision = _awaiting_policy().decide(other, make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert chosen_id(other, decision) == "affinity-c"
+    decision = _affinity_policy(margin=1000).decide(
+        candidates, make_request(input_tokens=1000, key="prefix-a"), rng()
+    )
+    assert chosen_id(candidates, decision) == "affinity-c"
+
+
+def test_the_wait_for_a_prefill_ends_at_the_routing_deadline() -> None:
+    ring = _ring(c_queued=0)
+    candidates = (*ring[:2], _prefilling(ring[2], "prefix-a"))
+    policy = _awaiting_policy()
+    request = dataclasses.replace(make_request(input_tokens=1000, key="prefix-a"), wait_deadline=0.004)
+    assert policy.decide(candidates, request, rng()) == Wait(4.0)  # never past the deadline
+    late = dataclasses.replace(request, now=0.004)
+    assert chosen_id(candidates, policy.decide(candidates, late, rng())) == "affinity-c"
+
+
+def test_a_group_that_loses_by_the_margin_still_yields_instead_of_waiting() -> None:
+    ring = _ring(c_queued=3000)  # affine: 3000 + 200 ms; global best 1800 ms
+    candidates = (*ring[:2], _prefilling(ring[2], "prefix-a"))
+    decision = _awaiting_policy().decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert chosen_id(candidates, decision) in {"affinity-a", "affinity-b"}
+    assert chosen(decision).rank_depth == 2
+
+
+def test_await_prefill_needs_an_affinity_group() -> None:
+    model = {"algorithm": "wait-and-widen", "cache_affinity_await_prefill": True}
+    with pytest.raises(ConfigError, match="cache_affinity_backend_selection_count"):
+        parse_lb_config({"models": {"m": model}})
+    with pytest.raises(ConfigError, match="expected a boolean"):
+        parse_lb_config({"models": {"m": {**model, "cache_affinity_await_prefill": "yes"}}})
+    definition = parse_lb_config(
+        {"models": {"m": {**model, "cache_affinity_backend_selection_count": 1}}}
+    ).resolve("m", None)
+    assert definition.cache_affinity_await_prefill

@@ -118,6 +118,16 @@ def test_p143_max_wait_shorter_than_affinity_wait_ends_with_503() -> None:
     assert abs(sum(sleeps) - 0.050) < 1e-9
 
 
+def test_the_policy_sees_the_deadline_its_waits_end_at() -> None:
+    view, policy = scripted([Wait(10.0), SELECT0])
+    route(make_machine(), fresh(max_wait_ms=50), view)
+    received = policy.seen[0].received_at
+    assert [r.wait_deadline for r in policy.seen] == [received + 0.050] * 2
+    view, policy = scripted([SELECT0])
+    route(make_machine(), fresh(), view)
+    assert policy.seen[0].wait_deadline == policy.seen[0].received_at + 60.0
+
+
 def test_p122_unavailable_without_max_wait_fails_immediately() -> None:
     view, policy = scripted([UNAVAILABLE])
     _, action, sleeps = route(make_machine(), fresh(), view)

@@ -310,6 +310,26 @@ def test_in_flight_counts_prefill_until_first_byte_and_requests_until_finish() -
     assert (flight.requests, flight.prefilling, flight.prefill_tokens) == (0, 0, 0)
 
 
+def test_in_flight_names_the_keys_still_prefilling_until_their_last_first_byte() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    first = state.reserve(T, "a", 300, 0, key="k")
+    second = state.reserve(T, "a", 200, 0, key="k")
+    other = state.reserve(T, "a", 100, 0, key="j")
+    state.reserve(T, "a", 100, 0)
+    assert only_candidate(state).in_flight.prefilling_keys == {"k", "j"}
+    state.first_byte(first)
+    assert only_candidate(state).in_flight.prefilling_keys == {"k", "j"}  # the second still prefills
+    state.finish(second)  # ended before its first byte (an error, a cancel)
+    state.first_byte(other)
+    state.first_byte(other)
+    assert only_candidate(state).in_flight.prefilling_keys == frozenset()
+    state.finish(first)
+    state.finish(other)
+    assert only_candidate(state).in_flight.prefilling_keys == frozenset()
+
+
 def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:
     state, _ = make_state()
     a = join(state, "a")
