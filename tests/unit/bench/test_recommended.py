@@ -10,7 +10,9 @@ import pytest
 
 from stargate.balancer.config import load_lb_config, parse_lb_config
 from stargate.bench import plan
+from stargate.bench.console import prepare_scenario
 from stargate.bench.peers.compare import (
+    AWAIT_PREFILL,
     RECOMMENDED_FILE,
     RECOMMENDED_STARGATE_ARGS,
     PeerOptions,
@@ -43,10 +45,17 @@ def test_a_recommended_file_without_exactly_one_model_is_a_config_error(tmp_path
         recommended_lb_config("m", path=path)
 
 
+def _without_await_prefill(lb_config: dict[str, object]) -> dict[str, object]:
+    models = lb_config["models"]
+    assert isinstance(models, dict)
+    return {**lb_config, "models": {name: {k: v for k, v in entry.items() if k != AWAIT_PREFILL}
+                                    for name, entry in models.items()}}  # fmt: skip
+
+
 def test_compare_runs_recommended_with_its_router_flag() -> None:
-    demo = load_scenario(ROOT / "benches" / "uniform-4-backends.yaml")
-    (choice,) = resolve_routers(demo, "stargate:recommended", PeerOptions())
-    assert choice.spec.lb_config == recommended_lb_config(demo.model)
+    scenario = prepare_scenario(str(ROOT / "benches" / "uniform-4-backends.yaml"), None, None, "vllm")
+    (choice,) = resolve_routers(scenario, "stargate:recommended", PeerOptions())
+    assert choice.spec.lb_config == recommended_lb_config(scenario.model)
     assert choice.spec.stargate_args == RECOMMENDED_STARGATE_ARGS == ("--default-max-wait-ms", "60000")
 
 
@@ -62,7 +71,7 @@ def test_several_stargates_run_the_recommended_config_unchanged() -> None:
     multi = load_scenario(ROOT / "benches" / "lb-balance-prefix-reuse-4c2p-2s.yaml")
     assert multi.stargates.count > 1
     (choice,) = resolve_routers(multi, "stargate:recommended", PeerOptions())
-    assert choice.spec.lb_config == recommended_lb_config(multi.model)
+    assert _without_await_prefill(choice.spec.lb_config) == recommended_lb_config(multi.model)
     assert "--stats-update-coalesce-ms" in choice.spec.pylon_args
     # Its engines keep a KV cache: Pylon publishes the prompt work their caches do not hold.
     assert choice.spec.pylon_args[-2:] == ["--engine-prefix-caching", "true"]
@@ -75,3 +84,18 @@ def test_engines_without_a_kv_cache_run_pylon_without_prefix_caching() -> None:
     assert scenario.backends.profile_of(0).kv_cache_capacity_tokens == 0
     (choice,) = resolve_routers(scenario, "stargate:recommended", PeerOptions())
     assert "--engine-prefix-caching" not in choice.spec.pylon_args
+    assert choice.spec.lb_config == recommended_lb_config(scenario.model)  # nothing cached to wait for
+
+
+@pytest.mark.parametrize(
+    ("batching", "awaits"), [("continuous", True), ("independent", True), ("vllm", False)]
+)
+def test_a_turn_waits_for_its_predecessors_prefill_where_engines_start_every_prefill_at_once(
+    batching: str, awaits: bool
+) -> None:
+    path = str(ROOT / "benches" / "trace-conversations.yaml")
+    scenario = prepare_scenario(path, None, None, batching)  # type: ignore[arg-type]
+    (choice,) = resolve_routers(scenario, "stargate:recommended", PeerOptions())
+    definition = parse_lb_config(choice.spec.lb_config).resolve(scenario.model, None)
+    assert definition.cache_affinity_await_prefill is awaits
+    assert _without_await_prefill(choice.spec.lb_config) == recommended_lb_config(scenario.model)

@@ -95,6 +95,11 @@ PREFIX_CACHING_PYLON_ARGS = ("--engine-prefix-caching", "true")
 """Added where the scenario's engines keep a KV cache, as docs/pylon.md recommends for engines with
 prefix caching: a conversation's published prompt work is what its engine's cache does not hold."""
 RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
+AWAIT_PREFILL = "cache_affinity_await_prefill"
+"""Set where the scenario's engines start every admitted prefill at once (the mock's ``continuous``
+and ``independent`` batching), as docs/configuration.md recommends for such engines: a turn sent
+beside its predecessor's prefill would prefill the shared prefix again. Not under ``vllm``, whose
+first-come-first-served queue already puts the turn behind it."""
 
 
 def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
@@ -108,6 +113,22 @@ def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"cannot use {path} as the recommended config: {exc}", path="--routers") from exc
     return {**config, "models": {model: settings}}
+
+
+def _with_await_prefill(lb_config: dict[str, object]) -> dict[str, object]:
+    """``AWAIT_PREFILL`` on every wait-and-widen model entry with an affinity group."""
+    models = lb_config.get("models")
+    if not isinstance(models, dict):
+        return lb_config
+    grouped = {
+        name: {**entry, AWAIT_PREFILL: True}
+        if isinstance(entry, dict)
+        and entry.get("algorithm") == "wait-and-widen"
+        and entry.get("cache_affinity_backend_selection_count")
+        else entry
+        for name, entry in models.items()
+    }
+    return {**lb_config, "models": grouped}
 
 
 def _has_kv_cache(scenario: Scenario) -> bool:
@@ -132,9 +153,12 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
                 # The scenario's own "recommended" entry (the demo's) or the file, as deployed.
                 spec = spec or RunSpec(name, recommended_lb_config(scenario.model), [])
                 pylon_args = [*spec.pylon_args, *RECOMMENDED_PYLON_ARGS]
+                lb_config = spec.lb_config
                 if _has_kv_cache(scenario):
                     pylon_args += PREFIX_CACHING_PYLON_ARGS
-                spec = dataclasses.replace(spec, stargate_args=RECOMMENDED_STARGATE_ARGS,
+                    if scenario.mock.batching != "vllm":
+                        lb_config = _with_await_prefill(lb_config)
+                spec = dataclasses.replace(spec, lb_config=lb_config, stargate_args=RECOMMENDED_STARGATE_ARGS,
                                            pylon_args=pylon_args)
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
