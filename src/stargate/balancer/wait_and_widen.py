@@ -25,6 +25,7 @@ from stargate.balancer.estimates import (
     INF,
     load_queue_and_running,
     load_tie_key,
+    prefill_ms,
     queue_ms,
 )
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
@@ -265,6 +266,18 @@ class WawSelector:
         return best[2]
 
 
+def _awaits_prefill(candidate: Candidate, request: LbRequest) -> bool:
+    """The request's key has a request still prefilling on ``candidate``: wait for it while the
+    routing deadline allows, and no longer than prefilling the whole prompt there beside the
+    requests prefilling now would take (sent then, it does no worse than waiting on). The bound
+    also ends the wait for a predecessor that sends no byte before it ends (a response that is not
+    streamed)."""
+    flight = candidate.in_flight
+    if request.now >= request.wait_deadline or request.cache_affinity_key not in flight.prefilling_keys:
+        return False
+    return request.elapsed_ms < prefill_ms(candidate.stats, request.input_tokens) * (1 + flight.prefilling)
+
+
 def as_decision(result: PhaseResult) -> Decision:
     if isinstance(result, Choice):
         return Selected(result)
@@ -309,9 +322,9 @@ class WaitAndWiden:
 
     With ``cache_affinity_await_prefill`` (not in the original) a request whose pick in the group is
     still prefilling an earlier request of the same key from this router waits for that prefill to
-    end (its first byte), while the routing wait allows: sent beside it, the request would prefill
-    the shared prefix again instead of finding it cached. The yield rule still moves it when the
-    group loses by the margin.
+    end (its first byte), within bounds (``_awaits_prefill``): sent beside it, the request would
+    prefill the shared prefix again instead of finding it cached. The yield rule still moves it
+    when the group loses by the margin.
 
     Whenever keys are placed (either option above), ``learn_routes`` takes the routes Pylon
     publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).
@@ -424,10 +437,8 @@ class WaitAndWiden:
                 return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
         affine = selector.phase(candidates, group, request, scale, elapsed, queue_limit, rng)
         if isinstance(affine, Choice):
-            if self._await_prefill and request.now < request.wait_deadline:
-                key = request.cache_affinity_key
-                if key in candidates[affine.index].in_flight.prefilling_keys:
-                    return Wait(min(AWAIT_PREFILL_POLL_MS, (request.wait_deadline - request.now) * 1000.0))
+            if self._await_prefill and _awaits_prefill(candidates[affine.index], request):
+                return Wait(min(AWAIT_PREFILL_POLL_MS, (request.wait_deadline - request.now) * 1000.0))
             if self.definition.load_aware:
                 # Work in flight there is the uncached part, as the estimate assumed.
                 expected = round(request.input_tokens * scale)
