@@ -6,8 +6,7 @@ Real processes: one Stargate with the recommended config (with and without the o
 engine whose KV cache is keyed by ``x-cache-affinity-key`` (an in-flight request does not warm it),
 and a Pylon. The engine is paused while both requests of the key arrive, so without the option
 both reach it together and the second misses; with it the second is sent after the first's first
-byte and hits, whatever the timing. Pylon publishes a throughput far below the engine's, so the
-wait's bound (the prompt's estimated prefill beside the first) is seconds, never reached here.
+byte and hits, whatever the timing.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ async def _fleet(tmp_path: Path, await_prefill: bool) -> tuple[list[ManagedProce
         *command("pylon"), "--upstream-http-base-url", engine, "--stargate-address", stargate.grpc,
         "--inference-server-id", "pylon-a", "--http-listen-addr", "127.0.0.1:0",
         "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--model-name", MODEL,
-        "--initial-input-tps", "200", "--max-engine-concurrency", "8",
+        "--initial-input-tps", "20000", "--max-engine-concurrency", "8",
         "--stats-update-coalesce-ms", "10"], tmp_path, parse_pylon_ready))  # fmt: skip
     return procs, stargate, engine
 

@@ -25,7 +25,6 @@ from stargate.balancer.estimates import (
     INF,
     load_queue_and_running,
     load_tie_key,
-    prefill_ms,
     queue_ms,
 )
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
@@ -267,15 +266,13 @@ class WawSelector:
 
 
 def _awaits_prefill(candidate: Candidate, request: LbRequest) -> bool:
-    """The request's key has a request still prefilling on ``candidate``: wait for it while the
-    routing deadline allows, and no longer than prefilling the whole prompt there beside the
-    requests prefilling now would take (sent then, it does no worse than waiting on). The bound
-    also ends the wait for a predecessor that sends no byte before it ends (a response that is not
-    streamed)."""
-    flight = candidate.in_flight
-    if request.now >= request.wait_deadline or request.cache_affinity_key not in flight.prefilling_keys:
-        return False
-    return request.elapsed_ms < prefill_ms(candidate.stats, request.input_tokens) * (1 + flight.prefilling)
+    """The request's key has a request still prefilling on ``candidate``, and the routing deadline
+    allows a wait. Not bounded by an estimate: with processor sharing the predecessor shares the
+    engine with everything else, and any bound from published throughput released most waits
+    just before the prefix was cached (docs/benchmarks.md)."""
+    return request.now < request.wait_deadline and request.cache_affinity_key in (
+        candidate.in_flight.prefilling_keys
+    )
 
 
 def as_decision(result: PhaseResult) -> Decision:

@@ -685,20 +685,6 @@ def test_the_wait_for_a_prefill_ends_at_the_routing_deadline() -> None:
     assert chosen_id(candidates, policy.decide(candidates, late, rng())) == "affinity-c"
 
 
-def test_the_wait_for_a_prefill_lasts_no_longer_than_prefilling_the_prompt_beside_it() -> None:
-    # 1000 tokens at 1000 tok/s beside the one request prefilling there: at most 2000 ms.
-    ring = _ring(c_queued=0)
-    candidates = (*ring[:2], _prefilling(ring[2], "prefix-a"))
-    policy = _awaiting_policy()
-    waiting = make_request(input_tokens=1000, key="prefix-a", elapsed_ms=1999.0)
-    assert isinstance(policy.decide(candidates, waiting, rng()), Wait)
-    sent = make_request(input_tokens=1000, key="prefix-a", elapsed_ms=2000.0)
-    assert chosen_id(candidates, policy.decide(candidates, sent, rng())) == "affinity-c"
-    # Without a token count there is no prefill to weigh the wait against: no wait.
-    unknown = make_request(key="prefix-a")
-    assert chosen_id(candidates, policy.decide(candidates, unknown, rng())) == "affinity-c"
-
-
 def test_a_group_that_loses_by_the_margin_still_yields_instead_of_waiting() -> None:
     ring = _ring(c_queued=3000)  # affine: 3000 + 200 ms; global best 1800 ms
     candidates = (*ring[:2], _prefilling(ring[2], "prefix-a"))
