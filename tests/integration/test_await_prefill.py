@@ -6,7 +6,8 @@ Real processes: one Stargate with the recommended config (with and without the o
 engine whose KV cache is keyed by ``x-cache-affinity-key`` (an in-flight request does not warm it),
 and a Pylon. The engine is paused while both requests of the key arrive, so without the option
 both reach it together and the second misses; with it the second is sent after the first's first
-byte and hits, whatever the timing.
+byte and hits, whatever the timing. The first prompt takes a second to prefill, so the second
+request reaches the engine well before that prefill ends even on a loaded machine.
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ async def _fleet(tmp_path: Path, await_prefill: bool) -> tuple[list[ManagedProce
         *command("stargate-mock-engine"), "--http-listen-addr", "127.0.0.1:0", "--model-name", MODEL,
         "--max-concurrent-requests", "8", "--token-delay-ms", "5", "--num-tokens", "1",
         "--kv-cache-mode", "affinity", "--kv-cache-capacity-tokens", "100000",
-        "--batching", "continuous", "--prefill-tokens-per-s", "20000",
+        "--batching", "continuous", "--prefill-tokens-per-s", "2000",
     ], tmp_path, parse_engine_ready))  # fmt: skip
     await launch(ManagedProcess("pylon", [
         *command("pylon"), "--upstream-http-base-url", engine, "--stargate-address", stargate.grpc,
         "--inference-server-id", "pylon-a", "--http-listen-addr", "127.0.0.1:0",
         "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--model-name", MODEL,
-        "--initial-input-tps", "20000", "--max-engine-concurrency", "8",
+        "--initial-input-tps", "2000", "--max-engine-concurrency", "8",
         "--stats-update-coalesce-ms", "10"], tmp_path, parse_pylon_ready))  # fmt: skip
     return procs, stargate, engine
 
