@@ -319,9 +319,9 @@ class WaitAndWiden:
 
     With ``cache_affinity_await_prefill`` (not in the original) a request whose pick in the group is
     still prefilling an earlier request of the same key from this router waits for that prefill to
-    end (its first byte), within bounds (``_awaits_prefill``): sent beside it, the request would
-    prefill the shared prefix again instead of finding it cached. The yield rule still moves it
-    when the group loses by the margin.
+    end (its first byte), until its routing deadline at the latest (``_awaits_prefill``): sent
+    beside it, the request would prefill the shared prefix again instead of finding it cached. The
+    yield rule still moves it when the group loses by the margin.
 
     Whenever keys are placed (either option above), ``learn_routes`` takes the routes Pylon
     publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).
