@@ -8,13 +8,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stargate.balancer.config_schema import Fields
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Policy
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Policy, PrefillRate
 
 Problem = tuple[str, str]
 """A definition problem: the JSON field at fault and the reason, as the config error reports them."""
 
 
 def no_problem(definition: AlgorithmDefinition) -> Problem | None:
+    return None
+
+
+def check_prefill_rate(definition: AlgorithmDefinition) -> Problem | None:
+    """``prefill_rate`` is an input of the load-aware estimates and means nothing without them."""
+    if definition.prefill_rate is PrefillRate.MEASURED and not definition.load_aware:
+        reason = 'prefill_rate "measured" is read by the load-aware estimates: set load_aware to true'
+        return "prefill_rate", reason
     return None
 
 

@@ -2,17 +2,20 @@
 
 Each score reads the candidate snapshot as-is (reservations included, no staleness filter). The
 queue-based scores use the effective queue delay (free-slot rule); the others use raw stats.
-With ``load_aware`` every score reads the load-aware estimates instead (``estimates.load_*``).
+With ``load_aware`` every score reads the load-aware estimates instead (``estimates.load_*``), at
+the measured prefill rate with ``prefill_rate: measured``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from stargate.balancer.estimates import (
     load_backlog,
     load_queue_ms,
     load_running,
+    load_tps,
     load_ttft_ms,
     prefill_ms,
     queue_ms,
@@ -20,7 +23,7 @@ from stargate.balancer.estimates import (
     work,
 )
 from stargate.balancer.settings import Comparator
-from stargate.balancer.types import Candidate
+from stargate.balancer.types import Candidate, valid_tps
 
 Score = Callable[[Candidate, int, int], float]
 """``score(candidate, priority, input_tokens)``."""
@@ -58,16 +61,21 @@ SCORES: dict[Comparator, Score] = {
 }
 
 
-def load_ttft_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
-    return load_ttft_ms(candidate, input_tokens, priority)
+def load_ttft_score(candidate: Candidate, priority: int, input_tokens: int, measured: bool = False) -> float:
+    return load_ttft_ms(candidate, input_tokens, priority, measured=measured)
 
 
-def load_queue_time_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
-    return load_queue_ms(candidate, priority)
+def load_queue_time_score(
+    candidate: Candidate, priority: int, input_tokens: int, measured: bool = False
+) -> float:
+    return load_queue_ms(candidate, priority, measured)
 
 
-def load_input_work_seconds_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
-    return work(load_backlog(candidate) + input_tokens, usable_tps(candidate.stats))
+def load_input_work_seconds_score(
+    candidate: Candidate, priority: int, input_tokens: int, measured: bool = False
+) -> float:
+    tps = load_tps(candidate, measured)
+    return work(load_backlog(candidate) + input_tokens, tps if valid_tps(tps) else 0.0)
 
 
 def load_utilization_score(candidate: Candidate, priority: int, input_tokens: int) -> float:
@@ -89,6 +97,13 @@ LOAD_SCORES: dict[Comparator, Score] = {
 in-flight count (max, never sum), no free-slot shortcut in the ranking."""
 
 
-def score_for(comparator: Comparator | None, load_aware: bool = False) -> Score:
+RATE_SCORES = (load_ttft_score, load_queue_time_score, load_input_work_seconds_score)
+"""The load-aware scores that divide by a prefill rate."""
+
+
+def score_for(comparator: Comparator | None, load_aware: bool = False, measured: bool = False) -> Score:
     """The score function of a comparator; an unset comparator means ``ttft`` (§2.7)."""
-    return (LOAD_SCORES if load_aware else SCORES)[comparator or Comparator.TTFT]
+    score = (LOAD_SCORES if load_aware else SCORES)[comparator or Comparator.TTFT]
+    if load_aware and measured and score in RATE_SCORES:
+        return functools.partial(score, measured=True)
+    return score

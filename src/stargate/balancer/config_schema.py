@@ -19,7 +19,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
+from stargate.balancer.settings import (
+    Algorithm,
+    AlgorithmDefinition,
+    Comparator,
+    Placement,
+    PrefillEstimate,
+    PrefillRate,
+)
 from stargate.errors import ConfigError
 from stargate.wire.limits import U64_MAX
 
@@ -87,6 +94,7 @@ class RandomFields(Fields):
 class PowerOfNFields(_ComparatorFields):
     sample_count: int = 2
     load_aware: bool = False
+    prefill_rate: Literal["published", "measured"] | None = None
 
 
 class PulsarFields(Fields):
@@ -114,6 +122,7 @@ class _WaitAndWidenFamilyFields(_ComparatorFields):
 
 class WaitAndWidenFields(_WaitAndWidenFamilyFields):
     load_aware: bool = False
+    prefill_rate: Literal["published", "measured"] | None = None
     cache_affinity_yield_margin_ms: U64 | None = None
     cache_affinity_placement: Literal["ring", "load"] | None = None
     cache_affinity_prefill: Literal["scale", "growth"] | None = None
@@ -165,6 +174,9 @@ def _reason(error: ErrorDetails, field: str) -> str:
     if kind == "literal_error" and field == "cache_affinity_prefill":
         names = ", ".join(p.value for p in PrefillEstimate)
         return f"unknown cache_affinity_prefill {describe_json(value)}, expected one of: {names}"
+    if kind == "literal_error" and field == "prefill_rate":
+        names = ", ".join(p.value for p in PrefillRate)
+        return f"unknown prefill_rate {describe_json(value)}, expected one of: {names}"
     if kind == "enum":
         return f"unknown comparator {describe_json(value)}, expected one of: {COMPARATOR_NAMES}"
     if kind == "comparator_null":
@@ -191,6 +203,7 @@ def normalise(
     if isinstance(fields, PowerOfNFields):
         settings["sample_count"] = fields.sample_count
         settings["load_aware"] = fields.load_aware
+        settings["prefill_rate"] = PrefillRate(fields.prefill_rate or "published")
     elif isinstance(fields, PulsarFields):
         settings["seed"] = fields.seed or ""
         settings["consider_kv_free_tokens"] = fields.consider_kv_free_tokens
@@ -227,6 +240,7 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any
         settings["consider_kv_free_tokens"] = fields.consider_kv_free_tokens
     if isinstance(fields, WaitAndWidenFields):
         settings["load_aware"] = fields.load_aware
+        settings["prefill_rate"] = PrefillRate(fields.prefill_rate or "published")
         settings["cache_affinity_yield_margin_ms"] = fields.cache_affinity_yield_margin_ms
         settings["cache_affinity_placement"] = Placement(fields.cache_affinity_placement or "ring")
         settings["cache_affinity_prefill"] = PrefillEstimate(fields.cache_affinity_prefill or "scale")

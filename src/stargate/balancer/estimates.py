@@ -8,7 +8,10 @@ effective value; input-work scores, utilization, capacity checks and admission u
 
 The load-aware estimates (lb-config ``load_aware``) rank with the work in progress instead, merging
 the published stats with the router's own in-flight count (``Candidate.in_flight``); the free-slot
-rule stays the rule for admission, the queue-SLO filter and the expected-queue header.
+rule stays the rule for admission, the queue-SLO filter and the expected-queue header. With
+``prefill_rate: measured`` they divide by the router's own measure of the cluster's prefill rate
+(``Candidate.measured_input_tps``) instead of the published mean; admission and the header keep the
+published one, which is what Pylon checks against.
 """
 
 from __future__ import annotations
@@ -112,6 +115,17 @@ def raw_queue_ms(stats: ModelStats, priority: int) -> float:
 # ---- load-aware estimates (lb-config ``load_aware``) --------------------------------------------
 
 
+def load_tps(candidate: Candidate, measured: bool) -> float:
+    """The prefill rate the load-aware estimates divide by: with ``measured`` the router's own
+    measure once it has one, else the published mean (pinned, bootstrapped, or a mean of per-request
+    samples that each saw only a share of an engine prefilling several prompts at once)."""
+    if measured:
+        rate = candidate.measured_input_tps
+        if rate > 0.0:
+            return rate
+    return candidate.stats.last_mean_input_tps
+
+
 def load_running(candidate: Candidate) -> int:
     """Requests running on the cluster: the published count (with reservations) or this router's
     own in-flight count, whichever is larger. A max, never a sum: a request both reserved and
@@ -128,19 +142,20 @@ def load_backlog(candidate: Candidate) -> int:
     return published if published >= own else own
 
 
-def load_queue_ms(candidate: Candidate, priority: int) -> float:
+def load_queue_ms(candidate: Candidate, priority: int, measured: bool = False) -> float:
     """Queue delay that sees work in progress below the slot limit.
 
     A free slot is not a free engine: on a continuous-batching engine every request prefilling at
     once shares the prefill throughput, so a new request waits roughly for the prompt tokens ahead
     of it. Those are the published pending prompt tokens (reservations included) or this router's
     own tokens still before their first byte, whichever is larger. With no free slot the §3.1
-    estimate (which may come from the engine's priority map) also applies; the larger wins.
+    estimate (which may come from the engine's priority map) also applies; the larger wins. At a
+    measured rate that estimate, time at the published rate, is converted to the measured one.
     """
-    return load_queue_and_running(candidate, priority)[0]
+    return load_queue_and_running(candidate, priority, measured)[0]
 
 
-def load_queue_and_running(candidate: Candidate, priority: int) -> tuple[float, int]:
+def load_queue_and_running(candidate: Candidate, priority: int, measured: bool = False) -> tuple[float, int]:
     """``load_queue_ms`` and ``load_running`` in one flat pass (``load_backlog`` inlined):
     wait-and-widen needs both for every candidate of every decision."""
     stats = candidate.stats
@@ -151,25 +166,27 @@ def load_queue_and_running(candidate: Candidate, priority: int) -> tuple[float, 
     backlog = stats.queued_input_size
     if own.prefill_tokens > backlog:
         backlog = own.prefill_tokens
-    if backlog == 0:
-        queue = 0.0
-    else:
-        tps = stats.last_mean_input_tps
-        queue = backlog * 1000.0 / tps if 0.0 < tps < INF else INF
+    published = stats.last_mean_input_tps
+    tps = load_tps(candidate, measured)
+    queue = 0.0 if backlog == 0 else backlog * 1000.0 / tps if 0.0 < tps < INF else INF
     limit = stats.max_engine_concurrency
     if not (limit > 0 and running < limit):
         spec = raw_queue_ms(stats, priority)
+        if tps != published and 0.0 < published < INF:
+            spec *= published / tps  # Pylon's estimate is time at the published rate
         if spec > queue:
             queue = spec
     return queue, running
 
 
-def load_ttft_ms(candidate: Candidate, input_tokens: int, priority: int, scale: float = 1.0) -> float:
+def load_ttft_ms(
+    candidate: Candidate, input_tokens: int, priority: int, scale: float = 1.0, measured: bool = False
+) -> float:
     """rtt + load-aware queue + the request's own (optionally cache-discounted) prefill."""
     return (
         candidate.rtt_s * 1000.0
-        + load_queue_ms(candidate, priority)
-        + prefill_ms(candidate.stats, input_tokens, scale)
+        + load_queue_ms(candidate, priority, measured)
+        + prefill_at(load_tps(candidate, measured), input_tokens, scale)
     )
 
 
@@ -183,10 +200,14 @@ def load_tie_key(score_ms: float, running: int, resolution_ms: float) -> tuple[f
 
 def prefill_ms(stats: ModelStats, input_tokens: int, scale: float = 1.0) -> float:
     """The request's own prefill time; ``scale`` discounts cached tokens but never rescues tps 0."""
+    return prefill_at(stats.last_mean_input_tps, input_tokens, scale)
+
+
+def prefill_at(tps: float, input_tokens: int, scale: float = 1.0) -> float:
+    """``prefill_ms`` at a given rate (an unusable one makes any prompt infinite)."""
     if input_tokens == 0:
         return 0.0
-    tps = usable_tps(stats)
-    if tps <= 0.0:
+    if not valid_tps(tps):
         return INF
     return input_tokens * scale * 1000.0 / tps
 

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import random
 
-from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
+from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem, check_prefill_rate
 from stargate.balancer.comparators import score_for
 from stargate.balancer.config_schema import PowerOfNFields
 from stargate.balancer.estimates import load_running, load_tie_key
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator
+from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, PrefillRate
 from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected
 
 
 class PowerOfN:
     def __init__(self, definition: AlgorithmDefinition) -> None:
         self.definition = definition
-        self._score = score_for(definition.comparator, definition.load_aware)
+        measured = definition.prefill_rate is PrefillRate.MEASURED
+        self._score = score_for(definition.comparator, definition.load_aware, measured)
         self._k = definition.sample_count
         self._load_aware = definition.load_aware
         # Only the millisecond scores have a resolution below which differences are noise.
@@ -97,7 +98,7 @@ def _check(definition: AlgorithmDefinition) -> Problem | None:
     count = definition.sample_count
     if not 1 <= count <= 64:
         return "sample_count", f"power-of-n sample_count must be between 1 and 64, got {count}"
-    return None
+    return check_prefill_rate(definition)
 
 
 SPEC = AlgorithmSpec(

@@ -40,6 +40,13 @@ class PrefillEstimate(StrEnum):
     GROWTH = "growth"  # what the prompt grew by since the key's last request there
 
 
+class PrefillRate(StrEnum):
+    """Which prefill throughput the load-aware estimates divide by."""
+
+    PUBLISHED = "published"  # Pylon's ``last_mean_input_tps`` (the original's only input)
+    MEASURED = "measured"  # this router's measure of the cluster, once it has one
+
+
 class Comparator(StrEnum):
     TTFT = "ttft"
     QUEUE_TIME = "queue-time"
@@ -77,6 +84,7 @@ class AlgorithmDefinition:
     cache_affinity_input_tokens_scale: float = 1.0
     # load-aware routing (power-of-n, wait-and-widen): not in the original, off by default
     load_aware: bool = False
+    prefill_rate: PrefillRate = PrefillRate.PUBLISHED
     cache_affinity_yield_margin_ms: int | None = None  # None: hold the affinity group until X
     cache_affinity_placement: Placement = Placement.RING
     cache_affinity_prefill: PrefillEstimate = PrefillEstimate.SCALE

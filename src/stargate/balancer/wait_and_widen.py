@@ -18,16 +18,24 @@ import random
 from collections.abc import Sequence
 from enum import Enum
 
-from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem
+from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem, check_prefill_rate
 from stargate.balancer.comparators import score_for
 from stargate.balancer.config_schema import WaitAndWidenFields
 from stargate.balancer.estimates import (
     INF,
     load_queue_and_running,
     load_tie_key,
+    load_tps,
     queue_ms,
 )
-from stargate.balancer.settings import Algorithm, AlgorithmDefinition, Comparator, Placement, PrefillEstimate
+from stargate.balancer.settings import (
+    Algorithm,
+    AlgorithmDefinition,
+    Comparator,
+    Placement,
+    PrefillEstimate,
+    PrefillRate,
+)
 from stargate.balancer.types import (
     UNAVAILABLE,
     AffinityRoute,
@@ -77,7 +85,8 @@ class WawSelector:
     def __init__(self, definition: AlgorithmDefinition, ranking: Ranking) -> None:
         self._ranking = ranking
         self._load_aware = definition.load_aware
-        self._plain = score_for(definition.comparator, definition.load_aware)
+        self._measured = definition.load_aware and definition.prefill_rate is PrefillRate.MEASURED
+        self._plain = score_for(definition.comparator, definition.load_aware, self._measured)
         # Load-aware ranks within this many ms tie (then fewer running wins); 0 for unit-less scores.
         self._resolution = 0.0 if ranking is Ranking.PLAIN else float(definition.ttft_bucket_size_ms)
         self._bucket = float(definition.ttft_bucket_size_ms)
@@ -123,7 +132,7 @@ class WawSelector:
         entries: list[_Entry] = []
         low, high, all_finite = INF, -INF, True
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
-        load_aware = self._load_aware
+        load_aware, measured = self._load_aware, self._measured
         for index, candidate in pairs:
             cluster_id = candidate.cluster_id
             if excluded and cluster_id in excluded:
@@ -133,17 +142,15 @@ class WawSelector:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
-                queue, running = load_queue_and_running(candidate, priority)
+                queue, running = load_queue_and_running(candidate, priority, measured)
+                tps = load_tps(candidate, measured)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
                     continue
                 running = stats.num_running_queries
-            if tokens == 0:
-                prefill = 0.0
-            else:
                 tps = stats.last_mean_input_tps
-                prefill = tokens * ms_per_token / tps if 0.0 < tps < INF else INF
+            prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
             rtt = candidate.rtt_s * 1000.0
             bucket_ttft = rtt
             if not ignore_queue:
@@ -218,7 +225,7 @@ class WawSelector:
         with ``free_slot_only`` among those below their slot limit; the prefill is written flat: the
         yield check runs this per candidate of every keyed decision."""
         priority, tokens, excluded = request.priority, request.input_tokens, request.excluded
-        load_aware = self._load_aware
+        load_aware, measured = self._load_aware, self._measured
         ms_per_token = scale * 1000.0
         best = INF
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
@@ -229,13 +236,14 @@ class WawSelector:
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
             if load_aware:
-                queue, running = load_queue_and_running(candidate, priority)
+                queue, running = load_queue_and_running(candidate, priority, measured)
+                tps = load_tps(candidate, measured)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
+                tps = stats.last_mean_input_tps
             limit = stats.max_engine_concurrency
             if free_slot_only and not (limit == 0 or running < limit):
                 continue
-            tps = stats.last_mean_input_tps
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
             estimate = candidate.rtt_s * 1000.0 + queue + prefill
             if estimate < best:
@@ -486,6 +494,8 @@ def _check(definition: AlgorithmDefinition) -> Problem | None:
             "cache_affinity_placement \"load\" places a key on one backend: "
             "set cache_affinity_backend_selection_count to 1",
         )
+    if problem := check_prefill_rate(definition):
+        return problem
     if definition.cache_affinity_await_prefill and not definition.selection_count:
         return (
             "cache_affinity_await_prefill",

@@ -9,7 +9,8 @@ by one (``with_reservations``).
 
 from __future__ import annotations
 
-from collections.abc import Set
+import time
+from collections.abc import Callable, Set
 from dataclasses import dataclass, replace
 
 from stargate.balancer import with_reservation, with_reservations
@@ -72,6 +73,53 @@ class Departures:
             queued_input_size=max(0, stats.queued_input_size - self.waiting_tokens),
             total_query_input_size=max(0, stats.total_query_input_size - self.tokens),
         )
+
+
+PREFILL_SAMPLE_S = 1.0
+"""Busy time one prefill-rate sample spans: long enough to hold several first bytes."""
+PREFILL_SMOOTHING = 0.25
+"""Weight of the newest sample in the measured rate (about the last four seconds of prefill)."""
+
+
+@dataclass(slots=True)
+class PrefillMeter:
+    """A cluster's prefill rate as this router sees it: the prompt tokens it expected prefilled
+    (``Reservation.prefill_tokens``) that reached their first byte, per second during which at least
+    one of its requests there was prefilling. Requests prefilling side by side share the time, so
+    this is the engine's rate, not a request's share of it (Pylon's per-request samples are the
+    latter). An engine slower than expected (a missed cache, decode taking the step budget) shows
+    as a lower rate. Only one router's traffic is seen: with replicas sharing an engine it reads low.
+    """
+
+    rate: float = 0.0
+    tokens: int = 0
+    busy_s: float = 0.0
+    busy_since: float | None = None
+
+    def busy(self, now: float) -> None:
+        """The first of this router's requests on the cluster started prefilling."""
+        self.busy_since = now
+
+    def idle(self, now: float) -> None:
+        """The last one reached its first byte or ended."""
+        if self.busy_since is not None:
+            self.busy_s += max(0.0, now - self.busy_since)
+            self.busy_since = None
+
+    def prefilled(self, tokens: int, now: float) -> bool:
+        """One of its requests there reached its first byte; True when that completed a sample."""
+        self.tokens += tokens
+        busy = self.busy_s
+        if self.busy_since is not None:
+            busy += max(0.0, now - self.busy_since)
+            self.busy_since = now
+        self.busy_s = busy
+        if busy < PREFILL_SAMPLE_S or self.tokens <= 0:
+            return False
+        sample = self.tokens / busy
+        self.rate = sample if self.rate <= 0.0 else self.rate + PREFILL_SMOOTHING * (sample - self.rate)
+        self.tokens, self.busy_s = 0, 0.0
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,9 +200,11 @@ class ClusterState:
     __slots__ = (
         "_base",
         "_candidate",
+        "_clock",
         "_counter",
         "_departed",
         "_in_flight",
+        "_meter",
         "_prefilling_keys",
         "_stats",
         "cluster_id",
@@ -166,9 +216,11 @@ class ClusterState:
         "source_id",
     )
 
-    def __init__(self, cluster_id: str, generation: int) -> None:
+    def __init__(self, cluster_id: str, generation: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster_id = cluster_id
         self.generation = generation
+        self._clock = clock
+        self._meter = PrefillMeter()
         self.members: dict[str, Member] = {}
         self.reservations: dict[Reservation, None] = {}
         self.running: dict[Reservation, None] = {}
@@ -196,6 +248,7 @@ class ClusterState:
                 updated_at=base.updated_at,
                 active_backend_count=base.active_backend_count,
                 in_flight=self._in_flight,
+                measured_input_tps=self._meter.rate,
             )
             self._candidate = candidate
         return candidate
@@ -264,6 +317,7 @@ class ClusterState:
         """The attempt's first response byte arrived: its prefill is over, it is decoding now."""
         if reservation not in self.running or not reservation.prefilling:
             return False
+        self._meter.prefilled(reservation.prefill_tokens, self._clock())
         self._count(reservation, -1)
         reservation.prefilling = False
         self._count(reservation, +1)
@@ -321,6 +375,11 @@ class ClusterState:
             current.prefill_tokens + prefill * reservation.prefill_tokens,
             keys,
         )
+        if prefill and (current.prefilling == 0 or current.prefilling + prefill == 0):
+            if prefill > 0:
+                self._meter.busy(self._clock())
+            else:
+                self._meter.idle(self._clock())
         self._candidate = None
 
     def _drop_reservations_of(self, backend_id: str) -> None:

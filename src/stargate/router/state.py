@@ -190,6 +190,7 @@ class RoutingState:
                         "stats": _stats_json(cluster.candidate.stats),
                         "rtt_ms": round(cluster.candidate.rtt_s * 1000.0, 3),
                         "pending_reservations": len(cluster.reservations),
+                        "measured_input_tps": round(cluster.candidate.measured_input_tps, 1),
                         "in_flight": {
                             "requests": cluster.candidate.in_flight.requests,
                             "prefilling": cluster.candidate.in_flight.prefilling,
@@ -367,7 +368,7 @@ class RoutingState:
         generation = self._cluster_generations[(handle.routing_key, cluster_id)].generation
         cluster = state.clusters.get(cluster_id)
         if cluster is None or cluster.generation != generation:
-            cluster = state.clusters[cluster_id] = ClusterState(cluster_id, generation)
+            cluster = state.clusters[cluster_id] = ClusterState(cluster_id, generation, self._clock)
         joined = member.backend.inference_server_id not in cluster.members
         cluster.upsert(member)
         state.rebuild(target, membership_changed=joined)

@@ -27,7 +27,7 @@ from stargate.balancer.estimates import (
     load_tie_key,
     load_ttft_ms,
 )
-from stargate.balancer.settings import Placement, PrefillEstimate
+from stargate.balancer.settings import Placement, PrefillEstimate, PrefillRate
 from stargate.balancer.types import AffinityRoute, InFlight, Wait
 from stargate.balancer.wait_and_widen import Ranking, WawSelector
 from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, AffinityGroups
@@ -562,23 +562,29 @@ def test_growth_needs_a_group_of_one_and_a_known_value() -> None:
     ),
     tokens=st.integers(0, 20_000),
     scale=st.sampled_from([0.0, 0.2, 1.0]),
+    measured=st.sampled_from([0.0, 250.0, 4000.0]),
 )
 def test_the_flat_best_estimate_of_the_yield_check_is_the_load_ttft_estimate(
-    stats: list[tuple[int, int, int, int]], tokens: int, scale: float
+    stats: list[tuple[int, int, int, int]], tokens: int, scale: float, measured: float
 ) -> None:
     candidates = tuple(
-        with_in_flight(
-            make_candidate(f"c{i}", tps=1000.0, queued=queued, running=running, max_concurrency=limit),
-            running,
-            min(running, 1),
-            own_tokens,
+        _measured(
+            with_in_flight(
+                make_candidate(f"c{i}", tps=1000.0, queued=queued, running=running, max_concurrency=limit),
+                running,
+                min(running, 1),
+                own_tokens,
+            ),
+            measured * (i + 1),
         )
         for i, (queued, running, limit, own_tokens) in enumerate(stats)
     )
-    selector = WawSelector(waw(load_aware=True), Ranking.TTFT)
+    rate = PrefillRate.MEASURED if measured else PrefillRate.PUBLISHED
+    selector = WawSelector(waw(load_aware=True, prefill_rate=rate), Ranking.TTFT)
     request = make_request(input_tokens=tokens)
     best = selector.best_ttft(candidates, None, request, scale, None, free_slot_only=False)
-    assert best == pytest.approx(min(load_ttft_ms(c, tokens, 0, scale) for c in candidates))
+    expected = min(load_ttft_ms(c, tokens, 0, scale, measured=bool(measured)) for c in candidates)
+    assert best == pytest.approx(expected)
 
 
 # ---- replicas learn each other's routes from Pylon --------------------------------------------------
@@ -703,3 +709,72 @@ def test_await_prefill_needs_an_affinity_group() -> None:
         {"models": {"m": {**model, "cache_affinity_backend_selection_count": 1}}}
     ).resolve("m", None)
     assert definition.cache_affinity_await_prefill
+
+
+# ---- the measured prefill rate (``prefill_rate: measured``) --------------------------------------------
+
+
+def _measured(candidate: Candidate, tps: float) -> Candidate:
+    return dataclasses.replace(candidate, measured_input_tps=tps)
+
+
+def _pinned_low() -> tuple[Candidate, Candidate]:
+    """Both publish 100 tok/s. "a" has 2000 tokens prefilling and measures 10 000 tok/s (0.2 s of
+    work); "b" has 500 and measures 1000 tok/s (0.5 s)."""
+    a = _measured(with_in_flight(make_candidate("a", tps=100.0, max_concurrency=8), 2, 2, 2000), 10_000.0)
+    b = _measured(with_in_flight(make_candidate("b", tps=100.0, max_concurrency=8), 1, 1, 500), 1000.0)
+    return a, b
+
+
+def test_the_measured_rate_divides_the_load_aware_estimates_once_there_is_one() -> None:
+    a, _ = _pinned_low()
+    assert load_queue_ms(a, 0) == 20_000.0  # published: 2000 tokens at 100 tok/s
+    assert load_queue_ms(a, 0, measured=True) == 200.0
+    assert load_ttft_ms(a, 1000, 0, 0.5, measured=True) == pytest.approx(1.0 + 200.0 + 50.0)
+    unmeasured = _measured(a, 0.0)
+    assert load_queue_ms(unmeasured, 0, measured=True) == 20_000.0  # none yet: the published mean
+    assert load_ttft_score(a, 0, 1000) == load_ttft_ms(a, 1000, 0)
+
+
+@pytest.mark.parametrize("algorithm", ["power-of-n", "wait-and-widen"])
+def test_a_measured_rate_ranks_the_work_in_progress_at_the_engines_real_speed(algorithm: str) -> None:
+    candidates = _pinned_low()
+    fields = {"algorithm": algorithm, "load_aware": True, "n": 2, "sample_count": 2}
+    if algorithm == "power-of-n":
+        del fields["n"]
+    else:
+        del fields["sample_count"]
+    published = build_policy(parse_lb_config({"models": {"m": fields}}).resolve("m", None))
+    measured = build_policy(
+        parse_lb_config({"models": {"m": {**fields, "prefill_rate": "measured"}}}).resolve("m", None)
+    )
+    request = make_request(input_tokens=100)
+    for seed in range(20):
+        assert chosen_id(candidates, published.decide(candidates, request, rng(seed))) == "b"
+        assert chosen_id(candidates, measured.decide(candidates, request, rng(seed))) == "a"
+
+
+def test_the_measured_rate_leaves_admission_and_the_free_slot_rule_alone() -> None:
+    full = _measured(make_candidate("a", tps=100.0, queued=1000, running=8, max_concurrency=8), 10_000.0)
+    assert effective_queue_ms(full.stats, 0) == 10_000  # the header Pylon checks: its own rate
+
+
+def test_prefill_rate_needs_load_aware_and_a_known_value() -> None:
+    with pytest.raises(ConfigError, match="set load_aware to true"):
+        parse_lb_config({"models": {"m": {"algorithm": "wait-and-widen", "prefill_rate": "measured"}}})
+    with pytest.raises(ConfigError, match="expected one of: published, measured"):
+        parse_lb_config({"models": {"m": {"algorithm": "power-of-n", "load_aware": True, "prefill_rate": 1}}})
+    with pytest.raises(ConfigError, match="does not support"):
+        parse_lb_config({"models": {"m": {"algorithm": "pulsar", "prefill_rate": "measured"}}})
+    definition = parse_lb_config(
+        {"models": {"m": {"algorithm": "power-of-n", "load_aware": True, "prefill_rate": "measured"}}}
+    ).resolve("m", None)
+    assert definition.prefill_rate is PrefillRate.MEASURED
+
+
+def test_at_the_slot_limit_the_spec_estimate_is_converted_to_the_measured_rate() -> None:
+    """Pylon's priority map is its queued work timed at its published rate (100 tok/s here)."""
+    full = make_candidate("a", tps=100.0, queued=1000, running=8, max_concurrency=8, queue_map={0: 10_000})
+    assert load_queue_ms(full, 0) == 10_000.0
+    assert load_queue_ms(_measured(full, 10_000.0), 0, measured=True) == 100.0
+    assert load_queue_ms(_measured(full, 0.0), 0, measured=True) == 10_000.0

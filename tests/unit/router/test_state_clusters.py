@@ -330,6 +330,31 @@ def test_in_flight_names_the_keys_still_prefilling_until_their_last_first_byte()
     assert only_candidate(state).in_flight.prefilling_keys == frozenset()
 
 
+def test_measured_prefill_rate_is_tokens_per_second_of_time_something_prefilled() -> None:
+    """Two prompts prefilling side by side share the time: the rate is the engine's, not a share."""
+    state, clock = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    assert only_candidate(state).measured_input_tps == 0.0  # nothing measured yet
+    first = state.reserve(T, "a", 3000, 0)
+    second = state.reserve(T, "a", 1000, 0)
+    clock.now += 0.5
+    state.first_byte(second)  # 1000 tokens in 0.5 s of busy time: short of a sample
+    assert only_candidate(state).measured_input_tps == 0.0
+    clock.now += 0.5
+    state.first_byte(first)  # 4000 tokens in 1.0 s
+    assert only_candidate(state).measured_input_tps == 4000.0
+    clock.now += 10.0  # idle: no prefill in flight, no time counted
+    third = state.reserve(T, "a", 1000, 0)
+    clock.now += 0.25
+    state.finish(third)  # ended before its first byte: its time counts, no tokens
+    fourth = state.reserve(T, "a", 500, 0, prefill_tokens=250)  # expected half cached
+    clock.now += 0.75
+    state.first_byte(fourth)  # 250 tokens in 1.0 s: sample 250, smoothed
+    assert only_candidate(state).measured_input_tps == 4000.0 + 0.25 * (250.0 - 4000.0)
+    assert only_candidate(state).stats.last_mean_input_tps == 100.0  # the published mean is kept
+
+
 def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:
     state, _ = make_state()
     a = join(state, "a")
