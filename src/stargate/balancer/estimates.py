@@ -116,14 +116,21 @@ def raw_queue_ms(stats: ModelStats, priority: int) -> float:
 
 
 def load_tps(candidate: Candidate, measured: bool) -> float:
-    """The prefill rate the load-aware estimates divide by: with ``measured`` the router's own
-    measure once it has one, else the published mean (pinned, bootstrapped, or a mean of per-request
-    samples that each saw only a share of an engine prefilling several prompts at once)."""
+    """The prefill rate the load-aware estimates divide by: with ``measured`` the larger of the
+    router's own measure and the published mean, else the published mean.
+
+    Both read low, for different reasons. The published mean is per-request samples, each a share
+    of an engine that prefills several prompts at once (or a pinned, bootstrapped value). The
+    router's measure counts the work it expected: a prompt the engine had to prefill again because
+    its cache lost it reads as a slower engine, and so does the time another router's requests
+    took. A low reading of the latter would make a missed cache look like load and drive keys off
+    their caches; the larger of two low estimates is the closer one."""
+    published = candidate.stats.last_mean_input_tps
     if measured:
         rate = candidate.measured_input_tps
-        if rate > 0.0:
+        if rate > published:
             return rate
-    return candidate.stats.last_mean_input_tps
+    return published
 
 
 def load_running(candidate: Candidate) -> int:

@@ -726,13 +726,15 @@ def _pinned_low() -> tuple[Candidate, Candidate]:
     return a, b
 
 
-def test_the_measured_rate_divides_the_load_aware_estimates_once_there_is_one() -> None:
+def test_a_measured_rate_above_the_published_one_divides_the_load_aware_estimates() -> None:
     a, _ = _pinned_low()
     assert load_queue_ms(a, 0) == 20_000.0  # published: 2000 tokens at 100 tok/s
     assert load_queue_ms(a, 0, measured=True) == 200.0
     assert load_ttft_ms(a, 1000, 0, 0.5, measured=True) == pytest.approx(1.0 + 200.0 + 50.0)
     unmeasured = _measured(a, 0.0)
     assert load_queue_ms(unmeasured, 0, measured=True) == 20_000.0  # none yet: the published mean
+    # Below the published mean the measure is not used: both read low, the larger is the closer.
+    assert load_queue_ms(_measured(a, 50.0), 0, measured=True) == 20_000.0
     assert load_ttft_score(a, 0, 1000) == load_ttft_ms(a, 1000, 0)
 
 
