@@ -9,7 +9,7 @@ import orjson
 
 from stargate.bench.cli import main
 from stargate.bench.fuzz import CATEGORIES, categories, count_tracebacks
-from stargate.pylon.stats.aggregate import MAX_PLAUSIBLE_TPS
+from stargate.wire.limits import MAX_PLAUSIBLE_TPS
 
 
 def test_fuzz_command_reports_every_category_and_the_fleet_survives(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ The load-aware estimates (lb-config ``load_aware``) rank with the work in progre
 the published stats with the router's own in-flight count (``Candidate.in_flight``); the free-slot
 rule stays the rule for admission, the queue-SLO filter and the expected-queue header. With
 ``prefill_rate: measured`` they divide by the router's own measure of the cluster's prefill rate
-(``Candidate.measured_input_tps``) instead of the published mean; admission and the header keep the
-published one, which is what Pylon checks against.
+(``Candidate.measured_input_tps``) where it is above the published mean; admission and the header
+keep the published one, which is what Pylon checks against.
 """
 
 from __future__ import annotations

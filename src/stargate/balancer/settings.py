@@ -44,7 +44,7 @@ class PrefillRate(StrEnum):
     """Which prefill throughput the load-aware estimates divide by."""
 
     PUBLISHED = "published"  # Pylon's ``last_mean_input_tps`` (the original's only input)
-    MEASURED = "measured"  # this router's measure of the cluster, once it has one
+    MEASURED = "measured"  # the larger of that and this router's own measure of the cluster
 
 
 class Comparator(StrEnum):

@@ -41,7 +41,7 @@ from stargate.bench.schema import parse_scenario
 from stargate.bench.suite import markdown_table
 from stargate.flags import FlagSet, positive_int
 from stargate.proto import stargate_pb2_grpc
-from stargate.pylon.stats.aggregate import MAX_PLAUSIBLE_TPS
+from stargate.wire.limits import MAX_PLAUSIBLE_TPS
 
 MODEL = "fuzz-model"
 CATEGORIES = {"headers": 0.4, "bodies": 0.35, "framing": 0.15, "grpc": 0.1}

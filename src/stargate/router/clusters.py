@@ -9,13 +9,15 @@ by one (``with_reservations``).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Set
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from stargate.balancer import with_reservation, with_reservations
 from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
-from stargate.wire.limits import sat_u64
+from stargate.wire.limits import MAX_PLAUSIBLE_TOKENS, MAX_PLAUSIBLE_TPS, sat_u64
 from stargate.wire.proto import CACHED_PROMPT_WORK
 
 MAX_RESERVATIONS_PER_CLUSTER = 65_536
@@ -77,8 +79,9 @@ class Departures:
 
 PREFILL_SAMPLE_S = 1.0
 """Busy time one prefill-rate sample spans: long enough to hold several first bytes."""
-PREFILL_SMOOTHING = 0.25
-"""Weight of the newest sample in the measured rate (about the last four seconds of prefill)."""
+PREFILL_SAMPLES = 5
+"""The measured rate is the lower median of this many latest samples (about the last five seconds of
+prefill): one request that claimed an absurd prompt cannot move it, nor can one stalled second."""
 
 
 @dataclass(slots=True)
@@ -87,14 +90,17 @@ class PrefillMeter:
     (``Reservation.prefill_tokens``) that reached their first byte, per second during which at least
     one of its requests there was prefilling. Requests prefilling side by side share the time, so
     this is the engine's rate, not a request's share of it (Pylon's per-request samples are the
-    latter). An engine slower than expected (a missed cache, decode taking the step budget) shows
-    as a lower rate. Only one router's traffic is seen: with replicas sharing an engine it reads low.
+    latter). It reads low when the engine did more than expected (a missed cache) and with other
+    routers' requests sharing the engine; ``estimates.load_tps`` takes it only above the published
+    rate. Claims beyond ``MAX_PLAUSIBLE_TOKENS`` and samples beyond ``MAX_PLAUSIBLE_TPS`` are not
+    counted, as in Pylon.
     """
 
     rate: float = 0.0
     tokens: int = 0
     busy_s: float = 0.0
     busy_since: float | None = None
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_SAMPLES))
 
     def busy(self, now: float) -> None:
         """The first of this router's requests on the cluster started prefilling."""
@@ -106,20 +112,21 @@ class PrefillMeter:
             self.busy_s += max(0.0, now - self.busy_since)
             self.busy_since = None
 
-    def prefilled(self, tokens: int, now: float) -> bool:
-        """One of its requests there reached its first byte; True when that completed a sample."""
-        self.tokens += tokens
-        busy = self.busy_s
+    def prefilled(self, tokens: int, now: float) -> None:
+        """One of its requests there reached its first byte."""
+        if tokens <= MAX_PLAUSIBLE_TOKENS:
+            self.tokens += tokens
         if self.busy_since is not None:
-            busy += max(0.0, now - self.busy_since)
+            self.busy_s += max(0.0, now - self.busy_since)
             self.busy_since = now
-        self.busy_s = busy
+        busy = self.busy_s
         if busy < PREFILL_SAMPLE_S or self.tokens <= 0:
-            return False
+            return
         sample = self.tokens / busy
-        self.rate = sample if self.rate <= 0.0 else self.rate + PREFILL_SMOOTHING * (sample - self.rate)
         self.tokens, self.busy_s = 0, 0.0
-        return True
+        if sample <= MAX_PLAUSIBLE_TPS:
+            self.samples.append(sample)
+            self.rate = statistics.median_low(self.samples)
 
 
 @dataclass(frozen=True, slots=True)

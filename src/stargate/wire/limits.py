@@ -14,6 +14,11 @@ I31_MAX = 2**31 - 1
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """The largest request body a hop holds: Stargate's replay buffer (default), Pylon's read limit, the
 mock engine's (default). A body Stargate may replay must also fit through Pylon."""
+MAX_PLAUSIBLE_TOKENS = 1 << 24
+"""16 777 216 prompt tokens: above every model's context window. A throughput sample counting more
+came from a client's claim or a faulty counter, not from an engine (Pylon's and Stargate's rates)."""
+MAX_PLAUSIBLE_TPS = 1e8
+"""Tokens per second of one engine, prefix-cache hits included; a faster sample is discarded."""
 
 
 def sat_u64(value: int) -> int:

@@ -8,9 +8,9 @@ import pytest
 from stargate.pylon.load import U64_MAX, Phase
 from stargate.pylon.observer import SseScanner
 from stargate.pylon.registration import stats_to_proto
-from stargate.pylon.stats.aggregate import MAX_PLAUSIBLE_TOKENS
 from stargate.pylon.stats.ndjson import StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
+from stargate.wire.limits import MAX_PLAUSIBLE_TOKENS
 
 from .helpers import Rig, make_rig
 

@@ -350,9 +350,28 @@ def test_measured_prefill_rate_is_tokens_per_second_of_time_something_prefilled(
     state.finish(third)  # ended before its first byte: its time counts, no tokens
     fourth = state.reserve(T, "a", 500, 0, prefill_tokens=250)  # expected half cached
     clock.now += 0.75
-    state.first_byte(fourth)  # 250 tokens in 1.0 s: sample 250, smoothed
-    assert only_candidate(state).measured_input_tps == 4000.0 + 0.25 * (250.0 - 4000.0)
+    state.first_byte(fourth)  # 250 tokens in 1.0 s: samples 4000 and 250, the lower median
+    assert only_candidate(state).measured_input_tps == 250.0
     assert only_candidate(state).stats.last_mean_input_tps == 100.0  # the published mean is kept
+
+
+def test_one_absurd_claim_does_not_move_the_measured_rate() -> None:
+    state, clock = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+
+    def sample(tokens: int) -> None:
+        reservation = state.reserve(T, "a", tokens, 0)
+        clock.now += 1.0
+        state.first_byte(reservation)
+        state.finish(reservation)
+
+    sample(2000)
+    sample(2000)
+    sample(10_000_000)  # 10^7 tok/s: a claim no prompt of a real request makes in one second
+    assert only_candidate(state).measured_input_tps == 2000.0  # the median of three
+    sample(1 << 25)  # past every context window: not counted at all
+    assert only_candidate(state).measured_input_tps == 2000.0
 
 
 def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:

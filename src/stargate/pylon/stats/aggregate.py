@@ -21,12 +21,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from stargate.wire.limits import MAX_PLAUSIBLE_TOKENS, MAX_PLAUSIBLE_TPS
+
 DURATION_FLOOR_S = 0.010
 OUTPUT_WINDOW = 8
 READY_SAMPLES = 5
 OUTPUT_TTL_S = 30.0
-MAX_PLAUSIBLE_TOKENS = 1 << 24  # 16 777 216: above every model's context window
-MAX_PLAUSIBLE_TPS = 1e8  # tokens/s of one engine; prefix-cache hits included
 
 CAP_CHUNK_USAGE = "request.output.chunk_usage"
 CAP_ENGINE_STREAM = "model.throughput.engine_stream"
