@@ -103,8 +103,8 @@ class Candidate:
     active_backend_count: int = 1
     in_flight: InFlight = NO_IN_FLIGHT
     measured_input_tps: float = 0.0
-    """The cluster's prefill rate as this router measured it (0: not yet): prompt tokens that reached
-    their first byte per second during which one of its requests there was prefilling."""
+    """The cluster's prefill rate as this router measured it (0: not yet), from its requests expected
+    to prefill their whole prompt (``router.clusters.PrefillMeter``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,34 +86,40 @@ prefill): one request that claimed an absurd prompt cannot move it, nor can one 
 
 @dataclass(slots=True)
 class PrefillMeter:
-    """A cluster's prefill rate as this router sees it: the prompt tokens it expected prefilled
-    (``Reservation.prefill_tokens``) that reached their first byte, per second during which at least
-    one of its requests there was prefilling. Requests prefilling side by side share the time, so
-    this is the engine's rate, not a request's share of it (Pylon's per-request samples are the
-    latter). It reads low when the engine did more than expected (a missed cache) and with other
-    routers' requests sharing the engine; ``estimates.load_tps`` takes it only above the published
-    rate. Claims beyond ``MAX_PLAUSIBLE_TOKENS`` and samples beyond ``MAX_PLAUSIBLE_TPS`` are not
-    counted, as in Pylon.
+    """A cluster's prefill rate as this router sees it, from the requests it sent expecting their
+    whole prompt prefilled (no cached prefix): their prompt tokens that reached their first byte,
+    per second during which at least one of them was prefilling there. Requests side by side share
+    the time, so this is the engine's rate rather than one request's share of it (Pylon's
+    per-request samples are the latter). Requests expected to hit a cache are left out: counting
+    their expected work, an engine that served more hits than expected measured faster than it is,
+    drew more requests and measured faster still. It reads low while other work shares the engine
+    (requests with cached prefixes, other routers' requests); ``estimates.load_tps`` takes it only
+    above the published rate. Claims beyond ``MAX_PLAUSIBLE_TOKENS`` and samples beyond
+    ``MAX_PLAUSIBLE_TPS`` are not counted, as in Pylon.
     """
 
     rate: float = 0.0
     tokens: int = 0
     busy_s: float = 0.0
     busy_since: float | None = None
+    prefilling: int = 0
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_SAMPLES))
 
-    def busy(self, now: float) -> None:
-        """The first of this router's requests on the cluster started prefilling."""
-        self.busy_since = now
+    def started(self, now: float) -> None:
+        """A measured request started prefilling."""
+        self.prefilling += 1
+        if self.prefilling == 1:
+            self.busy_since = now
 
-    def idle(self, now: float) -> None:
-        """The last one reached its first byte or ended."""
-        if self.busy_since is not None:
+    def ended(self, now: float) -> None:
+        """A measured request reached its first byte (after ``prefilled``) or ended before it."""
+        self.prefilling -= 1
+        if self.prefilling == 0 and self.busy_since is not None:
             self.busy_s += max(0.0, now - self.busy_since)
             self.busy_since = None
 
     def prefilled(self, tokens: int, now: float) -> None:
-        """One of its requests there reached its first byte."""
+        """A measured request reached its first byte."""
         if tokens <= MAX_PLAUSIBLE_TOKENS:
             self.tokens += tokens
         if self.busy_since is not None:
@@ -127,6 +133,11 @@ class PrefillMeter:
         if sample <= MAX_PLAUSIBLE_TPS:
             self.samples.append(sample)
             self.rate = statistics.median_low(self.samples)
+
+
+def _measured(reservation: Reservation) -> bool:
+    """The prefill meter's requests: a prompt the decision expected prefilled whole."""
+    return 0 < reservation.input_tokens == reservation.prefill_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +335,8 @@ class ClusterState:
         """The attempt's first response byte arrived: its prefill is over, it is decoding now."""
         if reservation not in self.running or not reservation.prefilling:
             return False
-        self._meter.prefilled(reservation.prefill_tokens, self._clock())
+        if _measured(reservation):
+            self._meter.prefilled(reservation.input_tokens, self._clock())
         self._count(reservation, -1)
         reservation.prefilling = False
         self._count(reservation, +1)
@@ -382,11 +394,11 @@ class ClusterState:
             current.prefill_tokens + prefill * reservation.prefill_tokens,
             keys,
         )
-        if prefill and (current.prefilling == 0 or current.prefilling + prefill == 0):
+        if prefill and _measured(reservation):
             if prefill > 0:
-                self._meter.busy(self._clock())
+                self._meter.started(self._clock())
             else:
-                self._meter.idle(self._clock())
+                self._meter.ended(self._clock())
         self._candidate = None
 
     def _drop_reservations_of(self, backend_id: str) -> None:

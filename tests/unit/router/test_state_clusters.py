@@ -330,7 +330,7 @@ def test_in_flight_names_the_keys_still_prefilling_until_their_last_first_byte()
     assert only_candidate(state).in_flight.prefilling_keys == frozenset()
 
 
-def test_measured_prefill_rate_is_tokens_per_second_of_time_something_prefilled() -> None:
+def test_measured_prefill_rate_is_tokens_per_second_of_time_a_whole_prompt_prefilled() -> None:
     """Two prompts prefilling side by side share the time: the rate is the engine's, not a share."""
     state, clock = make_state()
     a = join(state, "a")
@@ -345,13 +345,16 @@ def test_measured_prefill_rate_is_tokens_per_second_of_time_something_prefilled(
     state.first_byte(first)  # 4000 tokens in 1.0 s
     assert only_candidate(state).measured_input_tps == 4000.0
     clock.now += 10.0  # idle: no prefill in flight, no time counted
+    cached = state.reserve(T, "a", 5000, 0, prefill_tokens=100)  # expected mostly cached: not measured
+    clock.now += 0.5
+    state.first_byte(cached)
     third = state.reserve(T, "a", 1000, 0)
     clock.now += 0.25
     state.finish(third)  # ended before its first byte: its time counts, no tokens
-    fourth = state.reserve(T, "a", 500, 0, prefill_tokens=250)  # expected half cached
+    fourth = state.reserve(T, "a", 500, 0)
     clock.now += 0.75
-    state.first_byte(fourth)  # 250 tokens in 1.0 s: samples 4000 and 250, the lower median
-    assert only_candidate(state).measured_input_tps == 250.0
+    state.first_byte(fourth)  # 500 tokens in 1.0 s: samples 4000 and 500, the lower median
+    assert only_candidate(state).measured_input_tps == 500.0
     assert only_candidate(state).stats.last_mean_input_tps == 100.0  # the published mean is kept
 
 
