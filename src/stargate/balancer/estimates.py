@@ -159,12 +159,14 @@ def load_queue_ms(candidate: Candidate, priority: int, measured: bool = False) -
     estimate (which may come from the engine's priority map) also applies; the larger wins. At a
     measured rate that estimate, time at the published rate, is converted to the measured one.
     """
-    return load_queue_and_running(candidate, priority, measured)[0]
+    return load_queue_running_rate(candidate, priority, measured)[0]
 
 
-def load_queue_and_running(candidate: Candidate, priority: int, measured: bool = False) -> tuple[float, int]:
-    """``load_queue_ms`` and ``load_running`` in one flat pass (``load_backlog`` inlined):
-    wait-and-widen needs both for every candidate of every decision."""
+def load_queue_running_rate(
+    candidate: Candidate, priority: int, measured: bool = False
+) -> tuple[float, int, float]:
+    """``load_queue_ms``, ``load_running`` and ``load_tps`` in one flat pass (``load_backlog``
+    inlined): wait-and-widen needs all three for every candidate of every decision."""
     stats = candidate.stats
     own = candidate.in_flight
     running = stats.num_running_queries
@@ -183,7 +185,7 @@ def load_queue_and_running(candidate: Candidate, priority: int, measured: bool =
             spec *= published / tps  # Pylon's estimate is time at the published rate
         if spec > queue:
             queue = spec
-    return queue, running
+    return queue, running, tps
 
 
 def load_ttft_ms(

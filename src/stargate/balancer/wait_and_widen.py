@@ -23,9 +23,8 @@ from stargate.balancer.comparators import score_for
 from stargate.balancer.config_schema import WaitAndWidenFields
 from stargate.balancer.estimates import (
     INF,
-    load_queue_and_running,
+    load_queue_running_rate,
     load_tie_key,
-    load_tps,
     queue_ms,
 )
 from stargate.balancer.settings import (
@@ -85,7 +84,7 @@ class WawSelector:
     def __init__(self, definition: AlgorithmDefinition, ranking: Ranking) -> None:
         self._ranking = ranking
         self._load_aware = definition.load_aware
-        self._measured = definition.load_aware and definition.prefill_rate is PrefillRate.MEASURED
+        self._measured = definition.prefill_rate is PrefillRate.MEASURED
         self._plain = score_for(definition.comparator, definition.load_aware, self._measured)
         # Load-aware ranks within this many ms tie (then fewer running wins); 0 for unit-less scores.
         self._resolution = 0.0 if ranking is Ranking.PLAIN else float(definition.ttft_bucket_size_ms)
@@ -142,8 +141,7 @@ class WawSelector:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
-                queue, running = load_queue_and_running(candidate, priority, measured)
-                tps = load_tps(candidate, measured)
+                queue, running, tps = load_queue_running_rate(candidate, priority, measured)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
@@ -236,8 +234,7 @@ class WawSelector:
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
             if load_aware:
-                queue, running = load_queue_and_running(candidate, priority, measured)
-                tps = load_tps(candidate, measured)
+                queue, running, tps = load_queue_running_rate(candidate, priority, measured)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
                 tps = stats.last_mean_input_tps
