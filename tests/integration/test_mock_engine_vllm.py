@@ -78,3 +78,37 @@ async def test_vllm_mode_reports_waiting_and_reuses_the_prefix_cache() -> None:
         await runner.cleanup()
     # the second request was admitted (its start event) only once the first produced its last token
     assert events.index(("second", 0, None)) > events.index(("first", 4, None))
+
+
+async def test_a_request_admitted_during_a_long_prefill_reuses_the_chunks_scheduled_so_far() -> None:
+    # 32-token steps at 60 tokens/s: the shared prompt takes several 0.53 s steps, so the second
+    # request is admitted while the first is still prefilling, and finds the blocks of its chunks.
+    timing = TimingConfig(
+        num_tokens=1,
+        token_delay_ms=1.0,
+        prefill_tokens_per_s=60.0,
+        batching="vllm",
+        max_num_batched_tokens=32,
+    )
+    engine = Engine(EngineConfig(timing=timing, kv_cache_capacity_tokens=10000, kv_cache_mode="prefix"))
+    runner, url = await start_server(engine, "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+            body, headers = chat("first")
+            first = asyncio.create_task(
+                session.post(url + "/v1/chat/completions", json=body, headers=headers)
+            )
+
+            async def admitted() -> bool:
+                return await gauge(session, url, "vllm:num_requests_running") == 1.0
+
+            await until("the first request prefilling", admitted)
+            body, headers = chat("second")
+            second = await session.post(url + "/v1/chat/completions", json=body, headers=headers)
+            await second.read()
+            await (await first).read()
+    finally:
+        await runner.cleanup()
+    reused = int(second.headers["x-kv-cache-reused-input-tokens"])
+    total = int(second.headers["x-mock-input-tokens"])
+    assert 32 <= reused < total  # at least the first chunk, not the chunks scheduled after it

@@ -221,10 +221,13 @@ class Engine:
         """Requests computing their prompt right now."""
         return self.steps.prefilling if self.steps is not None else self._prefilling
 
-    async def enter(self, admit: Callable[[], int], *, immediate: bool) -> Seat:
-        """Queue for a seat; raises :class:`QueueFull`. ``immediate``: no first-token delay."""
+    async def enter(
+        self, admit: Callable[[], int], *, immediate: bool, scheduled: Callable[[int], None] | None = None
+    ) -> Seat:
+        """Queue for a seat; raises :class:`QueueFull`. ``immediate``: no first-token delay;
+        ``scheduled``: vllm mode's per-chunk callback (:class:`StepScheduler`)."""
         if self.steps is not None:
-            return self.steps.submit(admit, immediate)
+            return self.steps.submit(admit, immediate, scheduled)
         await self.slots.acquire()
         return SlotSeat(admit)
 

@@ -23,7 +23,7 @@ from . import openai_format as fmt
 from . import tokens as tok
 from .control import Failure, request_class
 from .engine import Engine, Seat
-from .kv_cache import Eviction, Lookup
+from .kv_cache import NO_EVICTION, Eviction, Lookup
 from .request_log import RequestRecord
 from .scheduler import Decode
 from .steps import QueueFull
@@ -161,12 +161,10 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
     output_tokens = tok.output_tokens(
         tok.parse_token_header(headers_in.get(h.OUTPUT_TOKENS)), limit, engine.timing.num_tokens
     )
-    admit = _Admit(
-        engine, record, headers_in.get(h.CACHE_AFFINITY_KEY), prompt, input_tokens, output_tokens
-    )
+    admit = _Admit(engine, record, headers_in.get(h.CACHE_AFFINITY_KEY), prompt, input_tokens, output_tokens)
     immediate = plan.delay_s <= 0 and first_token_delay_s(engine.timing, request_id) <= 0
     try:
-        seat = await engine.enter(admit, immediate=immediate)
+        seat = await engine.enter(admit, immediate=immediate, scheduled=admit.scheduled)
     except QueueFull:
         record.status, record.outcome = 429, "queue_full"
         _log(engine, record)
@@ -176,7 +174,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
         engine.prompt_tokens_total += input_tokens
         record.prefill_ms = (engine.clock() - admit.prefill_start) * 1000.0
         lookup = admit.lookup
-        eviction = engine.kv.commit(lookup, input_tokens)
+        eviction = admit.evicted(engine.kv.commit(lookup, input_tokens))
         record.hit, record.hit_tokens = lookup.hit, lookup.reused
         record.evicted_entries, record.evicted_tokens = eviction.entries, eviction.tokens
         if plan.delay_s > 0:
@@ -213,11 +211,12 @@ class _Admit:
     """What a request does once it holds its slot (vllm mode: when the scheduler admits it).
 
     Counts the request, emits the streaming start event ``(0,0)`` and looks the prompt up in the
-    KV cache; returns the uncached tokens to prefill.
+    KV cache; returns the uncached tokens to prefill. In vllm mode :meth:`scheduled` caches the
+    prompt chunk by chunk.
     """
 
-    __slots__ = ("affinity_key", "engine", "input_tokens", "lookup", "output_tokens", "prefill_start",
-                 "prompt", "queued_at", "record")  # fmt: skip
+    __slots__ = ("affinity_key", "engine", "eviction", "input_tokens", "lookup", "output_tokens",
+                 "prefill_start", "prompt", "queued_at", "record")  # fmt: skip
 
     def __init__(self, engine: Engine, record: RequestRecord, affinity_key: str | None, prompt: bytes,
                  input_tokens: int, output_tokens: int) -> None:  # fmt: skip
@@ -230,6 +229,19 @@ class _Admit:
         self.queued_at = engine.clock()
         self.prefill_start = self.queued_at
         self.lookup = Lookup(False, 0, input_tokens)
+        self.eviction = NO_EVICTION
+
+    def scheduled(self, computed: int) -> None:
+        """A prefill chunk was scheduled that ends ``computed`` uncached tokens in: vLLM caches the
+        full blocks it covers at once, before they are computed."""
+        self.evicted(self.engine.kv.commit(self.lookup, self.input_tokens, self.lookup.reused + computed))
+
+    def evicted(self, eviction: Eviction) -> Eviction:
+        """The request's evictions so far, ``eviction`` included."""
+        if eviction.entries:
+            total = self.eviction
+            self.eviction = Eviction(total.entries + eviction.entries, total.tokens + eviction.tokens)
+        return self.eviction
 
     def __call__(self) -> int:
         engine, record = self.engine, self.record

@@ -8,8 +8,10 @@
   reused. Only full blocks are cached, as in vLLM.
 
 Both follow one protocol: :meth:`access` before prefill (counts hit/miss, refreshes LRU),
-:meth:`commit` after prefill (stores, evicts). An in-flight request therefore does not warm the
-cache: a concurrent request with the same prefix misses the blocks still being prefilled.
+:meth:`commit` (stores, evicts) of the prompt's first ``computed`` tokens, or all of it. The
+continuous and independent modes commit once the prefill is over, so a concurrent request with the
+same prefix misses the blocks still being prefilled; the vllm mode commits each chunk as it is
+scheduled, as vLLM does.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class KVCache(Protocol):
 
     def access(self, affinity_key: str | None, prompt: bytes, input_tokens: int) -> Lookup: ...
 
-    def commit(self, lookup: Lookup, input_tokens: int) -> Eviction: ...
+    def commit(self, lookup: Lookup, input_tokens: int, computed: int | None = None) -> Eviction: ...
 
     def stats(self, model: str) -> dict[str, Any]: ...
 
@@ -120,14 +122,14 @@ class AffinityKVCache:
         self._c.count(reused, input_tokens)
         return Lookup(reused > 0, reused, input_tokens - reused, key=affinity_key)
 
-    def commit(self, lookup: Lookup, input_tokens: int) -> Eviction:
+    def commit(self, lookup: Lookup, input_tokens: int, computed: int | None = None) -> Eviction:
         key = lookup.key
         if self._c.capacity <= 0 or not key:
             return NO_EVICTION
         previous = self._lru.pop(key, None)
         if previous is not None:
             self._c.used -= previous
-        retained = max(previous or 0, input_tokens)
+        retained = max(previous or 0, input_tokens if computed is None else min(computed, input_tokens))
         entries = tokens = 0
         if retained > self._c.capacity:
             if previous is not None:
@@ -200,10 +202,17 @@ class PrefixKVCache:
         self._c.count(reused, input_tokens)
         return Lookup(reused > 0, reused, input_tokens - reused, blocks=blocks)
 
-    def commit(self, lookup: Lookup, input_tokens: int) -> Eviction:
+    def commit(self, lookup: Lookup, input_tokens: int, computed: int | None = None) -> Eviction:
         if self._max_blocks <= 0 or not lookup.blocks:
             return NO_EVICTION
-        wanted = lookup.blocks[: self._max_blocks]
+        count = len(lookup.blocks)
+        if computed is not None and 0 <= computed < input_tokens:
+            # The prompt's bytes and its token count (the x-input-tokens header) may differ: the
+            # computed share of its blocks.
+            count = count * computed // input_tokens
+        wanted = lookup.blocks[: min(count, self._max_blocks)]
+        if not wanted:
+            return NO_EVICTION
         missing = sum(1 for block in wanted if block not in self._lru)
         evicted = max(0, len(self._lru) + missing - self._max_blocks)
         if evicted:

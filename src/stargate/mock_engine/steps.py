@@ -9,6 +9,10 @@ The engine runs in steps, like vLLM's scheduler with chunked prefill. At the sta
    ``max_running`` sequences run (0 = no limit); admission calls the sequence's ``admit``
    callback (stats, KV lookup), which returns its uncached tokens, and takes a first chunk.
 
+Each prefill chunk calls the sequence's ``scheduled`` callback, if any, as it is scheduled, with
+the uncached tokens computed once it completes: vLLM caches the full blocks a chunk covers when it
+schedules the chunk, so a sequence admitted later, even in the same step, reuses them.
+
 The step then lasts :func:`~stargate.mock_engine.timing.step_seconds` and, at its end, chunks are
 applied (a finished prefill resolves ``Sequence.prefilled``) and each decoding sequence emits one
 token. The next step is planned at once; with no work the engine idles until something arrives.
@@ -39,13 +43,18 @@ class QueueFull(Exception):
 class Sequence:
     """One request inside the step scheduler."""
 
-    __slots__ = ("admit", "decode", "immediate", "left", "owed", "prefilled", "seq", "state")
+    __slots__ = ("admit", "decode", "immediate", "left", "owed", "prefilled", "scheduled", "seq", "state",
+                 "uncached")  # fmt: skip
 
-    def __init__(self, seq: int, admit: Callable[[], int], immediate: bool) -> None:
+    def __init__(
+        self, seq: int, admit: Callable[[], int], immediate: bool, scheduled: Callable[[int], None] | None
+    ) -> None:
         self.seq = seq
         self.admit = admit
         self.immediate = immediate
+        self.scheduled = scheduled
         self.state = WAITING
+        self.uncached = 0
         self.left = 0
         self.owed = 0
         self.decode: Decode | None = None
@@ -89,11 +98,13 @@ class StepScheduler:
     def decoding(self) -> int:
         return sum(1 for s in self._running.values() if s.state == DECODE)
 
-    def submit(self, admit: Callable[[], int], immediate: bool) -> Sequence:
+    def submit(
+        self, admit: Callable[[], int], immediate: bool, scheduled: Callable[[int], None] | None = None
+    ) -> Sequence:
         """Queue a request; raises :class:`QueueFull` beyond ``max_waiting`` waiting requests."""
         if len(self._waiting) >= self._max_waiting:
             raise QueueFull
-        sequence = Sequence(next(self._ids), admit, immediate)
+        sequence = Sequence(next(self._ids), admit, immediate, scheduled)
         self._waiting.append(sequence)
         self._kick()
         return sequence
@@ -155,25 +166,30 @@ class StepScheduler:
             if budget <= 0:
                 break
             if sequence.state == PREFILL:
-                chunk = min(sequence.left, budget)
-                chunks.append((sequence, chunk))
-                budget -= chunk
+                budget -= self._schedule(sequence, budget, chunks)
         limit = self._max_running
         while self._waiting and budget > 0 and (limit <= 0 or len(self._running) < limit):
             sequence = self._waiting.popleft()
             sequence.state = PREFILL
             self._running[sequence.seq] = sequence
             # vLLM recomputes the last prompt token of a fully cached prompt: at least one token.
-            sequence.left = max(1, sequence.admit())
+            sequence.uncached = sequence.left = max(1, sequence.admit())
             self.prefill_tokens_pending += sequence.left
-            chunk = min(sequence.left, budget)
-            chunks.append((sequence, chunk))
-            budget -= chunk
+            budget -= self._schedule(sequence, budget, chunks)
         if not decodes and not chunks:
             return
         self._plan = (decodes, chunks)
         duration = step_seconds(self._timing, sum(chunk for _, chunk in chunks), len(decodes))
         self._handle = self._timer.call_at(self._timer.time() + duration, self._end_step)
+
+    @staticmethod
+    def _schedule(sequence: Sequence, budget: int, chunks: list[tuple[Sequence, int]]) -> int:
+        """Plan the sequence's next prefill chunk within ``budget``; returns its size."""
+        chunk = min(sequence.left, budget)
+        chunks.append((sequence, chunk))
+        if sequence.scheduled is not None:
+            sequence.scheduled(sequence.uncached - sequence.left + chunk)
+        return chunk
 
     def _end_step(self) -> None:
         assert self._plan is not None

@@ -137,3 +137,29 @@ def test_prefix_disabled_with_zero_capacity() -> None:
     lookup = cache.access(None, text(3), 12)
     assert cache.commit(lookup, 12).entries == 0
     assert cache.access(None, text(3), 12).hit is False
+
+
+def test_prefix_commit_of_the_computed_part_caches_its_full_blocks() -> None:
+    cache = PrefixKVCache(1000, block_tokens=4)
+    first = cache.access(None, text(5), 20)
+    cache.commit(first, 20, computed=11)  # two full blocks of five computed
+    assert cache.access(None, text(5), 20).reused == 8
+    cache.commit(first, 20, computed=20)
+    assert cache.access(None, text(5), 20).reused == 20
+
+
+def test_prefix_partial_commit_follows_the_header_token_count() -> None:
+    cache = PrefixKVCache(1000, block_tokens=4)
+    first = cache.access(None, text(4), 1000)  # 4 blocks of text stand for 1000 tokens
+    cache.commit(first, 1000, computed=500)
+    assert len(cache.access(None, text(4), 1000).blocks) == 4
+    assert cache.entries == 2
+
+
+def test_affinity_commit_of_the_computed_part_retains_that_much() -> None:
+    cache = AffinityKVCache(1000)
+    lookup = cache.access("k", b"", 100)
+    cache.commit(lookup, 100, computed=40)
+    assert cache.access("k", b"", 100).reused == 40
+    cache.commit(lookup, 100, computed=500)  # never past the prompt
+    assert cache.counters.used == 100

@@ -60,6 +60,29 @@ async def test_long_prefill_is_chunked_by_the_budget() -> None:
     assert steps.prompt_tokens_total == 250 and steps.steps_total == 3
 
 
+async def test_each_chunk_reports_the_tokens_computed_when_it_is_scheduled() -> None:
+    timer, steps = make()
+    events: list[tuple[str, float, int]] = []
+
+    def admit_b() -> int:
+        events.append(("b admitted", timer.now, 0))
+        return 30
+
+    steps.submit(lambda: 250, False, lambda computed: events.append(("a", timer.now, computed)))
+    timer.advance(0.05)
+    steps.submit(admit_b, False, lambda computed: events.append(("b", timer.now, computed)))
+    timer.advance(1.0)
+    # A's chunks 100, 100, 50 at 0, 0.1 and 0.2 s; in the third step A's last chunk is scheduled
+    # (and cached) before B is admitted, so B's lookup sees all of A's blocks.
+    assert events == [
+        ("a", 0.0, 100),
+        ("a", pytest.approx(0.1), 200),
+        ("a", pytest.approx(0.2), 250),
+        ("b admitted", pytest.approx(0.2), 0),
+        ("b", pytest.approx(0.2), 30),
+    ]
+
+
 async def test_waiting_prefills_are_admitted_first_come_first_served() -> None:
     timer, steps = make()
     a = submit(steps, 150)
