@@ -12,9 +12,9 @@ from stargate.balancer.config import load_lb_config, parse_lb_config
 from stargate.bench import plan
 from stargate.bench.console import prepare_scenario
 from stargate.bench.peers.compare import (
-    AWAIT_PREFILL,
     RECOMMENDED_FILE,
     RECOMMENDED_STARGATE_ARGS,
+    SHARED_PREFILL_SETTINGS,
     PeerOptions,
     recommended_lb_config,
     resolve_routers,
@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_recommended_file_loads_and_enables_the_load_aware_fields() -> None:
     definition = load_lb_config(str(RECOMMENDED_FILE)).resolve("llama", None)
     assert definition.load_aware
-    assert definition.cache_affinity_yield_margin_ms is not None
+    assert definition.cache_affinity_placement.value == "load"
+    # Engines that start every prefill at once add these (docs/configuration.md).
+    assert definition.cache_affinity_yield_margin_ms is None
+    assert not definition.cache_affinity_await_prefill
 
 
 def test_demo_runs_the_recommended_config_first() -> None:
@@ -45,10 +48,10 @@ def test_a_recommended_file_without_exactly_one_model_is_a_config_error(tmp_path
         recommended_lb_config("m", path=path)
 
 
-def _without_await_prefill(lb_config: dict[str, object]) -> dict[str, object]:
+def _without_shared_prefill(lb_config: dict[str, object]) -> dict[str, object]:
     models = lb_config["models"]
     assert isinstance(models, dict)
-    return {**lb_config, "models": {name: {k: v for k, v in entry.items() if k != AWAIT_PREFILL}
+    return {**lb_config, "models": {name: {k: v for k, v in entry.items() if k not in SHARED_PREFILL_SETTINGS}
                                     for name, entry in models.items()}}  # fmt: skip
 
 
@@ -71,7 +74,7 @@ def test_several_stargates_run_the_recommended_config_unchanged() -> None:
     multi = load_scenario(ROOT / "benches" / "lb-balance-prefix-reuse-4c2p-2s.yaml")
     assert multi.stargates.count > 1
     (choice,) = resolve_routers(multi, "stargate:recommended", PeerOptions())
-    assert _without_await_prefill(choice.spec.lb_config) == recommended_lb_config(multi.model)
+    assert _without_shared_prefill(choice.spec.lb_config) == recommended_lb_config(multi.model)
     assert "--stats-update-coalesce-ms" in choice.spec.pylon_args
     # Its engines keep a KV cache: Pylon publishes the prompt work their caches do not hold.
     assert choice.spec.pylon_args[-2:] == ["--engine-prefix-caching", "true"]
@@ -90,7 +93,7 @@ def test_engines_without_a_kv_cache_run_pylon_without_prefix_caching() -> None:
 @pytest.mark.parametrize(
     ("batching", "awaits"), [("continuous", True), ("independent", True), ("vllm", False)]
 )
-def test_a_turn_waits_for_its_predecessors_prefill_where_engines_start_every_prefill_at_once(
+def test_a_turn_waits_and_yields_to_load_where_engines_start_every_prefill_at_once(
     batching: str, awaits: bool
 ) -> None:
     path = str(ROOT / "benches" / "trace-conversations.yaml")
@@ -98,4 +101,5 @@ def test_a_turn_waits_for_its_predecessors_prefill_where_engines_start_every_pre
     (choice,) = resolve_routers(scenario, "stargate:recommended", PeerOptions())
     definition = parse_lb_config(choice.spec.lb_config).resolve(scenario.model, None)
     assert definition.cache_affinity_await_prefill is awaits
-    assert _without_await_prefill(choice.spec.lb_config) == recommended_lb_config(scenario.model)
+    assert definition.cache_affinity_yield_margin_ms == (1000 if awaits else None)
+    assert _without_shared_prefill(choice.spec.lb_config) == recommended_lb_config(scenario.model)

@@ -95,11 +95,15 @@ PREFIX_CACHING_PYLON_ARGS = ("--engine-prefix-caching", "true")
 """Added where the scenario's engines keep a KV cache, as docs/pylon.md recommends for engines with
 prefix caching: a conversation's published prompt work is what its engine's cache does not hold."""
 RECOMMENDED_FILE = Path(__file__).resolve().parents[4] / "examples" / "lb-config" / "recommended.json"
-AWAIT_PREFILL = "cache_affinity_await_prefill"
-"""Set where the scenario's engines start every admitted prefill at once (the mock's ``continuous``
-and ``independent`` batching), as docs/configuration.md recommends for such engines: a turn sent
-beside its predecessor's prefill would prefill the shared prefix again. Not under ``vllm``, whose
-first-come-first-served queue already puts the turn behind it."""
+SHARED_PREFILL_SETTINGS: dict[str, object] = {
+    "cache_affinity_await_prefill": True,
+    "cache_affinity_yield_margin_ms": 1000,
+}
+"""Added where the scenario's engines start every admitted prefill at once (the mock's
+``continuous`` and ``independent`` batching), as docs/configuration.md recommends for such engines:
+a turn sent beside its predecessor's prefill would prefill the shared prefix again, and a loaded
+engine slows every prompt it shares itself between. Not under ``vllm``, whose first-come-first-served
+queue already puts the turn behind its predecessor, whose cache it then reuses."""
 
 
 def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
@@ -115,13 +119,13 @@ def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str
     return {**config, "models": {model: settings}}
 
 
-def _with_await_prefill(lb_config: dict[str, object]) -> dict[str, object]:
-    """``AWAIT_PREFILL`` on every wait-and-widen model entry with an affinity group."""
+def _with_shared_prefill(lb_config: dict[str, object]) -> dict[str, object]:
+    """``SHARED_PREFILL_SETTINGS`` on every wait-and-widen model entry with an affinity group."""
     models = lb_config.get("models")
     if not isinstance(models, dict):
         return lb_config
     grouped = {
-        name: {**entry, AWAIT_PREFILL: True}
+        name: {**entry, **SHARED_PREFILL_SETTINGS}
         if isinstance(entry, dict)
         and entry.get("algorithm") == "wait-and-widen"
         and entry.get("cache_affinity_backend_selection_count")
@@ -157,7 +161,7 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
                 if _has_kv_cache(scenario):
                     pylon_args += PREFIX_CACHING_PYLON_ARGS
                     if scenario.mock.batching != "vllm":
-                        lb_config = _with_await_prefill(lb_config)
+                        lb_config = _with_shared_prefill(lb_config)
                 spec = dataclasses.replace(spec, lb_config=lb_config, stargate_args=RECOMMENDED_STARGATE_ARGS,
                                            pylon_args=pylon_args)
             if spec is None:
