@@ -316,7 +316,9 @@ class WaitAndWiden:
 
     With ``cache_affinity_placement: load`` (not in the original) a key's first request is decided
     like a request without a key, over every candidate at full prefill, and the key is placed where
-    it went; the ring is not used.
+    it went; the ring is not used. A global pick after X places the key where it went as well (a
+    conversation's next turn extends the prompt sent there; sent back to the old group it would
+    prefill that turn again).
 
     With ``cache_affinity_prefill: growth`` (not in the original) the group's prefill is what the
     prompt grew by since the key's last request went there (a conversation re-sends its history),
@@ -379,7 +381,7 @@ class WaitAndWiden:
                 decision = self._decide_with_affinity(candidates, request, group, scale, queue_limit, rng)
                 if isinstance(decision, Selected):
                     cluster_id = candidates[decision.choice.index].cluster_id
-                    if self._yield_margin is not None and decision.choice.rank_depth == GLOBAL_RANK_DEPTH:
+                    if self._learns and decision.choice.rank_depth == GLOBAL_RANK_DEPTH:
                         groups.place(key, cluster_id)
                     if self._records:
                         groups.routed(key, cluster_id, request.input_tokens, request.now)

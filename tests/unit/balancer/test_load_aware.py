@@ -424,6 +424,28 @@ def test_a_placed_key_stays_on_its_backend_within_the_margin() -> None:
     assert chosen(decision).rank_depth == 1
 
 
+def test_a_placed_key_follows_a_global_pick_after_x_without_a_margin() -> None:
+    policy = _affinity_policy(margin=None, cache_affinity_placement=Placement.LOAD)
+    idle_b = (
+        make_candidate("affinity-a", tps=1000.0, queued=900, running=3, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, max_concurrency=8),
+    )
+    first = policy.decide(idle_b, make_request(input_tokens=1000, key="k"), rng())
+    assert chosen_id(idle_b, first) == "affinity-b"
+    full_b = (
+        make_candidate("affinity-a", tps=1000.0, max_concurrency=8),
+        make_candidate("affinity-b", tps=1000.0, running=8, max_concurrency=8),
+    )
+    before_x = policy.decide(full_b, make_request(input_tokens=1000, key="k", elapsed_ms=50.0), rng())
+    assert isinstance(before_x, Wait)  # no margin: the group holds until X
+    after_x = policy.decide(full_b, make_request(input_tokens=1000, key="k", elapsed_ms=250.0), rng())
+    assert chosen_id(full_b, after_x) == "affinity-a" and chosen(after_x).rank_depth == 2
+    # The next turn extends the prompt sent to a: it goes there, not back to the idle b.
+    for seed in range(5):
+        decision = policy.decide(idle_b, make_request(input_tokens=1200, key="k"), rng(seed))
+        assert chosen_id(idle_b, decision) == "affinity-a" and chosen(decision).rank_depth == 1
+
+
 def test_a_placement_survives_membership_changes_and_ends_with_its_backend() -> None:
     policy = _placing_policy()
     two = (
