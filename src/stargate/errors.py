@@ -198,6 +198,11 @@ class UpstreamTimeout(UpstreamError):
     """No response headers within the request timeout: the backend may still be working on it."""
 
 
+class UpstreamBroken(UpstreamError):
+    """The backend answered, then its body broke before its first byte: the client has received
+    nothing, but the backend may have run part of the request."""
+
+
 class BackendRejected(StargateError):
     """A refusal Pylon answers before the engine ran anything, with Stargate's retry headers."""
 

@@ -659,6 +659,59 @@ async def test_upstream_dying_mid_stream_aborts_the_client_connection(sg: Harnes
     )
 
 
+@contextlib.asynccontextmanager
+async def dies_before_its_body() -> AsyncIterator[tuple[str, list[int]]]:
+    """A raw HTTP/1.1 backend that sends 200 response headers and then resets the connection, as an
+    engine killed while it prefills does; the list counts the requests it answered so."""
+    answered: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+            await reader.readexactly(length)
+            if head.startswith(b"GET /health"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                await writer.drain()
+                answered.append(1)
+        writer.transport.abort()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", answered
+    finally:
+        server.close()
+
+
+async def test_a_backend_dying_before_its_first_byte_is_retried_on_a_sibling(sg: Harness) -> None:
+    """The client is told nothing until the first body byte, so the request is not lost."""
+    async with dies_before_its_body() as (url, answered):
+        dying = ScriptedBackend("a-dying")
+        dying.url = url
+        await sg.register(registration(dying, "c"))
+        await sg.backend("b-ok", cluster_id="c")
+        await sg.backend("z", cluster_id="slow", queued_input_size=100_000)
+        status, headers, body = await sg.post()
+    assert (status, headers["x-inference-server-id"], body) == (200, "b-ok", b"".join(SSE_CHUNKS))
+    assert answered == [1]
+    assert sg.metric("stargate_proxy_retries_total", **labels(reason="connect_failover")) == 1
+    assert sg.metric("stargate_requests_total", **labels(inference_server_id="b-ok", status="200")) == 1
+
+
+async def test_a_lone_backend_dying_before_its_first_byte_gets_an_error_answer(sg: Harness) -> None:
+    async with dies_before_its_body() as (url, answered):
+        dying = ScriptedBackend("dying")
+        dying.url = url
+        await sg.register(registration(dying))
+        status, headers, body = await sg.post()
+    assert status == 503 and answered == [1]
+    assert headers["content-type"].startswith("application/json") and orjson.loads(body)["error"]
+
+
 async def test_response_header_timeout_is_a_transport_failure() -> None:
     async with running(request_timeout_ms=100, retry=RetrySettings(max_connect_retries=0)) as sg:
         backend = await sg.backend("slow")

@@ -24,6 +24,9 @@ Attempt outcomes:
 * ``SendFailed`` (no response): ``UpstreamNotSent`` / a broken connection → ``Reconnect`` the same
   backend, then the same backend again or (``Reconnected(False)``) a sibling; ``UpstreamTimeout``
   → never the same backend again (it may still be running the request): a sibling at once.
+  ``UpstreamBroken`` (not in the original: the driver relays a response only once its first body
+  byte is in hand, so a body that breaks before it has told the client nothing) is handled like a
+  timeout: the backend may have run part of the request.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from stargate.errors import (
     PayloadTooLarge,
     RoutingError,
     StargateError,
+    UpstreamBroken,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -182,7 +186,8 @@ class Reconnect:
 
 @dataclass(frozen=True, slots=True)
 class Relay:
-    """Final: stream the last upstream response to the client."""
+    """Stream the last upstream response to the client: final once its first body byte (or its
+    clean end) arrived; a body broken before that comes back as ``SendFailed(UpstreamBroken)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,7 +356,7 @@ class AttemptMachine:
         if event.readiness is Readiness.PAYLOAD_TOO_LARGE:
             return state, Fail(_too_large(), backend_id)
         state = replace(state, connect_retries=state.connect_retries + 1)
-        if isinstance(event.error, UpstreamTimeout):
+        if isinstance(event.error, UpstreamTimeout | UpstreamBroken):
             return _sibling(_noted(state, Retried("connect_failover")), backend)
         return _noted(state, Evicted(backend_id)), Reconnect(backend)
 

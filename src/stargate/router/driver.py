@@ -5,21 +5,26 @@ snapshot and the clock at each step, does what the returned action says (pick a 
 send, reconnect) and hands the result back as the next event, until the machine answers ``Relay``
 or ``Fail``. It holds no policy: every decision is the machine's, every metric and reservation is
 recorded here.
+
+On ``Relay`` the driver waits for the response's first body byte before it hands the response
+over: until then the client has been told nothing, so a backend that dies while it prefills (the
+longest silent stretch of a request) costs a retry elsewhere, not a cut stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from multidict import CIMultiDict
 
 from stargate.balancer.types import Target
-from stargate.errors import StargateError, UpstreamError
+from stargate.errors import StargateError, UpstreamBroken, UpstreamError
 from stargate.router.attempt import (
     AdmissionRejected,
     Answered,
@@ -52,6 +57,8 @@ from stargate.router.transport import BackendRef, Transport, UpstreamResponse
 from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
 
+log = logging.getLogger(__name__)
+
 START = Start()
 WOKE = Woke()
 
@@ -78,11 +85,14 @@ class RoutingStateView(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Passthrough:
-    """Final: stream this upstream response to the client; the relay reports its first body byte
-    and its end through ``AttemptDriver.first_byte`` / ``finish`` (the in-flight count)."""
+    """Final: stream this upstream response to the client, ``first`` (its first body bytes; None
+    for an empty body) then ``rest``; the relay reports the end through ``AttemptDriver.finish``
+    (the in-flight count)."""
 
     response: UpstreamResponse
     backend: BackendRef
+    first: bytes | None
+    rest: AsyncIterator[bytes]
     reservation: Any = None
 
 
@@ -171,7 +181,19 @@ class AttemptDriver:
                 event = Reconnected(ok)
             elif isinstance(action, Relay):
                 assert response is not None and state.backend is not None
-                return Passthrough(response, state.backend, reservation)
+                rest = response.chunks()
+                try:
+                    first = await anext(rest, None)
+                except UpstreamError as exc:
+                    event = self._broken(request, state.backend, exc, replay)
+                    continue
+                except asyncio.CancelledError:  # the wait can be long: never leak the in-flight count
+                    response.release()
+                    self._state.finish(reservation)
+                    raise
+                if first is not None:
+                    self._state.first_byte(reservation)
+                return Passthrough(response, state.backend, first, rest, reservation)
             else:
                 return LocalFailure(action.error, action.backend_id)
 
@@ -228,8 +250,18 @@ class AttemptDriver:
             self._state.release(reservation)
         return Answered(status, signal, replay.readiness()), response
 
-    def first_byte(self, outcome: Passthrough) -> None:
-        self._state.first_byte(outcome.reservation)
+    def _broken(
+        self, request: ProxyRequest, backend: BackendRef, exc: UpstreamError, replay: ReplayBody
+    ) -> SendFailed:
+        """The answer's body broke before its first byte: the client has nothing yet, retry it."""
+        log.warning(
+            "backend %s broke its response to request %s before the first byte: %s",
+            backend.inference_server_id,
+            request.request_id,
+            exc,
+        )
+        message = f"backend {backend.inference_server_id} broke its response before the first byte"
+        return SendFailed(UpstreamBroken(message), replay.readiness())
 
     def finish(self, outcome: Passthrough) -> None:
         self._state.finish(outcome.reservation)

@@ -2,8 +2,9 @@
 
 Bodies are opaque in both directions: the request body is streamed through the replay buffer, the
 response is relayed chunk by chunk as it arrives (``iter_any``), with no parsing and no per-chunk
-logging; the final chunk and the end of the body share one write. Every error Stargate produces
-itself carries a short JSON body naming the problem.
+logging; its headers go out with its first body byte (until then a broken backend is retried,
+``router/driver.py``), and the final chunk and the end of the body share one write. Every error
+Stargate produces itself carries a short JSON body naming the problem.
 """
 
 from __future__ import annotations
@@ -199,21 +200,19 @@ class ProxyHandler:
         response.headers[h.INFERENCE_SERVER_ID] = backend.inference_server_id
         response.headers[h.INFERENCE_SERVER_URL] = backend.url
         response.headers[h.CLUSTER_ID] = backend.cluster_id
-        first = True
         started = False
         try:
             await response.prepare(request)
             started = True
-            async for chunk in upstream.chunks():
-                if first:
-                    first = False
-                    self._driver.first_byte(outcome)
+            chunk = outcome.first
+            while chunk is not None:
                 if upstream.complete():
                     # The last piece goes out with the end of the body (and the headers, if still
                     # buffered) in one write: at low concurrency that is a send() saved per request.
                     await response.write_eof(chunk)
-                else:
-                    await response.write(chunk)
+                    break
+                await response.write(chunk)
+                chunk = await anext(outcome.rest, None)
             await response.write_eof()  # no-op once sent
         except UpstreamError as exc:
             # Headers are gone already: the only honest signal left is an aborted connection.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
+import pytest
 from multidict import CIMultiDict
 from support.balancer_builders import make_candidate
 from support.router_fakes import (
@@ -35,6 +37,8 @@ class FakeResponse:
     body: bytes = b"ok"
     released: bool = False
     reason: str | None = None
+    broken: bool = False  # the body breaks before its first byte
+    hold: asyncio.Event | None = None  # when set: the first byte waits for it
 
     @property
     def headers(self) -> Iterable[tuple[str, str]]:
@@ -44,6 +48,10 @@ class FakeResponse:
         return {k.lower(): v for k, v in self.extra.items()}.get(name.lower())
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.broken:
+            raise UpstreamError("reset before the body")
         yield self.body
 
     def complete(self) -> bool:
@@ -384,6 +392,40 @@ async def test_transport_failure_answer_names_the_backend_and_code() -> None:
     runner, *_ = make_runner({"c1": ["a"]}, {"a": [DEAD]}, RetrySettings(max_connect_retries=0))
     outcome = await run(runner)
     assert isinstance(outcome, LocalFailure) and outcome.error.code == "upstream_transport_error"
+
+
+async def test_a_body_broken_before_its_first_byte_is_retried_on_another_backend() -> None:
+    broken = FakeResponse(200, broken=True)
+    runner, state, transport, metrics = make_runner(
+        {"c1": ["a"], "c2": ["b"]}, {"a": [broken], "b": [FakeResponse(200, body=b"whole")]}
+    )
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.backend.inference_server_id == "b"
+    assert outcome.first == b"whole" and [chunk async for chunk in outcome.rest] == []
+    assert broken.released and state.finished == [0]  # the broken attempt left the in-flight count
+    assert [sent[0] for sent in transport.sent] == ["a", "b"]
+    assert value(metrics, "stargate_proxy_retries_total", reason="connect_failover") == 1
+
+
+async def test_a_body_broken_before_its_first_byte_with_nowhere_else_is_an_error_answer() -> None:
+    """Not a cut stream: the client has received nothing, so Stargate answers it (as after a header
+    timeout, the backend is not tried again)."""
+    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [FakeResponse(200, broken=True)]})
+    outcome = await run(runner)
+    assert isinstance(outcome, LocalFailure) and outcome.status == 503
+    assert len(transport.sent) == 1 and state.finished == [0]
+
+
+async def test_a_request_cancelled_while_it_waits_for_the_first_byte_leaves_the_in_flight_count() -> None:
+    waiting = FakeResponse(200, hold=asyncio.Event())
+    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [waiting]})
+    task = asyncio.create_task(run(runner))
+    while not transport.sent:
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert waiting.released and state.finished == [0]
 
 
 async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_relay() -> None:

@@ -6,7 +6,7 @@ import random
 
 from support.router_fakes import backend, make_request, make_view
 
-from stargate.errors import PayloadTooLarge, UpstreamError, UpstreamNotSent, UpstreamTimeout
+from stargate.errors import PayloadTooLarge, UpstreamBroken, UpstreamError, UpstreamNotSent, UpstreamTimeout
 from stargate.router.attempt import (
     Action,
     Answered,
@@ -67,6 +67,13 @@ def test_a_failed_reconnect_picks_a_sibling() -> None:
 
 def test_a_header_timeout_never_goes_back_to_the_same_backend() -> None:
     state, action = step(sending(), SendFailed(UpstreamTimeout("no headers"), READY))
+    assert action == Pick("c1", frozenset({"a"}))
+    assert state.failed_backend_ids == {"a"} and state.connect_retries == 1
+    assert state.notes == (Retried("connect_failover"),)
+
+
+def test_a_body_broken_before_its_first_byte_never_goes_back_to_the_same_backend() -> None:
+    state, action = step(sending(), SendFailed(UpstreamBroken("reset before the body"), READY))
     assert action == Pick("c1", frozenset({"a"}))
     assert state.failed_backend_ids == {"a"} and state.connect_retries == 1
     assert state.notes == (Retried("connect_failover"),)
