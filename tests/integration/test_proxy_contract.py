@@ -147,6 +147,15 @@ async def test_response_streams_chunk_by_chunk(sg: Harness) -> None:
         assert await resp.read() == b"".join(SSE_CHUNKS[1:])
 
 
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """Read one HTTP/1.1 request with a content-length body; return its head."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+    await reader.readexactly(length)
+    return head
+
+
 @contextlib.asynccontextmanager
 async def one_write_backend(body: bytes) -> AsyncIterator[str]:
     """A raw HTTP/1.1 backend that sends each whole answer (headers, chunked body, end) in one write."""
@@ -154,10 +163,7 @@ async def one_write_backend(body: bytes) -> AsyncIterator[str]:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
-                await reader.readexactly(length)
+                head = await read_request(reader)
                 if head.startswith(b"GET /health"):
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                 else:
@@ -667,10 +673,7 @@ async def dies_before_its_body() -> AsyncIterator[tuple[str, list[int]]]:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
-            await reader.readexactly(length)
+            head = await read_request(reader)
             if head.startswith(b"GET /health"):
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             else:
