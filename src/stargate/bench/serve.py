@@ -21,13 +21,13 @@ import orjson
 
 from stargate.balancer.config import load_lb_config
 from stargate.bench.fleet import Fleet
+from stargate.bench.peers.compare import recommended_run
 from stargate.bench.plan import RunSpec
 from stargate.bench.schema import Scenario, parse_scenario
 from stargate.flags import FlagSet, parse_bool, positive_int
 
 EXIT_OK = 0
 DEFAULT_MODEL = "mock-model"
-DEFAULT_LB_CONFIG: dict[str, object] = {"default": "power-of-n"}
 CHECK_INTERVAL_S = 1.0
 PLAIN_STARGATE_ARGS = ("--plain-clients",)
 PLAIN_PYLON_ARGS = ("--pylon-relay-non-streaming", "true")
@@ -38,7 +38,9 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     a = FlagSet(sub.add_parser("serve", help=help_text), env).add
     a("--engines", type=positive_int, default=2, help="mock engines, one Pylon each")
     a("--lb-config", type=Path, default=None,
-      help="lb-config.json for Stargate (default: power-of-n for every model)")
+      help="lb-config.json for Stargate, run with no other flag (default: the recommended deployment: "
+           "examples/lb-config/recommended.json for --model, with the router and Pylon flags "
+           "docs/configuration.md recommends)")
     a("--model", default=DEFAULT_MODEL, help="model the engines serve")
     a("--max-concurrent-requests", type=positive_int, default=16, help="slots per mock engine")
     a("--plain-clients", type=parse_bool, default=True, metavar="BOOL",
@@ -71,21 +73,24 @@ def serve_scenario(engines: int, model: str, slots: int) -> Scenario:
     return parse_scenario(data, file="stargate-bench serve", base_dir=Path.cwd())
 
 
-def lb_config_of(path: Path | None) -> dict[str, object]:
-    """The file's JSON as given (validated first, so errors name the file and the field)."""
+def serve_run(scenario: Scenario, path: Path | None, plain: bool) -> RunSpec:
+    """The recommended deployment, or the file's JSON as given (validated first, so errors name
+    the file and the field); plus the plain-client flags."""
     if path is None:
-        return dict(DEFAULT_LB_CONFIG)
-    load_lb_config(str(path))
-    loaded: dict[str, object] = orjson.loads(path.read_bytes())
-    return loaded
+        run = recommended_run(scenario)
+    else:
+        load_lb_config(str(path))
+        run = RunSpec("serve", orjson.loads(path.read_bytes()), [])
+    if not plain:
+        return run
+    return RunSpec(run.name, run.lb_config, [*run.pylon_args, *PLAIN_PYLON_ARGS],
+                   (*run.stargate_args, *PLAIN_STARGATE_ARGS))
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> int:
     """Run the fleet until ``stop`` is set or SIGINT/SIGTERM arrives."""
     scenario = serve_scenario(args.engines, args.model, args.max_concurrent_requests)
-    plain = bool(args.plain_clients)
-    run = RunSpec("serve", lb_config_of(args.lb_config), list(PLAIN_PYLON_ARGS) if plain else [],
-                  PLAIN_STARGATE_ARGS if plain else ())
+    run = serve_run(scenario, args.lb_config, bool(args.plain_clients))
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -20,6 +20,7 @@ from stargate.bench.peers.compare import (
     resolve_routers,
 )
 from stargate.bench.schema import load_scenario
+from stargate.bench.serve import serve_run, serve_scenario
 from stargate.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -103,3 +104,20 @@ def test_a_turn_waits_and_yields_to_load_where_engines_start_every_prefill_at_on
     assert definition.cache_affinity_await_prefill is awaits
     assert definition.cache_affinity_yield_margin_ms == (1000 if awaits else None)
     assert _without_shared_prefill(choice.spec.lb_config) == recommended_lb_config(scenario.model)
+
+
+def test_serve_runs_the_recommended_deployment_unless_given_a_file(tmp_path: Path) -> None:
+    scenario = serve_scenario(2, "my-model", 16)
+    run = serve_run(scenario, None, plain=True)
+    definition = parse_lb_config(run.lb_config).resolve("my-model", None)
+    assert definition.load_aware and definition.cache_affinity_placement.value == "load"
+    assert run.stargate_args == (*RECOMMENDED_STARGATE_ARGS, "--plain-clients")
+    assert "--stats-update-coalesce-ms" in run.pylon_args and "--pylon-relay-non-streaming" in run.pylon_args
+
+    path = tmp_path / "lb.json"
+    path.write_bytes(orjson.dumps({"default": "round-robin"}))
+    given = serve_run(scenario, path, plain=False)
+    assert (given.lb_config, given.pylon_args, given.stargate_args) == ({"default": "round-robin"}, [], ())
+    path.write_bytes(orjson.dumps({"default": "no-such-algorithm"}))
+    with pytest.raises(ConfigError, match=r"lb\.json"):
+        serve_run(scenario, path, plain=True)

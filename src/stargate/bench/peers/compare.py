@@ -140,6 +140,21 @@ def _has_kv_cache(scenario: Scenario) -> bool:
     return all(backends.profile_of(index).kv_cache_capacity_tokens > 0 for index in range(backends.count))
 
 
+def recommended_run(scenario: Scenario, spec: RunSpec | None = None) -> RunSpec:
+    """The recommended deployment on ``scenario``'s fleet: ``spec`` (the scenario's own
+    ``recommended`` entry, the demo's) or the file, with the router and Pylon flags the docs
+    recommend and the settings its engines call for."""
+    spec = spec or RunSpec(RECOMMENDED, recommended_lb_config(scenario.model), [])
+    pylon_args = [*spec.pylon_args, *RECOMMENDED_PYLON_ARGS]
+    lb_config = spec.lb_config
+    if _has_kv_cache(scenario):
+        pylon_args += PREFIX_CACHING_PYLON_ARGS
+        if scenario.mock.batching != "vllm":
+            lb_config = _with_shared_prefill(lb_config)
+    return dataclasses.replace(spec, lb_config=lb_config, stargate_args=RECOMMENDED_STARGATE_ARGS,
+                               pylon_args=pylon_args)
+
+
 def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list[RouterChoice]:
     """Parse ``--routers``; ``stargate:<name>`` is an ``algorithms[]`` entry, else a bare algorithm."""
     labels = [part.strip() for part in text.split(",") if part.strip()]
@@ -154,16 +169,7 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
         if kind == "stargate":
             spec = entries.get(name)
             if name == RECOMMENDED:
-                # The scenario's own "recommended" entry (the demo's) or the file, as deployed.
-                spec = spec or RunSpec(name, recommended_lb_config(scenario.model), [])
-                pylon_args = [*spec.pylon_args, *RECOMMENDED_PYLON_ARGS]
-                lb_config = spec.lb_config
-                if _has_kv_cache(scenario):
-                    pylon_args += PREFIX_CACHING_PYLON_ARGS
-                    if scenario.mock.batching != "vllm":
-                        lb_config = _with_shared_prefill(lb_config)
-                spec = dataclasses.replace(spec, lb_config=lb_config, stargate_args=RECOMMENDED_STARGATE_ARGS,
-                                           pylon_args=pylon_args)
+                spec = recommended_run(scenario, spec)
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])
