@@ -77,7 +77,7 @@ def serve_run(scenario: Scenario, path: Path | None, plain: bool) -> RunSpec:
     """The recommended deployment, or the file's JSON as given (validated first, so errors name
     the file and the field); plus the plain-client flags."""
     if path is None:
-        run = recommended_run(scenario)
+        run = recommended_run(scenario, streaming=False)  # any client: many do not stream
     else:
         load_lb_config(str(path))
         run = RunSpec("serve", orjson.loads(path.read_bytes()), [])

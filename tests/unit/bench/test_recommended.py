@@ -111,6 +111,8 @@ def test_serve_runs_the_recommended_deployment_unless_given_a_file(tmp_path: Pat
     run = serve_run(scenario, None, plain=True)
     definition = parse_lb_config(run.lb_config).resolve("my-model", None)
     assert definition.load_aware and definition.cache_affinity_placement.value == "load"
+    # Its clients need not stream: no request waits for another's first byte (a whole answer).
+    assert run.lb_config == recommended_lb_config("my-model")
     assert run.stargate_args == (*RECOMMENDED_STARGATE_ARGS, "--plain-clients")
     assert "--stats-update-coalesce-ms" in run.pylon_args and "--pylon-relay-non-streaming" in run.pylon_args
 

@@ -140,16 +140,18 @@ def _has_kv_cache(scenario: Scenario) -> bool:
     return all(backends.profile_of(index).kv_cache_capacity_tokens > 0 for index in range(backends.count))
 
 
-def recommended_run(scenario: Scenario, spec: RunSpec | None = None) -> RunSpec:
+def recommended_run(scenario: Scenario, spec: RunSpec | None = None, *, streaming: bool = True) -> RunSpec:
     """The recommended deployment on ``scenario``'s fleet: ``spec`` (the scenario's own
     ``recommended`` entry, the demo's) or the file, with the router and Pylon flags the docs
-    recommend and the settings its engines call for."""
+    recommend and the settings its engines call for. ``streaming`` says the clients stream, as the
+    bench's do: ``SHARED_PREFILL_SETTINGS`` are for them only (a non-streamed answer's first byte
+    is its last, and a request held for it would wait for the whole answer)."""
     spec = spec or RunSpec(RECOMMENDED, recommended_lb_config(scenario.model), [])
     pylon_args = [*spec.pylon_args, *RECOMMENDED_PYLON_ARGS]
     lb_config = spec.lb_config
     if _has_kv_cache(scenario):
         pylon_args += PREFIX_CACHING_PYLON_ARGS
-        if scenario.mock.batching != "vllm":
+        if streaming and scenario.mock.batching != "vllm":
             lb_config = _with_shared_prefill(lb_config)
     return dataclasses.replace(spec, lb_config=lb_config, stargate_args=RECOMMENDED_STARGATE_ARGS,
                                pylon_args=pylon_args)
