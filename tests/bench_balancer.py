@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import timeit
+from pathlib import Path
 from types import MappingProxyType
 
 from stargate.balancer import (
@@ -19,7 +21,12 @@ from stargate.balancer import (
     Target,
     build_policy,
 )
-from stargate.balancer.settings import Placement, PrefillEstimate
+from stargate.balancer.config import load_lb_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RECOMMENDED = load_lb_config(str(ROOT / "examples" / "lb-config" / "recommended.json")).resolve("llama", None)
+"""The shipped file; with the settings for streaming clients (docs/configuration.md) below it."""
 
 DEFINITIONS = {
     "power-of-n (k=2, ttft)": AlgorithmDefinition(Algorithm.POWER_OF_N, comparator=Comparator.TTFT),
@@ -35,17 +42,9 @@ DEFINITIONS = {
     "wait-and-widen load-aware": AlgorithmDefinition(
         Algorithm.WAIT_AND_WIDEN, comparator=Comparator.TTFT, load_aware=True
     ),
-    "recommended (load-aware, yield)": AlgorithmDefinition(
-        Algorithm.WAIT_AND_WIDEN,
-        comparator=Comparator.TTFT,
-        selection_count=1,
-        cache_affinity_wait_ms=200,
-        cache_affinity_input_tokens_scale=0.2,
-        cache_affinity_yield_margin_ms=1000,
-        cache_affinity_placement=Placement.LOAD,
-        cache_affinity_prefill=PrefillEstimate.GROWTH,
-        max_queued=16,
-        load_aware=True,
+    "recommended.json": RECOMMENDED,
+    "recommended.json + yield, await": dataclasses.replace(
+        RECOMMENDED, cache_affinity_yield_margin_ms=1000, cache_affinity_await_prefill=True
     ),
     "pulsar": AlgorithmDefinition(Algorithm.PULSAR),
     "pulsar-wait-and-widen (slo)": AlgorithmDefinition(
