@@ -5,6 +5,7 @@ from __future__ import annotations
 from stargate.balancer.admission import AdmissionRejection, check_admission
 from stargate.balancer.estimates import (
     effective_queue_ms,
+    expected_queue_ms,
     has_free_slot,
     queue_estimate,
     with_reservation,
@@ -48,6 +49,7 @@ __all__ = [
     "build_policy",
     "check_admission",
     "effective_queue_ms",
+    "expected_queue_ms",
     "has_free_slot",
     "queue_estimate",
     "valid_tps",

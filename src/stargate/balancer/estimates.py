@@ -81,6 +81,25 @@ def effective_queue_ms(stats: ModelStats, priority: int) -> int | None:
     return queue_estimate(stats, priority)
 
 
+def expected_queue_ms(candidate: Candidate, priority: int, load_aware: bool = False) -> int | None:
+    """The ``x-stargate-expected-queue-ms`` value: ``effective_queue_ms``. With ``load_aware`` the
+    free-slot rule counts this router's own requests in flight too (``load_running``), and a
+    backend without a free slot is expected to queue for ``load_queue_ms`` (at the published rate,
+    Pylon's): the published stats see a request only from the heartbeat after it reached Pylon,
+    and a burst routed in between was expected to start at once where Pylon, counting it, found
+    every slot taken and rejected it."""
+    stats = candidate.stats
+    if not load_aware:
+        return effective_queue_ms(stats, priority)
+    limit = stats.max_engine_concurrency
+    if limit > 0 and load_running(candidate) < limit:
+        return 0
+    queue = load_queue_ms(candidate, priority)
+    if not math.isfinite(queue) or queue > U64_MAX:
+        return effective_queue_ms(stats, priority)
+    return math.ceil(queue)
+
+
 def queue_ms(stats: ModelStats, priority: int) -> float:
     """Effective queue delay as a routing score: an unknown estimate with queued work is infinite.
 

@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from stargate.balancer import check_admission, effective_queue_ms
+from stargate.balancer import check_admission, expected_queue_ms
 from stargate.balancer.config import LbConfig
 from stargate.errors import ConfigError
 from stargate.router.attempt import AttemptMachine, RetrySettings
@@ -152,7 +152,7 @@ class StargateServer:
             connect_timeout_s=s.connect_timeout_ms / 1000.0,
             request_timeout_s=s.request_timeout_ms / 1000.0,
         )
-        machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=effective_queue_ms)
+        machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=expected_queue_ms)
         driver = AttemptDriver(
             self.state, machine, transport, self.metrics, clock=self.clock.monotonic, sleep=self.clock.sleep
         )

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from stargate.balancer.settings import AlgorithmDefinition, Policy
-from stargate.balancer.types import Candidate, Choice, LbRequest, ModelStats, Selected, Wait
+from stargate.balancer.types import Candidate, Choice, LbRequest, Selected, Wait
 from stargate.errors import (
     InputWorkLimitExceeded,
     NoEligibleCandidates,
@@ -79,7 +79,8 @@ Snapshot = TargetSnapshot | NoTarget
 
 AdmissionCheck = Callable[[AlgorithmDefinition, tuple[Candidate, ...], LbRequest], str | None]
 """``stargate.balancer.check_admission``: the rejection reason (a ``StrEnum``) or None to admit."""
-ExpectedQueue = Callable[[ModelStats, int], int | None]
+ExpectedQueue = Callable[[Candidate, int, bool], int | None]
+"""``stargate.balancer.expected_queue_ms``: the header value for a candidate, priority and ``load_aware``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +283,7 @@ class AttemptMachine:
         decision = snapshot.policy(definition).decide(candidates, lb_request, rng)
         if isinstance(decision, Selected):
             candidate = candidates[decision.choice.index]
-            expected = self.expected_queue(candidate.stats, request.priority)
+            expected = self.expected_queue(candidate, request.priority, definition.load_aware)
             state = replace(
                 state, cluster_id=candidate.cluster_id, expected_queue_ms=expected, choice=decision.choice
             )

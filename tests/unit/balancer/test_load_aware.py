@@ -22,6 +22,7 @@ from stargate.balancer.comparators import load_ttft_score, ttft_score
 from stargate.balancer.config import parse_lb_config
 from stargate.balancer.estimates import (
     effective_queue_ms,
+    expected_queue_ms,
     load_queue_ms,
     load_running,
     load_tie_key,
@@ -44,6 +45,19 @@ def pon(**settings: Any) -> AlgorithmDefinition:
 
 
 # ---- estimates ------------------------------------------------------------------------------------
+
+
+def test_the_expected_queue_header_sees_this_routers_requests_under_load_aware() -> None:
+    # 2 of 4 slots taken as published; this router's own count decides when it is larger.
+    candidate = make_candidate("a", tps=1000.0, max_concurrency=4, running=2, queued=500)
+    assert expected_queue_ms(candidate, 0) == expected_queue_ms(candidate, 0, load_aware=True) == 0
+    assert expected_queue_ms(with_in_flight(candidate, 3, 3, 300), 0, load_aware=True) == 0
+    full = with_in_flight(candidate, 4, 3, 2500)
+    assert expected_queue_ms(full, 0) == 0  # the spec's rule: published stats only
+    assert expected_queue_ms(full, 0, load_aware=True) == 2500  # 2500 tokens ahead at 1000 tok/s
+    # Without a usable rate the load-aware queue is unknown: the spec's estimate stands.
+    unknown = with_in_flight(make_candidate("a", tps=0.0, max_concurrency=4, running=4, queued=5), 4, 1, 9)
+    assert expected_queue_ms(unknown, 0, load_aware=True) is None
 
 
 def test_free_slot_hides_prefill_backlog_but_load_estimate_sees_it() -> None:

@@ -132,7 +132,7 @@ def make_runner(
     machine = AttemptMachine(
         settings or RetrySettings(),
         admission=lambda d, c, r: None,
-        expected_queue=lambda stats, p: stats.queue_time_estimate_ms_by_priority.get(0) or None,
+        expected_queue=lambda c, p, load_aware: c.stats.queue_time_estimate_ms_by_priority.get(0) or None,
     )
     transport = FakeTransport(script, reconnects or {})
     now = clock if clock is not None else [10.0]

@@ -42,7 +42,7 @@ def step(
     state: AttemptState, event: Event, now: float = 10.0, **settings: int
 ) -> tuple[AttemptState, Action]:
     machine = AttemptMachine(
-        RetrySettings(**settings), admission=lambda d, c, r: None, expected_queue=lambda s, p: None
+        RetrySettings(**settings), admission=lambda d, c, r: None, expected_queue=lambda c, p, la: None
     )
     return machine.step(state, event, VIEW, now, random.Random(1))
 

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from support.balancer_builders import make_candidate
 from support.router_fakes import FakeView, ScriptedPolicy, make_request, make_view
 
-from stargate.balancer.estimates import effective_queue_ms
+from stargate.balancer.estimates import expected_queue_ms
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
-from stargate.balancer.types import UNAVAILABLE, Candidate, Choice, Decision, LbRequest, Selected, Wait
+from stargate.balancer.types import (
+    UNAVAILABLE,
+    Candidate,
+    Choice,
+    Decision,
+    InFlight,
+    LbRequest,
+    Selected,
+    Wait,
+)
 from stargate.errors import InputWorkLimitExceeded, NoEligibleCandidates, RoutingError
 from stargate.router.attempt import (
     AdmissionRejected,
@@ -36,7 +46,7 @@ SELECT0 = Selected(Choice(0))
 
 def make_machine(admission: str | None = None) -> AttemptMachine:
     return AttemptMachine(
-        RetrySettings(), admission=lambda d, c, r: admission, expected_queue=effective_queue_ms
+        RetrySettings(), admission=lambda d, c, r: admission, expected_queue=expected_queue_ms
     )
 
 
@@ -244,6 +254,20 @@ def test_p28_p104_expected_queue_from_backlog_when_full_and_none_when_unknown() 
     unknown = make_candidate("c1", queued=5, tps=0.0)
     _, action, _ = route(make_machine(), fresh(), with_candidates((unknown,)))
     assert isinstance(action, Send) and action.expected_queue_ms is None
+
+
+def test_load_aware_expected_queue_counts_this_routers_requests_in_flight() -> None:
+    # Published: 3 of 8 running. This router has 8 in flight there (a burst the next heartbeat
+    # has not counted yet), 4200 prompt tokens of them before their first byte.
+    busy = dataclasses.replace(
+        make_candidate("c1", max_concurrency=8, running=3, tps=100_000.0), in_flight=InFlight(8, 4, 4200)
+    )
+    load_aware = AlgorithmDefinition(Algorithm.POWER_OF_N, load_aware=True)
+    _, action, _ = route(make_machine(), fresh(definition=load_aware), with_candidates((busy,)))
+    assert isinstance(action, Send) and action.expected_queue_ms == 42
+    # The spec's configurations keep the published free-slot rule.
+    _, action, _ = route(make_machine(), fresh(), with_candidates((busy,)))
+    assert isinstance(action, Send) and action.expected_queue_ms == 0
 
 
 def test_request_fields_reach_the_policy() -> None:
