@@ -216,6 +216,10 @@ class AttemptState:
     cluster_id: str = ""
     expected_queue_ms: int | None = None
     choice: Choice | None = None
+    mismatched: frozenset[tuple[str, str]] = frozenset()
+    """(backend id, cluster id) of each backend that answered ``queue_estimate_mismatch``."""
+    expects_queue: bool = True
+    """False once the request was requeued past its mismatches: it is sent without an estimate."""
     notes: tuple[Note, ...] = field(default=(), compare=False)
 
     @property
@@ -259,6 +263,8 @@ class AttemptMachine:
         candidates = snapshot.candidates
         excluded = state.failed_cluster_ids
         if isinstance(snapshot, NoTarget) or all(c.cluster_id in excluded for c in candidates):
+            if _requeues(state, now):
+                return self._route(_requeued(state), snapshot, now, rng)
             return self._unroutable(state, snapshot)
         max_wait_ms = MAX_WAIT_CAP_MS if request.max_wait_ms is None else request.max_wait_ms
         wait_deadline = request.received_at + max_wait_ms / 1000.0
@@ -283,7 +289,11 @@ class AttemptMachine:
         decision = snapshot.policy(definition).decide(candidates, lb_request, rng)
         if isinstance(decision, Selected):
             candidate = candidates[decision.choice.index]
-            expected = self.expected_queue(candidate, request.priority, definition.load_aware)
+            expected = (
+                self.expected_queue(candidate, request.priority, definition.load_aware)
+                if state.expects_queue
+                else None
+            )
             state = replace(
                 state, cluster_id=candidate.cluster_id, expected_queue_ms=expected, choice=decision.choice
             )
@@ -331,16 +341,23 @@ class AttemptMachine:
             return state, Relay()
         if self._budget_spent(state, now):
             return _noted(state, Exhausted("retry_budget_exhausted")), Relay()
+        backend = _current(state)
+        mismatch = signal.reason == QUEUE_ESTIMATE_MISMATCH
+        if mismatch:
+            refused = (backend.inference_server_id, backend.cluster_id)
+            state = replace(state, mismatched=state.mismatched | {refused})
         if state.request_retries >= self.settings.max_request_retries:
+            if mismatch and event.readiness is Readiness.READY and _requeues(state, now):
+                state = _noted(_requeued(state), Retried(signal.reason))
+                return self._route(state, snapshot, now, rng)
             return _noted(state, Exhausted(signal.reason)), Relay()
         if event.readiness is Readiness.INCOMPLETE:
             return state, Relay()
-        backend = _current(state)
         if event.readiness is Readiness.PAYLOAD_TOO_LARGE:
             return state, Fail(_too_large(), backend.inference_server_id)
         state = replace(state, request_retries=state.request_retries + 1)
         state = _noted(state, Retried(signal.reason))
-        if signal.reason == QUEUE_ESTIMATE_MISMATCH:
+        if mismatch:
             return _sibling(state, backend)
         state = replace(state, failed_cluster_ids=state.failed_cluster_ids | {backend.cluster_id})
         return self._route(state, snapshot, now, rng)
@@ -371,6 +388,33 @@ class AttemptMachine:
     def _budget_spent(self, state: AttemptState, now: float) -> bool:
         budget_ms = state.request.retry_budget_ms
         return budget_ms is not None and now >= state.request.received_at + budget_ms / 1000.0
+
+
+def _requeues(state: AttemptState, now: float) -> bool:
+    """Backends refused the request as busier than expected and the client allows a routing wait
+    (``x-max-wait-ms``, or ``--default-max-wait-ms``) that is not over: once, it is routed again
+    instead of failed (not in the original, where it ends 429 or 503)."""
+    request = state.request
+    return (
+        bool(state.mismatched)
+        and state.expects_queue
+        and request.max_wait_ms is not None
+        and now < request.received_at + request.max_wait_ms / 1000.0
+    )
+
+
+def _requeued(state: AttemptState) -> AttemptState:
+    """Routed again with the refusing backends back in, and sent without an expected queue, so
+    Pylon queues it instead of refusing it again: every backend was busier than this router's
+    view, which catches up within a heartbeat, and a wait decided on it still applies."""
+    backend_ids = {backend_id for backend_id, _ in state.mismatched}
+    cluster_ids = {cluster_id for _, cluster_id in state.mismatched}
+    return replace(
+        state,
+        failed_backend_ids=state.failed_backend_ids - backend_ids,
+        failed_cluster_ids=state.failed_cluster_ids - cluster_ids,
+        expects_queue=False,
+    )
 
 
 def _sibling(state: AttemptState, failed: BackendRef) -> tuple[AttemptState, Action]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from support.router_fakes import backend, make_request, make_view
 
@@ -17,6 +18,7 @@ from stargate.router.attempt import (
     Exhausted,
     Fail,
     Pick,
+    Picked,
     Reconnect,
     Reconnected,
     Relay,
@@ -117,3 +119,54 @@ def test_queue_mismatch_tries_a_sibling_and_other_reasons_exclude_the_cluster() 
 def test_a_retry_whose_body_overflowed_is_413_for_that_backend() -> None:
     _, action = step(sending(), Answered(429, signal("busy"), Readiness.PAYLOAD_TOO_LARGE))
     assert isinstance(action, Fail) and action.error.status == 413 and action.backend_id == "a"
+
+
+def _refused_everywhere(**kw: object) -> AttemptState:
+    """Out of request retries: a and z (every cluster) refused it as busier than expected."""
+    return replace(
+        sending(**kw),
+        request_retries=2,
+        failed_backend_ids=frozenset({"a", "b", "z"}),
+        failed_cluster_ids=frozenset({"c2"}),
+        mismatched=frozenset({("b", "c1"), ("z", "c2")}),
+    )
+
+
+def test_a_request_refused_everywhere_is_routed_again_within_its_routing_wait() -> None:
+    mismatch = Answered(429, signal("queue_estimate_mismatch"), READY)
+    state, action = step(_refused_everywhere(max_wait_ms=5000), mismatch)
+    # The refusing backends are back in; the next attempt goes without an expected queue.
+    assert action == Pick("c1", frozenset())
+    assert not state.expects_queue and state.notes == (Retried("queue_estimate_mismatch"),)
+    assert (state.failed_backend_ids, state.failed_cluster_ids) == (frozenset(), frozenset())
+    state, action = step(state, Picked(A))
+    assert isinstance(action, Send) and (action.backend, action.expected_queue_ms) == (A, None)
+    # Once only: refused again (another reason) it ends as the original does.
+    state, action = step(state, Answered(429, signal("busy"), READY))
+    assert action == Relay() and state.notes == (Exhausted("busy"),)
+
+
+def test_without_a_routing_wait_or_past_it_a_refused_request_ends_as_in_the_original() -> None:
+    mismatch = Answered(429, signal("queue_estimate_mismatch"), READY)
+    state, action = step(_refused_everywhere(), mismatch)
+    assert action == Relay() and state.notes == (Exhausted("queue_estimate_mismatch"),)
+    state, action = step(_refused_everywhere(max_wait_ms=5000), mismatch, now=15.0)
+    assert action == Relay() and state.notes == (Exhausted("queue_estimate_mismatch"),)
+    # Other reasons are never requeued.
+    state, action = step(_refused_everywhere(max_wait_ms=5000), Answered(503, signal("busy"), READY))
+    assert action == Relay()
+
+
+def test_a_request_whose_last_cluster_refused_it_is_routed_again_within_its_routing_wait() -> None:
+    # Retries left, but the mismatch removed the last cluster: requeued instead of 503.
+    state = replace(
+        sending(max_wait_ms=5000),
+        failed_cluster_ids=frozenset({"c2"}),
+        failed_backend_ids=frozenset({"b", "z"}),
+        mismatched=frozenset({("z", "c2"), ("b", "c1")}),
+    )
+    state, action = step(state, Answered(429, signal("queue_estimate_mismatch"), READY))
+    assert action == Pick("c1", frozenset({"a", "b", "z"}))
+    state, action = step(state, Picked(None))
+    assert isinstance(action, Pick) and not state.expects_queue
+    assert state.failed_backend_ids == frozenset()
