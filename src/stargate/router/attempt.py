@@ -20,7 +20,10 @@ Attempt outcomes:
 
 * ``Answered`` (response headers arrived): not retryable, budget spent, retries used up or the body
   not replayable → ``Relay``; ``queue_estimate_mismatch`` → a sibling in the same cluster; any other
-  retryable reason → the cluster is excluded and routing runs again.
+  retryable reason → the cluster is excluded and routing runs again. Not in the original: a request
+  that has a routing wait left and that ``queue_estimate_mismatch`` refusals would end (retries used
+  up, or every cluster excluded) is requeued once instead (``_requeues``): routed again with the
+  refusing backends back in and sent without an expected queue, which Pylon admits.
 * ``SendFailed`` (no response): ``UpstreamNotSent`` / a broken connection → ``Reconnect`` the same
   backend, then the same backend again or (``Reconnected(False)``) a sibling; ``UpstreamTimeout``
   → never the same backend again (it may still be running the request): a sibling at once.
