@@ -219,8 +219,9 @@ def load_ttft_ms(
 
 
 def load_tie_key(score_ms: float, running: int, resolution_ms: float) -> tuple[float, int, float]:
-    """Ranking key of the load-aware policies: estimates within ``resolution_ms`` are ties (RTT
-    noise must not decide), broken by fewer requests running (decode load), then by the estimate."""
+    """Ranking key of the load-aware policies: estimates in the same ``resolution_ms``-wide step are
+    ties (RTT noise must not decide), broken by fewer requests running (decode load), then by the
+    estimate."""
     if resolution_ms > 0.0 and score_ms < INF:
         return (score_ms // resolution_ms, running, score_ms)
     return (score_ms, running, score_ms)
