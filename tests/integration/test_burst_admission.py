@@ -54,7 +54,9 @@ async def test_a_burst_past_the_slots_is_served_whole(tmp_path: Path, stargates:
     scenario = scenario.model_copy(update={"stargates": routers})
     async with Fleet(scenario, serve_run(scenario, None, plain=True), tmp_path) as fleet:
         urls = [f"http://{stargate.http}/v1/chat/completions" for stargate in fleet.stargates]
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        connector = aiohttp.TCPConnector(limit=0)  # all 400 at once, not aiohttp's 100
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             statuses = await asyncio.gather(*(_send(http, urls[i % stargates], i) for i in range(REQUESTS)))
             assert statuses == [200] * REQUESTS
             if stargates == 1:
