@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import timeit
-from pathlib import Path
 from types import MappingProxyType
 
 from stargate.balancer import (
@@ -22,10 +21,9 @@ from stargate.balancer import (
     build_policy,
 )
 from stargate.balancer.config import load_lb_config
+from stargate.bench.peers.compare import RECOMMENDED_FILE
 
-ROOT = Path(__file__).resolve().parents[1]
-
-RECOMMENDED = load_lb_config(str(ROOT / "examples" / "lb-config" / "recommended.json")).resolve("llama", None)
+RECOMMENDED = load_lb_config(str(RECOMMENDED_FILE)).resolve("llama", None)
 """The shipped file; with the settings for streaming clients (docs/configuration.md) below it."""
 
 DEFINITIONS = {

@@ -91,10 +91,10 @@ def expected_queue_ms(candidate: Candidate, priority: int, load_aware: bool = Fa
     stats = candidate.stats
     if not load_aware:
         return effective_queue_ms(stats, priority)
+    queue, running, _ = load_queue_running_rate(candidate, priority)
     limit = stats.max_engine_concurrency
-    if limit > 0 and load_running(candidate) < limit:
+    if limit > 0 and running < limit:
         return 0
-    queue = load_queue_ms(candidate, priority)
     if not math.isfinite(queue) or queue > U64_MAX:
         return effective_queue_ms(stats, priority)
     return math.ceil(queue)

@@ -305,11 +305,10 @@ class AttemptMachine:
             pause = min(decision.ms / 1000.0, WAIT_POLL_CAP_S, wait_deadline - now)
             if pause > 0:
                 return _waited(state, pause)
-        if request.max_wait_ms is not None:
-            routing_deadline = request.received_at + request.max_wait_ms / 1000.0
-            if now < routing_deadline:
-                pause = min(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, routing_deadline - now)
-                return _waited(state, pause)
+        routing_deadline = _routing_deadline(request)
+        if routing_deadline is not None and now < routing_deadline:
+            pause = min(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, routing_deadline - now)
+            return _waited(state, pause)
         return self._unroutable(state, snapshot)
 
     def _unroutable(self, state: AttemptState, snapshot: Snapshot) -> tuple[AttemptState, Action]:
@@ -397,13 +396,13 @@ def _requeues(state: AttemptState, now: float) -> bool:
     """Backends refused the request as busier than expected and the client allows a routing wait
     (``x-max-wait-ms``, or ``--default-max-wait-ms``) that is not over: once, it is routed again
     instead of failed (not in the original, where it ends 429 or 503)."""
-    request = state.request
-    return (
-        bool(state.mismatched)
-        and state.expects_queue
-        and request.max_wait_ms is not None
-        and now < request.received_at + request.max_wait_ms / 1000.0
-    )
+    deadline = _routing_deadline(state.request)
+    return bool(state.mismatched) and state.expects_queue and deadline is not None and now < deadline
+
+
+def _routing_deadline(request: ProxyRequest) -> float | None:
+    """When an explicit routing wait (``x-max-wait-ms`` or ``--default-max-wait-ms``) ends."""
+    return None if request.max_wait_ms is None else request.received_at + request.max_wait_ms / 1000.0
 
 
 def _requeued(state: AttemptState) -> AttemptState:
