@@ -78,6 +78,29 @@ async def test_consecutive_failures_eject_and_one_success_restores(stand_in: Sta
         assert (prober.failures, prober.ejected) == (0, False)
 
 
+async def test_late_probes_of_a_backend_that_answers_requests_do_not_eject_it(stand_in: StandIn) -> None:
+    answering = True
+    events: list[tuple[str, int]] = []
+    async with aiohttp.ClientSession() as session:
+        prober = HealthProber(
+            session,
+            stand_in.url,
+            "b1",
+            settings=FAST,
+            on_eject=lambda n: events.append(("eject", n)),
+            answering=lambda: answering,
+        )
+        rtt = await prober.probe()
+        assert rtt is not None
+        stand_in.hanging = True
+        for _ in range(3):  # busy, not down: the RTT stays and nothing is counted
+            assert await prober.probe() == rtt
+        assert (prober.failures, prober.ejected, events) == (0, False, [])
+        answering = False  # it stopped answering requests too
+        assert await prober.probe() is None and await prober.probe() is None
+        assert events == [("eject", 2)]
+
+
 async def test_probe_loop_rechecks_sooner_after_a_failure(stand_in: StandIn) -> None:
     sleeps: list[float] = []
     settings = HealthSettings(interval_s=1.0, timeout_s=0.05, recheck_s=0.2, unhealthy_threshold=3)

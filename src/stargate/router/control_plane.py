@@ -7,7 +7,8 @@ The idle timeout runs on the injected clock. Every applied update is acknowledge
 health probe failed (the update then removes the backend's ACTIVE routes; §5.5 of the original
 skips the ack only when a QUIC tunnel cannot be opened, which has no HTTP equivalent).
 Between updates the backend's health prober ejects it from routing after consecutive failed probes
-and re-applies its latest update when a probe succeeds again (``router/health.py``).
+(not counted while the backend answers requests) and re-applies its latest update when a probe
+succeeds again (``router/health.py``).
 """
 
 from __future__ import annotations
@@ -291,6 +292,7 @@ class ControlPlane:
         settings = self._settings
         backend_id = identity.inference_server_id
         latest: dict[str, ModelStats | None] = {}  # the last update, re-applied when a backend returns
+        answer_window_s = settings.health.interval_s + settings.health.timeout_s  # about since the last probe
 
         def eject(failures: int) -> None:
             log.warning(
@@ -309,6 +311,7 @@ class ControlPlane:
             settings=settings.health,
             on_eject=eject,
             on_restore=restore,
+            answering=lambda: self._state.answered_within(backend_id, answer_window_s),
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
         ended: _StreamEnd | None = None

@@ -10,6 +10,12 @@ row fail, ``on_eject`` takes the backend out of routing at once; the first probe
 again calls ``on_restore(rtt)``. While a backend fails, it is probed every ``recheck_s`` instead of
 every ``interval_s``, so with the defaults a backend that stops answering leaves routing within
 ``interval + threshold x timeout + recheck`` = 2.25 s.
+
+A probe that fails while the backend answers this router's requests (``answering``: a response
+of it began since about the previous probe) is not counted: a loaded engine, or a router whose
+event loop runs late in a burst, answers probes late, and ejecting every busy backend at once
+failed each request the routers were holding. Such a backend keeps its last RTT; one that stops
+answering requests too leaves routing at most ``interval + timeout`` later than above.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class HealthProber:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_eject: Callable[[int], None] | None = None,
         on_restore: Callable[[int], None] | None = None,
+        answering: Callable[[], bool] | None = None,
     ) -> None:
         self._session = session
         self._url = url.rstrip("/") + "/health"
@@ -67,6 +74,7 @@ class HealthProber:
         self._sleep = sleep
         self._on_eject = on_eject
         self._on_restore = on_restore
+        self._answering = answering
         self._task: asyncio.Task[None] | None = None
         self.rtt_ns: int | None = None
         """Latest status: the RTT of the last successful probe (``Ready``), ``None`` for ``Pending``."""
@@ -75,7 +83,8 @@ class HealthProber:
         self.ejected = False
 
     async def probe(self) -> int | None:
-        """One probe; records and returns its RTT in ns, or ``None`` on any failure."""
+        """One probe; records and returns its RTT in ns, or ``None`` on a failure (the last RTT when
+        the backend is ``answering`` requests meanwhile)."""
         started = self._clock_ns()
         try:
             async with self._session.get(self._url, headers=self._headers, timeout=self._timeout) as resp:
@@ -87,6 +96,8 @@ class HealthProber:
                 ok = 200 <= resp.status < 300
         except (aiohttp.ClientError, TimeoutError, ValueError):
             ok = False
+        if not ok and self._answering is not None and self._answering():
+            return self.rtt_ns
         self.rtt_ns = self._clock_ns() - started if ok else None
         self._count(self.rtt_ns)
         return self.rtt_ns

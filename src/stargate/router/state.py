@@ -144,6 +144,7 @@ class RoutingState:
         self._cluster_generations: dict[tuple[str | None, str], _ClusterGeneration] = {}
         self._targets: dict[Target, _TargetState] = {}
         self._advertised: dict[Target, int] = {}
+        self._answered: dict[str, float] = {}  # backend id -> when a response of it last began
 
     # ---- readers (proxy side) ------------------------------------------------------------------
 
@@ -255,8 +256,17 @@ class RoutingState:
         self._change(reservation, ClusterState.release)
 
     def first_byte(self, reservation: Reservation) -> None:
-        """The attempt's first response byte arrived: it no longer counts as prefill work."""
+        """The attempt's first response byte arrived: it no longer counts as prefill work, and the
+        backend is answering (``answered_within``)."""
+        if reservation.backend_id in self._live:
+            self._answered[reservation.backend_id] = self._clock()
         self._change(reservation, ClusterState.first_byte)
+
+    def answered_within(self, backend_id: str, seconds: float) -> bool:
+        """Whether a response of the backend began within the last ``seconds``: a backend busy
+        enough to answer its health probe late is still alive while it answers requests."""
+        at = self._answered.get(backend_id)
+        return at is not None and self._clock() - at <= seconds
 
     def finish(self, reservation: Reservation) -> None:
         """The attempt ended (any outcome): a pending reservation ends with it (not in the original,
@@ -333,6 +343,7 @@ class RoutingState:
             self._remove_member(target, handle)
         self._readvertise(routing_key, registration.advertised, frozenset())
         del self._live[handle.backend.inference_server_id]
+        self._answered.pop(handle.backend.inference_server_id, None)
         key = (routing_key, handle.backend.cluster_id)
         cluster_generation = self._cluster_generations[key]
         cluster_generation.members -= 1
