@@ -88,14 +88,14 @@ async def test_late_probes_of_a_backend_that_answers_requests_do_not_eject_it(st
             "b1",
             settings=FAST,
             on_eject=lambda n: events.append(("eject", n)),
-            answering=lambda: answering,
+            answering=lambda seconds: answering and 0.0 < seconds < 1.0,
         )
         rtt = await prober.probe()
         assert rtt is not None
         stand_in.hanging = True
         for _ in range(3):  # busy, not down: the RTT stays and nothing is counted
             assert await prober.probe() == rtt
-        assert (prober.failures, prober.ejected, events) == (0, False, [])
+        assert (prober.failures, prober.late, prober.ejected, events) == (0, True, False, [])
         answering = False  # it stopped answering requests too
         assert await prober.probe() is None and await prober.probe() is None
         assert events == [("eject", 2)]

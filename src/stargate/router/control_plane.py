@@ -292,7 +292,6 @@ class ControlPlane:
         settings = self._settings
         backend_id = identity.inference_server_id
         latest: dict[str, ModelStats | None] = {}  # the last update, re-applied when a backend returns
-        answer_window_s = settings.health.interval_s + settings.health.timeout_s  # about since the last probe
 
         def eject(failures: int) -> None:
             log.warning(
@@ -311,7 +310,7 @@ class ControlPlane:
             settings=settings.health,
             on_eject=eject,
             on_restore=restore,
-            answering=lambda: self._state.answered_within(backend_id, answer_window_s),
+            answering=lambda seconds: self._state.answered_within(backend_id, seconds),
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
         ended: _StreamEnd | None = None

@@ -12,10 +12,11 @@ every ``interval_s``, so with the defaults a backend that stops answering leaves
 ``interval + threshold x timeout + recheck`` = 2.25 s.
 
 A probe that fails while the backend answers this router's requests (``answering``: a response
-of it began since about the previous probe) is not counted: a loaded engine, or a router whose
-event loop runs late in a burst, answers probes late, and ejecting every busy backend at once
-failed each request the routers were holding. Such a backend keeps its last RTT; one that stops
-answering requests too leaves routing at most ``interval + timeout`` later than above.
+of it began while the probe waited) is not counted, and the next probe comes ``recheck_s`` later:
+a loaded engine, or a router whose event loop runs late in a burst, answers probes late, and
+ejecting every busy backend at once failed each request the routers were holding. Such a backend
+keeps its last RTT; one that stops answering requests stops answering while probes wait, so it
+leaves routing as before.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class HealthProber:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_eject: Callable[[int], None] | None = None,
         on_restore: Callable[[int], None] | None = None,
-        answering: Callable[[], bool] | None = None,
+        answering: Callable[[float], bool] | None = None,
     ) -> None:
+        """``answering(seconds)``: whether a response of the backend began within the last ``seconds``."""
         self._session = session
         self._url = url.rstrip("/") + "/health"
         self._headers = {
@@ -81,6 +83,8 @@ class HealthProber:
         self.failures = 0
         """Probes failed in a row."""
         self.ejected = False
+        self.late = False
+        """The last probe failed while the backend answered requests (not counted in ``failures``)."""
 
     async def probe(self) -> int | None:
         """One probe; records and returns its RTT in ns, or ``None`` on a failure (the last RTT when
@@ -96,7 +100,10 @@ class HealthProber:
                 ok = 200 <= resp.status < 300
         except (aiohttp.ClientError, TimeoutError, ValueError):
             ok = False
-        if not ok and self._answering is not None and self._answering():
+        self.late = not ok and self._answering is not None and self._answering(
+            (self._clock_ns() - started) / 1e9
+        )
+        if self.late:
             return self.rtt_ns
         self.rtt_ns = self._clock_ns() - started if ok else None
         self._count(self.rtt_ns)
@@ -136,7 +143,7 @@ class HealthProber:
     async def _run(self) -> None:
         settings = self._settings
         while True:
-            await self._sleep(settings.recheck_s if self.failures else settings.interval_s)
+            await self._sleep(settings.recheck_s if self.failures or self.late else settings.interval_s)
             await self.probe()
 
 
