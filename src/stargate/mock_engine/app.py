@@ -133,7 +133,7 @@ async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRun
     runner = web.AppRunner(
         build_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
     )
-    await listen(runner, host, port, backlog=1024)
+    await listen(runner, host, port)
     bound = runner.addresses[0]
     if not engine.backend_id:
         engine.backend_id = f"{engine.config.model}/{bound[1]}"
