@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import pytest
@@ -56,17 +57,25 @@ async def stand_in() -> AsyncIterator[StandIn]:
     await runner.cleanup()
 
 
+def recording_prober(
+    session: aiohttp.ClientSession, url: str, events: list[tuple[str, int]], **kwargs: Any
+) -> HealthProber:
+    """A fast prober of ``url`` that appends its ejections and restorations to ``events``."""
+    return HealthProber(
+        session,
+        url,
+        "b1",
+        settings=FAST,
+        on_eject=lambda n: events.append(("eject", n)),
+        on_restore=lambda rtt: events.append(("restore", rtt)),
+        **kwargs,
+    )
+
+
 async def test_consecutive_failures_eject_and_one_success_restores(stand_in: StandIn) -> None:
     events: list[tuple[str, int]] = []
     async with aiohttp.ClientSession() as session:
-        prober = HealthProber(
-            session,
-            stand_in.url,
-            "b1",
-            settings=FAST,
-            on_eject=lambda n: events.append(("eject", n)),
-            on_restore=lambda rtt: events.append(("restore", rtt)),
-        )
+        prober = recording_prober(session, stand_in.url, events)
         assert await prober.probe() is not None
         stand_in.hanging = True
         assert await prober.probe() is None and events == []  # one failure is not enough
@@ -82,13 +91,8 @@ async def test_late_probes_of_a_backend_that_answers_requests_do_not_eject_it(st
     answering = True
     events: list[tuple[str, int]] = []
     async with aiohttp.ClientSession() as session:
-        prober = HealthProber(
-            session,
-            stand_in.url,
-            "b1",
-            settings=FAST,
-            on_eject=lambda n: events.append(("eject", n)),
-            answering=lambda seconds: answering and 0.0 < seconds < 1.0,
+        prober = recording_prober(
+            session, stand_in.url, events, answering=lambda seconds: answering and 0.0 < seconds < 1.0
         )
         rtt = await prober.probe()
         assert rtt is not None
