@@ -72,6 +72,8 @@ class FakeState:
     reserved: list[tuple[str, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    first_bytes: list[tuple[int, bool]] = field(default_factory=list)
+    """(reservation, answered) of each relayed response's first body byte."""
 
     def view(self, target: Target) -> FakeView | None:
         return self.current
@@ -94,8 +96,8 @@ class FakeState:
     def release(self, reservation: int) -> None:
         self.released.append(reservation)
 
-    def first_byte(self, reservation: int) -> None:
-        pass
+    def first_byte(self, reservation: int, answered: bool = True) -> None:
+        self.first_bytes.append((reservation, answered))
 
     def finish(self, reservation: int) -> None:
         self.finished.append(reservation)

@@ -79,7 +79,7 @@ class RoutingStateView(Protocol):
         key: str | None,
     ) -> Any: ...
     def release(self, reservation: Any) -> None: ...
-    def first_byte(self, reservation: Any) -> None: ...
+    def first_byte(self, reservation: Any, answered: bool = True) -> None: ...
     def finish(self, reservation: Any) -> None: ...
 
 
@@ -192,7 +192,7 @@ class AttemptDriver:
                     self._state.finish(reservation)
                     raise
                 if first is not None:
-                    self._state.first_byte(reservation)
+                    self._state.first_byte(reservation, answered=response.status < 500)
                 return Passthrough(response, state.backend, first, rest, reservation)
             else:
                 return LocalFailure(action.error, action.backend_id)

@@ -255,10 +255,11 @@ class RoutingState:
         """End only the optimistic load (the backend refused the attempt: §1.9 (c))."""
         self._change(reservation, ClusterState.release)
 
-    def first_byte(self, reservation: Reservation) -> None:
-        """The attempt's first response byte arrived: it no longer counts as prefill work, and the
-        backend is answering (``answered_within``)."""
-        if reservation.backend_id in self._live:
+    def first_byte(self, reservation: Reservation, answered: bool = True) -> None:
+        """The attempt's first response byte arrived: it no longer counts as prefill work.
+        ``answered``: the response is no server error, so the backend is alive (``answered_within``);
+        a Pylon whose engine is down answers 5xx at once."""
+        if answered and reservation.backend_id in self._live:
             self._answered[reservation.backend_id] = self._clock()
         self._change(reservation, ClusterState.first_byte)
 

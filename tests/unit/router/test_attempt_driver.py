@@ -208,6 +208,13 @@ async def test_p110_unsignalled_503_passthrough_by_default_and_retried_when_not_
     assert value(metrics, "stargate_proxy_retries_total", reason="retryable_upstream_response") == 1
 
 
+async def test_only_a_relayed_answer_below_500_shows_the_backend_alive_to_its_health_checks() -> None:
+    runner, state, *_ = make_runner({"c1": ["r"]}, {"r": [FakeResponse(503), FakeResponse(400)]})
+    assert isinstance(await run(runner), Passthrough)  # a Pylon whose engine is down answers at once
+    assert isinstance(await run(runner), Passthrough)
+    assert state.first_bytes == [(0, False), (1, True)]
+
+
 async def test_p111_request_retry_limit_returns_last_rejection() -> None:
     runner, _, _, metrics = make_runner(
         {"c1": ["a"], "c2": ["b"], "c3": ["c"]},

@@ -507,7 +507,7 @@ def test_a_pylon_that_leaves_the_cache_out_is_credited_nothing_more() -> None:
     assert only_candidate(state).stats.queued_input_size == 0
 
 
-def test_a_backend_answers_from_its_first_response_byte_until_the_window_passes_or_it_leaves() -> None:
+def test_a_backend_answers_from_a_first_response_byte_until_the_window_passes_or_it_leaves() -> None:
     state, clock = make_state()
     a, b = join(state, "a"), join(state, "b")
     publish(state, a, ModelStats())
@@ -519,6 +519,8 @@ def test_a_backend_answers_from_its_first_response_byte_until_the_window_passes_
     clock.now += 1.5
     assert state.answered_within("a", 1.5) and not state.answered_within("b", 1.5)
     clock.now += 0.1
+    assert not state.answered_within("a", 1.5)
+    state.first_byte(state.reserve(T, "a", 10, 0), answered=False)  # a 5xx: no sign of life
     assert not state.answered_within("a", 1.5)
     state.first_byte(state.reserve(T, "a", 10, 0))
     state.remove(a)
