@@ -309,14 +309,20 @@ class AttemptMachine:
         if routing_deadline is not None and now < routing_deadline:
             pause = min(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, routing_deadline - now)
             return _waited(state, pause)
-        return self._unroutable(state, snapshot)
+        if request.max_wait_ms is None:
+            reason = "no backend for this model can take the request now (x-max-wait-ms lets it wait)"
+        else:
+            reason = f"no backend for this model took the request within its {request.max_wait_ms} ms wait"
+        return self._unroutable(state, snapshot, reason)
 
-    def _unroutable(self, state: AttemptState, snapshot: Snapshot) -> tuple[AttemptState, Action]:
+    def _unroutable(
+        self, state: AttemptState, snapshot: Snapshot, reason: str = "no selectable backend for this model"
+    ) -> tuple[AttemptState, Action]:
         if isinstance(snapshot, NoTarget) and not snapshot.advertised and not state.any_failure:
             return state, Fail(NoEligibleCandidates(), "")
         if state.any_failure:
             state = _noted(state, Exhausted("no_eligible_backend"))
-        return state, Fail(RoutingError("no selectable backend for this model"), "")
+        return state, Fail(RoutingError(reason), "")
 
     def _picked(
         self,

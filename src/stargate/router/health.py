@@ -12,11 +12,11 @@ every ``interval_s``, so with the defaults a backend that stops answering leaves
 ``interval + threshold x timeout + recheck`` = 2.25 s.
 
 A probe that fails while the backend answers this router's requests (``answering``: a response
-of it, not a server error, began while the probe waited) is not counted, and the next probe comes ``recheck_s`` later:
-a loaded engine, or a router whose event loop runs late in a burst, answers probes late, and
-ejecting every busy backend at once failed each request the routers were holding. Such a backend
-keeps its last RTT; one that stops answering requests stops answering while probes wait, so it
-leaves routing as before.
+of it, not a server error, began while the probe waited) is not counted, and the next probe comes
+``recheck_s`` later: a loaded engine, or a router whose event loop runs late in a burst, answers
+probes late, and ejecting every busy backend at once failed each request the routers were holding.
+Such a backend keeps its last RTT; one that stops answering requests stops answering while probes
+wait, so it leaves routing as before.
 """
 
 from __future__ import annotations

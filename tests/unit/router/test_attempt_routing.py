@@ -155,6 +155,16 @@ def test_p122_unavailable_polls_1_to_9ms_until_capped_deadline() -> None:
     assert state.routing_retry_attempts == len(sleeps)
 
 
+def test_a_request_no_backend_could_take_says_whether_it_waited() -> None:
+    view, _ = scripted([UNAVAILABLE])
+    _, now, _ = route(make_machine(), fresh(), view)
+    assert isinstance(now, Fail) and now.error.code == "no_selectable_backend"
+    assert "x-max-wait-ms lets it wait" in str(now.error)
+    _, waited, _ = route(make_machine(), fresh(max_wait_ms=250), view)
+    assert isinstance(waited, Fail) and waited.error.code == "no_selectable_backend"
+    assert "within its 250 ms wait" in str(waited.error)
+
+
 def test_unavailable_then_selected_within_max_wait() -> None:
     view, _ = scripted([UNAVAILABLE, UNAVAILABLE, SELECT0])
     _, action, sleeps = route(make_machine(), fresh(max_wait_ms=250), view)
