@@ -69,6 +69,7 @@ class FakeView:
 class FakeState:
     current: FakeView | None
     advertised: bool = True
+    starting: bool = False
     reserved: list[tuple[str, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)

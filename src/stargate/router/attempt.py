@@ -9,7 +9,9 @@ does I/O and records metrics (from the actions and from ``state.notes``).
 Routing pass (on ``Start``, ``Woke`` and a cluster that ran out of backends):
 
 * every candidate excluded (or none) → final ``Fail``: 404 ``NoEligibleCandidates`` for a target
-  nobody advertises when nothing failed in this request, else 503 ``RoutingError``;
+  nobody advertises when nothing failed in this request, else 503 ``RoutingError``. Not in the
+  original: a request with a routing wait that finds no target while the router is ``starting``
+  polls every 25 ms within that wait, as a restarted router's Pylons register again;
 * input-work admission rejection → ``Fail(InputWorkLimitExceeded)``;
 * ``Selected`` → ``Pick`` a backend of the chosen cluster; ``Picked(None)`` excludes the cluster and
   routes again (the one place "pick a backend, else exclude the cluster" is written);
@@ -72,9 +74,11 @@ class TargetSnapshot(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class NoTarget:
-    """The target has no routable cluster; ``advertised`` tells 503 from 404."""
+    """The target has no routable cluster; ``advertised`` tells 503 from 404. ``starting``: the
+    router started moments ago, and backends may still be registering (``RoutingState.starting``)."""
 
     advertised: bool
+    starting: bool = False
     candidates: tuple[Candidate, ...] = ()
 
 
@@ -268,6 +272,10 @@ class AttemptMachine:
         if isinstance(snapshot, NoTarget) or all(c.cluster_id in excluded for c in candidates):
             if _requeues(state, now):
                 return self._route(_requeued(state), snapshot, now, rng)
+            if isinstance(snapshot, NoTarget) and snapshot.starting:  # backends may be registering
+                routing_deadline = _routing_deadline(request)
+                if routing_deadline is not None and now < routing_deadline:
+                    return _waited(state, min(WAIT_POLL_CAP_S, routing_deadline - now))
             return self._unroutable(state, snapshot)
         max_wait_ms = MAX_WAIT_CAP_MS if request.max_wait_ms is None else request.max_wait_ms
         wait_deadline = request.received_at + max_wait_ms / 1000.0

@@ -69,6 +69,8 @@ class RoutingStateView(Protocol):
 
     def view(self, target: Target) -> TargetSnapshot | None: ...
     def is_advertised(self, target: Target) -> bool: ...
+    @property
+    def starting(self) -> bool: ...
     def reserve(
         self,
         target: Target,
@@ -268,7 +270,7 @@ class AttemptDriver:
 
     def _snapshot(self, target: Target) -> Snapshot:
         view = self._state.view(target)
-        return view if view is not None else NoTarget(self._state.is_advertised(target))
+        return view if view is not None else NoTarget(self._state.is_advertised(target), self._state.starting)
 
     def _noted(self, target: Target, notes: tuple[Note, ...], trace: RouteTrace | None) -> None:
         """The machine's notes of one step as metrics (and retry reasons on the request's span)."""

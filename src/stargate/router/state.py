@@ -28,6 +28,8 @@ from stargate.router.clusters import Backend, BackendPicker, ClusterState, Membe
 __all__ = ["Backend", "RegistrationHandle", "Reservation", "RoutingState", "TargetView"]
 
 BLANK_MODEL_ID_MESSAGE = "model_ids must not contain empty values"
+STARTUP_GRACE_S = 10.0
+"""A restarted router's Pylons register again within their reconnect backoff (at most 5 s)."""
 
 
 class TargetView:
@@ -145,8 +147,15 @@ class RoutingState:
         self._targets: dict[Target, _TargetState] = {}
         self._advertised: dict[Target, int] = {}
         self._answered: dict[str, float] = {}  # backend id -> when a response of it last began
+        self._started = clock()
 
     # ---- readers (proxy side) ------------------------------------------------------------------
+
+    @property
+    def starting(self) -> bool:
+        """Within ``STARTUP_GRACE_S`` of this state's creation: a model nobody advertises yet may
+        be one whose backends have not registered again since the router started."""
+        return self._clock() - self._started < STARTUP_GRACE_S
 
     def view(self, target: Target) -> TargetView | None:
         state = self._targets.get(target)

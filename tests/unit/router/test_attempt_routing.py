@@ -308,3 +308,16 @@ def test_notes_last_one_step_only() -> None:
     state = AttemptState(make_request(), failed_backend_ids=frozenset({"x"}), notes=(Exhausted("old"),))
     state, action = make_machine().step(state, Start(), NoTarget(advertised=True), 100.0, random.Random(1))
     assert state.notes == (Exhausted("no_eligible_backend"),) and isinstance(action, Fail)
+
+
+def test_a_router_that_just_started_lets_a_request_wait_for_its_model_to_register() -> None:
+    starting = NoTarget(advertised=False, starting=True)
+    _, action, sleeps = route(make_machine(), fresh(max_wait_ms=100), starting)
+    assert isinstance(action, Fail) and isinstance(action.error, NoEligibleCandidates)
+    assert abs(sum(sleeps) - 0.100) < 1e-9 and max(sleeps) <= 0.025
+    _, action, sleeps = route(make_machine(), fresh(), starting)  # no routing wait: the spec's 404
+    assert isinstance(action, Fail) and isinstance(action.error, NoEligibleCandidates) and sleeps == []
+    view, _ = scripted([SELECT0])
+    state, action = make_machine().step(fresh(max_wait_ms=100), Start(), starting, 100.0, random.Random(1))
+    state, action = make_machine().step(state, Woke(), view, 100.025, random.Random(1))
+    assert isinstance(action, Pick)  # it registered meanwhile

@@ -525,3 +525,12 @@ def test_a_backend_answers_from_a_first_response_byte_until_the_window_passes_or
     state.first_byte(state.reserve(T, "a", 10, 0))
     state.remove(a)
     assert not state.answered_within("a", 1.5)
+
+
+def test_the_state_is_starting_for_its_first_ten_seconds() -> None:
+    state, clock = make_state()
+    assert state.starting
+    clock.now += 9.9
+    assert state.starting
+    clock.now += 0.1
+    assert not state.starting
