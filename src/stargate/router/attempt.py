@@ -12,6 +12,8 @@ Routing pass (on ``Start``, ``Woke`` and a cluster that ran out of backends):
   nobody advertises when nothing failed in this request, else 503 ``RoutingError``. Not in the
   original: a request with a routing wait that finds no target while the router is ``starting``
   polls every 25 ms within that wait, as a restarted router's Pylons register again;
+* a request that arrives while the router holds ``max_held_requests`` and would wait → 503
+  ``RoutingError`` at once (not in the original, whose waits are bounded only by time);
 * input-work admission rejection → ``Fail(InputWorkLimitExceeded)``;
 * ``Selected`` → ``Pick`` a backend of the chosen cluster; ``Picked(None)`` excludes the cluster and
   routes again (the one place "pick a backend, else exclude the cluster" is written);
@@ -95,6 +97,8 @@ class RetrySettings:
     max_connect_retries: int = 2
     max_request_retries: int = 2
     require_pylon_retry_signal: bool = True
+    max_held_requests: int = 10_000
+    """Requests the router may hold waiting for room at once (0 = no limit; not in the original)."""
 
 
 # ---- notes: what a step decided that the driver counts ------------------------------------------
@@ -128,7 +132,8 @@ Note = Retried | Exhausted | Evicted | AdmissionRejected
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    pass
+    held: int = 0
+    """Requests the router holds waiting for room as this one arrives."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +256,10 @@ class AttemptMachine:
     ) -> tuple[AttemptState, Action]:
         if state.notes:
             state = replace(state, notes=())
-        if isinstance(event, Start | Woke):
+        if isinstance(event, Start):
+            limit = self.settings.max_held_requests
+            return self._route(state, snapshot, now, rng, full=0 < limit <= event.held)
+        if isinstance(event, Woke):
             return self._route(state, snapshot, now, rng)
         if isinstance(event, Picked):
             return self._picked(state, event.backend, snapshot, now, rng)
@@ -264,18 +272,26 @@ class AttemptMachine:
     # ---- routing (§4.7) ------------------------------------------------------------------------
 
     def _route(
-        self, state: AttemptState, snapshot: Snapshot, now: float, rng: random.Random
+        self, state: AttemptState, snapshot: Snapshot, now: float, rng: random.Random, full: bool = False
     ) -> tuple[AttemptState, Action]:
+        """``full``: the router holds ``max_held_requests`` already, so this one may not wait."""
         request = state.request
+
+        def wait(pause: float) -> tuple[AttemptState, Action]:
+            if not full:
+                return _waited(state, pause)
+            held = self.settings.max_held_requests
+            return state, Fail(RoutingError(f"the router already holds {held} requests waiting for room"), "")
+
         candidates = snapshot.candidates
         excluded = state.failed_cluster_ids
         if isinstance(snapshot, NoTarget) or all(c.cluster_id in excluded for c in candidates):
             if _requeues(state, now):
-                return self._route(_requeued(state), snapshot, now, rng)
+                return self._route(_requeued(state), snapshot, now, rng, full)
             if isinstance(snapshot, NoTarget) and snapshot.starting:  # backends may be registering
                 routing_deadline = _routing_deadline(request)
                 if routing_deadline is not None and now < routing_deadline:
-                    return _waited(state, min(WAIT_POLL_CAP_S, routing_deadline - now))
+                    return wait(min(WAIT_POLL_CAP_S, routing_deadline - now))
             return self._unroutable(state, snapshot)
         max_wait_ms = MAX_WAIT_CAP_MS if request.max_wait_ms is None else request.max_wait_ms
         wait_deadline = request.received_at + max_wait_ms / 1000.0
@@ -312,11 +328,11 @@ class AttemptMachine:
         if isinstance(decision, Wait):
             pause = min(decision.ms / 1000.0, WAIT_POLL_CAP_S, wait_deadline - now)
             if pause > 0:
-                return _waited(state, pause)
+                return wait(pause)
         routing_deadline = _routing_deadline(request)
         if routing_deadline is not None and now < routing_deadline:
             pause = min(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, routing_deadline - now)
-            return _waited(state, pause)
+            return wait(pause)
         if request.max_wait_ms is None:
             reason = "no backend for this model can take the request now (x-max-wait-ms lets it wait)"
         else:

@@ -99,6 +99,13 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "immediate 503 when nothing is selectable",
     )
     add(
+        "--max-held-requests",
+        env_var="STARGATE_MAX_HELD_REQUESTS",
+        type=non_negative_int,
+        default=_D.retry.max_held_requests,
+        help="requests the router holds waiting for room at once; more get 503 at once (0 = no limit)",
+    )
+    add(
         "--proxy-require-pylon-retry-signal",
         env_var="STARGATE_PROXY_REQUIRE_PYLON_RETRY_SIGNAL",
         type=parse_bool,
@@ -261,6 +268,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
             max_connect_retries=options.proxy_max_connect_retries,
             max_request_retries=options.proxy_max_request_retries,
             require_pylon_retry_signal=options.proxy_require_pylon_retry_signal,
+            max_held_requests=options.max_held_requests,
         ),
         proxy=ProxySettings(
             max_replay_body_bytes=options.proxy_max_replay_body_bytes,

@@ -59,7 +59,6 @@ from stargate.wire import headers as h
 
 log = logging.getLogger(__name__)
 
-START = Start()
 WOKE = Woke()
 
 
@@ -133,6 +132,9 @@ class AttemptDriver:
         self._sleep = sleep
         self._rng = rng if rng is not None else random.Random()
         self._require_signal = machine.settings.require_pylon_retry_signal
+        self._holding = 0
+        """Requests asleep between routing passes, the ones held waiting for room
+        (``RetrySettings.max_held_requests``)."""
 
     async def run(
         self,
@@ -146,7 +148,7 @@ class AttemptDriver:
         """``trace``, when given, receives the routing facts for the request's span."""
         target, clock = request.target, self._clock
         state = start(request)
-        event: Event = START
+        event: Event = Start(self._holding)
         response: UpstreamResponse | None = None
         reservation: Any = None
         routing_started: float | None = clock()
@@ -165,7 +167,11 @@ class AttemptDriver:
                     picked = snapshot.pick_backend(action.cluster_id, action.failed_backend_ids)
                 event = Picked(picked)
             elif isinstance(action, Sleep):
-                await self._sleep(action.seconds)
+                self._holding += 1
+                try:
+                    await self._sleep(action.seconds)
+                finally:
+                    self._holding -= 1
                 if trace is not None:
                     trace.waited_s += action.seconds
                 event = WOKE

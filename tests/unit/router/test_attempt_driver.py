@@ -15,11 +15,14 @@ from support.router_fakes import (
     FakeState,
     FakeView,
     FirstEligible,
+    ScriptedPolicy,
     backend,
     make_request,
+    make_view,
 )
 
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
+from stargate.balancer.types import UNAVAILABLE, Choice, Selected
 from stargate.errors import UpstreamError, UpstreamNotSent, UpstreamTimeout
 from stargate.router.attempt import AttemptMachine, RetrySettings
 from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
@@ -447,3 +450,23 @@ async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_rel
     assert state.finished == [0, 1, 2]
     runner.finish(outcome)
     assert state.finished == [0, 1, 2, 3]
+
+
+async def test_a_request_arriving_while_the_router_holds_its_limit_gets_503_the_held_one_goes_on() -> None:
+    policy = ScriptedPolicy([UNAVAILABLE, UNAVAILABLE, Selected(Choice(0))])
+    state = FakeState(make_view({"c1": ["b1"]}, policy))
+    settings = RetrySettings(max_held_requests=1)
+    machine = AttemptMachine(settings, admission=lambda d, c, r: None, expected_queue=lambda c, p, a: None)
+    arrived: list[Passthrough | LocalFailure] = []
+
+    async def sleep(_seconds: float) -> None:  # while the first request is held, a second arrives
+        if not arrived:
+            arrived.append(await run(driver, max_wait_ms=1000))
+
+    transport = FakeTransport({"b1": [FakeResponse(200)]})
+    driver = AttemptDriver(state, machine, transport, RouterMetrics(), clock=lambda: 10.0, sleep=sleep)
+    held = await run(driver, max_wait_ms=1000)
+    assert isinstance(held, Passthrough) and held.response.status == 200
+    (second,) = arrived
+    assert isinstance(second, LocalFailure) and second.status == 503
+    assert str(second.error) == "the router already holds 1 requests waiting for room"

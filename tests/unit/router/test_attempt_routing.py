@@ -321,3 +321,28 @@ def test_a_router_that_just_started_lets_a_request_wait_for_its_model_to_registe
     state, action = make_machine().step(fresh(max_wait_ms=100), Start(), starting, 100.0, random.Random(1))
     state, action = make_machine().step(state, Woke(), view, 100.025, random.Random(1))
     assert isinstance(action, Pick)  # it registered meanwhile
+
+
+def test_a_request_that_would_wait_while_the_router_holds_its_limit_gets_503_at_once() -> None:
+    machine = AttemptMachine(
+        RetrySettings(max_held_requests=3), admission=lambda d, c, r: None, expected_queue=expected_queue_ms
+    )
+    rng = random.Random(1)
+    for decision in (UNAVAILABLE, Wait(50.0)):
+        view, _ = scripted([decision])
+        _, action = machine.step(fresh(max_wait_ms=1000), Start(held=3), view, 100.0, rng)
+        assert isinstance(action, Fail) and type(action.error) is RoutingError
+        assert str(action.error) == "the router already holds 3 requests waiting for room"
+        _, action = machine.step(fresh(max_wait_ms=1000), Start(held=2), view, 100.0, rng)
+        assert isinstance(action, Sleep)  # room for one more
+    view, _ = scripted([SELECT0])
+    _, action = machine.step(fresh(max_wait_ms=1000), Start(held=3), view, 100.0, rng)
+    assert isinstance(action, Pick)  # one that need not wait is not held
+    view, _ = scripted([UNAVAILABLE])
+    _, action = machine.step(fresh(max_wait_ms=1000), Woke(), view, 100.0, rng)
+    assert isinstance(action, Sleep)  # one already waiting keeps its place
+    unlimited = AttemptMachine(
+        RetrySettings(max_held_requests=0), admission=lambda d, c, r: None, expected_queue=expected_queue_ms
+    )
+    _, action = unlimited.step(fresh(max_wait_ms=1000), Start(held=10**6), view, 100.0, rng)
+    assert isinstance(action, Sleep)
