@@ -30,6 +30,7 @@ class FakeEngine:
     stream_status: int = 404
     stream_lines: list[bytes] = field(default_factory=list)
     calibration_status: int = 200
+    hold_canaries: bool = False  # canaries wait unanswered, as behind a saturated engine's queue
     requests: list[tuple[str, str, CIMultiDict[str], bytes]] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -52,6 +53,8 @@ class FakeEngine:
         self.requests.append((request.method, request.path_qs, CIMultiDict(request.headers), body))
         obj = orjson.loads(body)
         if not obj.get("stream"):
+            if self.hold_canaries and request.headers.get("x-request-id", "").startswith("canary-"):
+                await self._hold()
             await asyncio.sleep(0.015)
             if (
                 request.headers.get("x-request-id", "").startswith("calibration-")

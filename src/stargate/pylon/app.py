@@ -231,6 +231,7 @@ class PylonApp:
                 threshold=s.canary_max_generation_threshold,
                 timeout_s=s.bringup_timeout_ms / 1000.0,
                 clock=self.clock,
+                produced=relay.produced_within,
             )
         canaries = self.canaries
         self._lifecycle = ModelLifecycle(

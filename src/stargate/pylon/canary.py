@@ -7,6 +7,11 @@ is advertised ``INACTIVE`` while it stays routable for requests already sent to 
 health probe, then a canary, each retried after 1 s; when both pass the generation is ``ACTIVE``
 again and periodic canaries resume. Canaries are not observed, so they leave Pylon's own stats
 untouched; the engine may still report them on its stats stream (spec §13 item 2).
+
+Not in the original: a canary that gets no answer within its timeout while the engine produced
+output for other requests of the model meanwhile (``produced``) is late, not failed: it waited in
+the engine's queue behind them. Counted as a failure, every engine of a saturated fleet went
+``INACTIVE`` at once and the routers answered the requests they were holding 503.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -28,6 +34,7 @@ log = logging.getLogger("stargate.pylon.canary")
 CANARY_PROMPT = "1+1="
 CANARY_INPUT_TOKENS = 4
 RECOVERY_RETRY_S = 1.0
+LATE = "no answer within the timeout"
 
 
 async def send_canary(
@@ -56,7 +63,9 @@ async def send_canary(
         ) as resp:
             payload = await resp.read()
             status = resp.status
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except TimeoutError:
+        return LATE
+    except aiohttp.ClientError as exc:
         return f"request failed: {exc!r}"
     if not 200 <= status < 300:
         return f"HTTP {status}"
@@ -89,7 +98,10 @@ class CanaryRunner:
         timeout_s: float,
         retry_s: float = RECOVERY_RETRY_S,
         clock: Clock | None = None,
+        produced: Callable[[str, float], bool] = lambda _model_id, _seconds: False,
     ) -> None:
+        """``produced(model_id, seconds)``: whether the engine produced output for the model within
+        the last ``seconds`` (``Relay.produced_within``)."""
         self._session = session
         self._base = base_url
         self._ids = ids
@@ -100,6 +112,7 @@ class CanaryRunner:
         self._timeout_s = timeout_s
         self._retry_s = retry_s
         self._clock = clock or SystemClock()
+        self._produced = produced
         self._tasks: dict[Generation, asyncio.Task[None]] = {}
 
     def start(self, gen: Generation) -> None:
@@ -114,9 +127,14 @@ class CanaryRunner:
             task.cancel()
 
     async def canary(self, gen: Generation) -> str | None:
-        return await send_canary(
+        """Why the canary failed, or None; a late one passes while the engine produces output."""
+        failure = await send_canary(
             self._session, self._base, self._ids, gen, threshold=self._threshold, timeout_s=self._timeout_s
         )
+        if failure == LATE and self._produced(gen.model_id, self._timeout_s):
+            log.debug("canary for model %s queued past its timeout behind answered requests", gen.model_id)
+            return None
+        return failure
 
     async def _loop(self, gen: Generation) -> None:
         clock = self._clock

@@ -141,6 +141,7 @@ class Relay:
         self.metrics = metrics
         self.clock = clock
         self.prober = prober
+        self._produced: dict[str, float] = {}  # model id -> when the engine last produced output for it
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
         )
@@ -160,6 +161,12 @@ class Relay:
             settings.priority_ceiling if settings.upstream_backend is UpstreamBackend.DYNAMO else None
         )
 
+    def produced_within(self, model_id: str, seconds: float) -> bool:
+        """Whether the engine produced output for ``model_id`` (a token, or a completed answer)
+        within the last ``seconds``: a canary it answers late is queued, not failed."""
+        at = self._produced.get(model_id)
+        return at is not None and self.clock.monotonic() - at <= seconds
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_route("*", "/{tail:.*}", self.handle)
@@ -170,8 +177,11 @@ class Relay:
         if obs.state is State.INPUT_PROCESSING:
             self.load.advance(obs.request_id, Phase.INPUT_PROCESSING)
         elif obs.state is State.OUTPUT_GENERATION:
+            self._produced[obs.generation.model_id] = self.clock.monotonic()
             self.load.advance(obs.request_id, Phase.OUTPUT_GENERATION)
         elif obs.state.terminal:
+            if obs.state is State.COMPLETE:
+                self._produced[obs.generation.model_id] = self.clock.monotonic()
             self.load.release(obs.request_id)
             self.metrics.request_finished(obs)
         elif obs.state is State.UPSTREAM_CONNECTING:
