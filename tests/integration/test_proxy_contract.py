@@ -35,6 +35,7 @@ from stargate.balancer.config import parse_lb_config
 from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.router.attempt import RetrySettings
+from stargate.router.health import HealthSettings
 from stargate.router.proxy import ProxySettings
 
 
@@ -715,10 +716,13 @@ async def test_a_lone_backend_dying_before_its_first_byte_gets_an_error_answer(s
     assert headers["content-type"].startswith("application/json") and orjson.loads(body)["error"]
 
 
-async def test_response_header_timeout_is_a_transport_failure() -> None:
-    async with running(request_timeout_ms=100, retry=RetrySettings(max_connect_retries=0)) as sg:
+async def test_response_header_timeout_of_a_backend_that_left_routing_is_a_transport_failure() -> None:
+    probes = HealthSettings(interval_s=0.05, timeout_s=0.1, recheck_s=0.05)
+    retry = RetrySettings(max_connect_retries=0)
+    async with running(request_timeout_ms=100, retry=retry, health=probes) as sg:
         backend = await sg.backend("slow")
         backend.hold_headers = asyncio.Event()
+        backend.hold_health = asyncio.Event()  # frozen: its health probes fail, and it is ejected
         loop = asyncio.get_running_loop()
         started = loop.time()
         status, _, _ = await sg.post()
@@ -730,6 +734,7 @@ async def test_response_header_timeout_is_a_transport_failure() -> None:
             == 1
         )
         backend.hold_headers.set()
+        backend.hold_health.set()
 
 
 # ---- affinity wait X through the real wait-and-widen policy (seed PR) ----------------------------

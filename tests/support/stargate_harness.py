@@ -48,12 +48,15 @@ class ScriptedBackend:
     chunks: tuple[bytes, ...] = SSE_CHUNKS
     abort_after_first: bool = False  # drop the connection mid-stream
     hold_headers: asyncio.Event | None = None  # when set: wait for it before answering at all
+    hold_health: asyncio.Event | None = None  # when set: /health waits for it (a frozen backend)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set once a request was read
     requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.hold_health is not None:
+            await asyncio.wait_for(self.hold_health.wait(), 10)
         return web.Response(text="ok")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

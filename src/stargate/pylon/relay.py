@@ -111,8 +111,13 @@ async def _probe_once(host: str, port: int, path: str) -> bool | None:
 
 @dataclass(frozen=True, slots=True)
 class RelayTimeouts:
+    """``read_s``: the longest silence of the engine on one request. An engine sends a non-streamed
+    answer whole at its end, and a streamed one nothing while the request waits in its queue and
+    prefills, so this is a backstop for an engine that hangs (Stargate's health probes take its
+    backend out of routing within seconds), not a bound on a generation."""
+
     connect_s: float = 10.0
-    read_s: float = 30.0
+    read_s: float = 1800.0
 
 
 class Relay:

@@ -151,6 +151,7 @@ class StargateServer:
             self._session,
             connect_timeout_s=s.connect_timeout_ms / 1000.0,
             request_timeout_s=s.request_timeout_ms / 1000.0,
+            alive=self.state.is_routable,
         )
         machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=expected_queue_ms)
         driver = AttemptDriver(

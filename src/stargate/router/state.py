@@ -233,6 +233,11 @@ class RoutingState:
     def is_registered(self, inference_server_id: str) -> bool:
         return inference_server_id in self._live
 
+    def is_routable(self, inference_server_id: str) -> bool:
+        """Registered and in routing for some model: not ejected by its health probes."""
+        registration = self._live.get(inference_server_id)
+        return registration is not None and bool(registration.active)
+
     # ---- reservations (§1.9) and the router's own in-flight count --------------------------------
 
     def reserve(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -114,20 +114,35 @@ class _AiohttpResponse:
         self._resp.release()
 
 
+MAX_HEADER_WAIT_S = 1800.0
+"""The longest wait for response headers from a backend that stays in routing."""
+
+
 class HttpTransport:
     """HTTP/1.1 keep-alive to each backend's registered URL.
 
     ``connect_timeout_s`` bounds connection establishment (``--quic-connect-timeout-ms``);
-    ``request_timeout_s`` bounds the time until response headers (``--quic-request-timeout-ms``).
-    The response body has no overall deadline: long generations are legitimate.
+    ``request_timeout_s`` bounds the time until response headers (``--quic-request-timeout-ms``)
+    from a backend that left routing meanwhile (``alive`` false: ejected by its health probes, or
+    gone). One still in routing gets another period each time, up to ``MAX_HEADER_WAIT_S``: an
+    engine sends a non-streamed answer's headers with its end, and a request queued behind a
+    saturated engine's work gets its headers late; failing them over ran them twice and failed
+    every answer longer than the period (not in the original). The response body has no overall
+    deadline: long generations are legitimate.
     """
 
     def __init__(
-        self, session: aiohttp.ClientSession, *, connect_timeout_s: float, request_timeout_s: float
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        connect_timeout_s: float,
+        request_timeout_s: float,
+        alive: Callable[[str], bool] = lambda _backend_id: False,
     ) -> None:
         self._session = session
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._alive = alive
 
     async def send(
         self,
@@ -138,17 +153,35 @@ class HttpTransport:
         body: bytes | AsyncIterable[bytes],
     ) -> UpstreamResponse:
         url = URL(backend.url.rstrip("/") + path_qs, encoded=True)
+        loop = asyncio.get_running_loop()
+        period = self._request_timeout_s
+        waited = 0.0
+        timer: asyncio.TimerHandle | None = None
         try:
-            async with asyncio.timeout(self._request_timeout_s):
-                resp = await self._session.request(
-                    method, url, headers=headers, data=body, allow_redirects=False
-                )
+            async with asyncio.timeout(None) as deadline:
+
+                def each_period() -> None:
+                    nonlocal waited, timer
+                    waited += period
+                    if waited >= MAX_HEADER_WAIT_S or not self._alive(backend.inference_server_id):
+                        deadline.reschedule(loop.time())  # give up now
+                    else:
+                        timer = loop.call_later(period, each_period)
+
+                timer = loop.call_later(period, each_period)
+                try:
+                    resp = await self._session.request(
+                        method, url, headers=headers, data=body, allow_redirects=False
+                    )
+                finally:
+                    if timer is not None:
+                        timer.cancel()
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, ConnectionRefusedError) as exc:
             raise UpstreamNotSent(f"could not connect to backend {backend.inference_server_id}") from exc
         except TimeoutError as exc:
             raise UpstreamTimeout(
                 f"backend {backend.inference_server_id} sent no response headers within "
-                f"{self._request_timeout_s:g} s"
+                f"{waited or self._request_timeout_s:g} s"
             ) from exc
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise UpstreamError(

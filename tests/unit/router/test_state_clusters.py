@@ -534,3 +534,16 @@ def test_the_state_is_starting_for_its_first_ten_seconds() -> None:
     assert state.starting
     clock.now += 0.1
     assert not state.starting
+
+
+def test_a_backend_is_routable_while_it_serves_a_model_with_an_rtt() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    assert not state.is_routable("a")  # registered, no update yet
+    publish(state, a, ModelStats())
+    assert state.is_routable("a")
+    assert state.apply_update(a, {"model-a": ModelStats()}, None)  # its health probes failed
+    assert not state.is_routable("a")
+    publish(state, a, ModelStats())
+    state.remove(a)
+    assert not state.is_routable("a") and not state.is_routable("never")

@@ -1,0 +1,77 @@
+"""Response headers from a backend still in routing are waited for past ``--quic-request-timeout-ms``.
+
+An engine sends a non-streamed answer's headers with its end; a real loopback server stands in for
+one that takes several timeout periods to answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+from support.waiting import until
+
+from stargate.errors import UpstreamTimeout
+from stargate.router.clusters import Backend
+from stargate.router.transport import HttpTransport
+
+
+class SlowBackend:
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.url = ""
+
+    async def handle(self, _request: web.Request) -> web.Response:
+        await asyncio.wait_for(self.release.wait(), 10)
+        return web.Response(text="whole answer")
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[SlowBackend]:
+    slow = SlowBackend()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", slow.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    slow.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield slow
+    slow.release.set()
+    await runner.cleanup()
+
+
+async def send(transport: HttpTransport, backend: SlowBackend) -> str:
+    ref = Backend("b1", backend.url, "c1")
+    response = await transport.send(ref, "POST", "/v1/chat/completions", CIMultiDict(), b"{}")
+    try:
+        return b"".join([chunk async for chunk in response.chunks()]).decode()
+    finally:
+        response.release()
+
+
+async def test_a_backend_in_routing_is_waited_for_and_one_that_left_is_not(backend: SlowBackend) -> None:
+    asked: list[str] = []
+    in_routing = True
+
+    def alive(backend_id: str) -> bool:  # asked once per period without headers
+        asked.append(backend_id)
+        return in_routing
+
+    async with aiohttp.ClientSession() as session:
+        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=alive)
+        answer = asyncio.create_task(send(transport, backend))
+        await until("three periods without headers", lambda: len(asked) >= 3)
+        backend.release.set()
+        assert await answer == "whole answer"
+        assert set(asked) == {"b1"}
+
+        backend.release.clear()
+        in_routing = False  # ejected by its health probes meanwhile: the spec's timeout applies
+        asked.clear()
+        with pytest.raises(UpstreamTimeout, match=r"no response headers within 0\.05 s"):
+            await send(transport, backend)
+        assert asked == ["b1"]
