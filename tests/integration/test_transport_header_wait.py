@@ -1,7 +1,9 @@
-"""Response headers from a backend still in routing are waited for past ``--quic-request-timeout-ms``.
+"""Response headers, and a body's first byte, from a backend still in routing are waited for past
+``--quic-request-timeout-ms``.
 
-An engine sends a non-streamed answer's headers with its end; a real loopback server stands in for
-one that takes several timeout periods to answer.
+An engine sends a non-streamed answer's headers with its end, and a streamed one's first byte after
+the request's queue wait and prefill; a real loopback server stands in for one that takes several
+timeout periods to answer.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from support.waiting import until
 
-from stargate.errors import UpstreamTimeout
+from stargate.errors import UpstreamError, UpstreamTimeout
 from stargate.router.clusters import Backend
 from stargate.router.transport import HttpTransport
 
@@ -29,12 +31,21 @@ class SlowBackend:
         await asyncio.wait_for(self.release.wait(), 10)
         return web.Response(text="whole answer")
 
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)  # headers at once, as vLLM streams
+        await asyncio.wait_for(self.release.wait(), 10)
+        await response.write(b"first token")
+        await response.write_eof()
+        return response
+
 
 @pytest.fixture
 async def backend() -> AsyncIterator[SlowBackend]:
     slow = SlowBackend()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", slow.handle)
+    app.router.add_post("/v1/responses", slow.stream)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -44,9 +55,9 @@ async def backend() -> AsyncIterator[SlowBackend]:
     await runner.cleanup()
 
 
-async def send(transport: HttpTransport, backend: SlowBackend) -> str:
+async def send(transport: HttpTransport, backend: SlowBackend, path: str = "/v1/chat/completions") -> str:
     ref = Backend("b1", backend.url, "c1")
-    response = await transport.send(ref, "POST", "/v1/chat/completions", CIMultiDict(), b"{}")
+    response = await transport.send(ref, "POST", path, CIMultiDict(), b"{}")
     try:
         return b"".join([chunk async for chunk in response.chunks()]).decode()
     finally:
@@ -75,3 +86,24 @@ async def test_a_backend_in_routing_is_waited_for_and_one_that_left_is_not(backe
         with pytest.raises(UpstreamTimeout, match=r"no response headers within 0\.05 s"):
             await send(transport, backend)
         assert asked == ["b1"]
+
+
+async def test_a_first_body_byte_is_waited_for_while_the_backend_is_in_routing(backend: SlowBackend) -> None:
+    asked: list[str] = []
+    in_routing = True
+
+    def alive(backend_id: str) -> bool:
+        asked.append(backend_id)
+        return in_routing
+
+    async with aiohttp.ClientSession() as session:
+        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=alive)
+        answer = asyncio.create_task(send(transport, backend, "/v1/responses"))
+        await until("three periods without a body byte", lambda: len(asked) >= 3)
+        backend.release.set()
+        assert await answer == "first token"
+
+        backend.release.clear()
+        in_routing = False  # it hung after its headers and was ejected
+        with pytest.raises(UpstreamError, match=r"sent no body byte within 0\.05 s and left routing"):
+            await send(transport, backend, "/v1/responses")

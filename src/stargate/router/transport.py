@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from typing import Protocol
+import functools
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -79,11 +80,25 @@ def make_session(
     return client_session(connect_timeout_s=connect_timeout_s, limit_per_host=limit_per_host, relay=True)
 
 
-class _AiohttpResponse:
-    __slots__ = ("_resp",)
+T = TypeVar("T")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+
+class _LeftRouting(TimeoutError):
+    """A backend answered nothing for a whole period and was no longer in routing."""
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"{waited_s:g} s")
+        self.waited_s = waited_s
+
+
+class _AiohttpResponse:
+    __slots__ = ("_guard", "_resp")
+
+    def __init__(
+        self, resp: aiohttp.ClientResponse, guard: Callable[[Awaitable[bytes]], Awaitable[bytes]]
+    ) -> None:
         self._resp = resp
+        self._guard = guard
 
     @property
     def status(self) -> int:
@@ -101,9 +116,19 @@ class _AiohttpResponse:
         return self._resp.headers.get(name)
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; the wait for its first byte is guarded like the headers' (a
+        backend that sent headers at once and then hung, and left routing, fails the attempt)."""
+        content = self._resp.content
         try:
-            async for chunk in self._resp.content.iter_any():
+            first = await self._guard(content.readany())
+            if not first:
+                return
+            yield first
+            async for chunk in content.iter_any():
                 yield chunk
+        except _LeftRouting as exc:
+            message = f"upstream sent no body byte within {exc.waited_s:g} s and left routing"
+            raise UpstreamError(message) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream body failed: {exc!r}") from exc
 
@@ -122,13 +147,13 @@ class HttpTransport:
     """HTTP/1.1 keep-alive to each backend's registered URL.
 
     ``connect_timeout_s`` bounds connection establishment (``--quic-connect-timeout-ms``);
-    ``request_timeout_s`` bounds the time until response headers (``--quic-request-timeout-ms``)
-    from a backend that left routing meanwhile (``alive`` false: ejected by its health probes, or
-    gone). One still in routing gets another period each time, up to ``MAX_HEADER_WAIT_S``: an
-    engine sends a non-streamed answer's headers with its end, and a request queued behind a
-    saturated engine's work gets its headers late; failing them over ran them twice and failed
-    every answer longer than the period (not in the original). The response body has no overall
-    deadline: long generations are legitimate.
+    ``request_timeout_s`` bounds the time until response headers (``--quic-request-timeout-ms``),
+    and then until the body's first byte, from a backend that left routing meanwhile (``alive``
+    false: ejected by its health probes, or gone). One still in routing gets another period each
+    time, up to ``MAX_HEADER_WAIT_S``: an engine sends a non-streamed answer's headers with its end,
+    and a request queued behind a saturated engine's work gets its first byte late; failing them
+    over ran them twice and failed every answer longer than the period (not in the original). The
+    rest of the body has no deadline: long generations are legitimate.
     """
 
     def __init__(
@@ -153,6 +178,25 @@ class HttpTransport:
         body: bytes | AsyncIterable[bytes],
     ) -> UpstreamResponse:
         url = URL(backend.url.rstrip("/") + path_qs, encoded=True)
+        backend_id = backend.inference_server_id
+        try:
+            request = self._session.request(method, url, headers=headers, data=body, allow_redirects=False)
+            resp = await self._guarded(backend_id, request)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, ConnectionRefusedError) as exc:
+            raise UpstreamNotSent(f"could not connect to backend {backend_id}") from exc
+        except TimeoutError as exc:
+            waited = exc.waited_s if isinstance(exc, _LeftRouting) else self._request_timeout_s
+            message = f"backend {backend_id} sent no response headers within {waited:g} s"
+            raise UpstreamTimeout(message) from exc
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise UpstreamError(
+                f"connection to backend {backend_id} failed before a response"
+            ) from exc
+        return _AiohttpResponse(resp, functools.partial(self._guarded, backend_id))
+
+    async def _guarded(self, backend_id: str, awaitable: Awaitable[T]) -> T:
+        """``awaitable``, given another ``request_timeout_s`` each time one passes while the backend
+        is still in routing, up to ``MAX_HEADER_WAIT_S``; else ``_LeftRouting``."""
         loop = asyncio.get_running_loop()
         period = self._request_timeout_s
         waited = 0.0
@@ -163,31 +207,21 @@ class HttpTransport:
                 def each_period() -> None:
                     nonlocal waited, timer
                     waited += period
-                    if waited >= MAX_HEADER_WAIT_S or not self._alive(backend.inference_server_id):
+                    if waited >= MAX_HEADER_WAIT_S or not self._alive(backend_id):
                         deadline.reschedule(loop.time())  # give up now
                     else:
                         timer = loop.call_later(period, each_period)
 
                 timer = loop.call_later(period, each_period)
                 try:
-                    resp = await self._session.request(
-                        method, url, headers=headers, data=body, allow_redirects=False
-                    )
+                    return await awaitable
                 finally:
                     if timer is not None:
                         timer.cancel()
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, ConnectionRefusedError) as exc:
-            raise UpstreamNotSent(f"could not connect to backend {backend.inference_server_id}") from exc
         except TimeoutError as exc:
-            raise UpstreamTimeout(
-                f"backend {backend.inference_server_id} sent no response headers within "
-                f"{waited or self._request_timeout_s:g} s"
-            ) from exc
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
-            raise UpstreamError(
-                f"connection to backend {backend.inference_server_id} failed before a response"
-            ) from exc
-        return _AiohttpResponse(resp)
+            if deadline.expired():
+                raise _LeftRouting(waited) from exc
+            raise
 
     async def reconnect(self, backend: BackendRef) -> bool:
         parts = urlsplit(backend.url)
