@@ -275,6 +275,32 @@ async def test_b95_read_timeout_aborts(engine: FakeEngine, client: aiohttp.Clien
         await app.close()
 
 
+async def test_silence_ends_a_stream_only_once_its_body_began(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    settings = parse_settings(
+        ["--upstream-http-base-url", engine.url, "--stargate-address", "127.0.0.1:9", "--metrics-port", "0",
+         "--metrics-host", "127.0.0.1", "--model-name", "llama", "--disable-bringup"]
+    )  # fmt: skip
+    timeouts = RelayTimeouts(read_s=60.0, between_s=0.1)
+    app = PylonApp(settings, out=io.StringIO(), relay_timeouts=timeouts)
+    try:
+        await app.start()
+        url = app.http_url + "/v1/chat/completions"
+        engine.first_byte_delay_s = 0.3  # three times the limit between reads, before the first byte
+        async with client.post(url, data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 200
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        engine.first_byte_delay_s = 0.0
+        engine.chat_mode = "hang"  # a first chunk, then silence
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with asyncio.timeout(10):  # far below read_s: the limit between reads ends it
+                async with client.post(url, data=CHAT, headers={**HEADERS, "x-request-id": "r2"}) as resp:
+                    await resp.read()
+    finally:
+        await app.close()
+
+
 async def test_b96_eof_before_output_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
     engine.chat_mode = "no_output"
     app = await started(engine)

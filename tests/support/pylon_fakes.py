@@ -31,6 +31,7 @@ class FakeEngine:
     stream_lines: list[bytes] = field(default_factory=list)
     calibration_status: int = 200
     hold_canaries: bool = False  # canaries wait unanswered, as behind a saturated engine's queue
+    first_byte_delay_s: float = 0.0  # a stream's headers at once, its first byte this much later
     requests: list[tuple[str, str, CIMultiDict[str], bytes]] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -66,6 +67,8 @@ class FakeEngine:
             return web.json_response({"error": "busy"}, status=self.chat_status, headers=self.chat_headers)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
+        if self.first_byte_delay_s:
+            await asyncio.sleep(self.first_byte_delay_s)  # queued and prefilling
         if self.chat_mode == "hang":
             await resp.write(b": keepalive\n\n")
             await self._hold()

@@ -111,13 +111,49 @@ async def _probe_once(host: str, port: int, path: str) -> bool | None:
 
 @dataclass(frozen=True, slots=True)
 class RelayTimeouts:
-    """``read_s``: the longest silence of the engine on one request. An engine sends a non-streamed
-    answer whole at its end, and a streamed one nothing while the request waits in its queue and
-    prefills, so this is a backstop for an engine that hangs (Stargate's health probes take its
-    backend out of routing within seconds), not a bound on a generation."""
+    """``read_s``: the longest wait for the engine's response and its body's first byte. An engine
+    sends a non-streamed answer whole at its end, and a streamed one nothing while the request waits
+    in its queue and prefills, so this is a backstop for an engine that hangs (Stargate's health
+    probes take its backend out of routing within seconds), not a bound on a generation. Once the
+    body began, ``between_s`` of silence ends it (the original's 30 s between reads)."""
 
     connect_s: float = 10.0
     read_s: float = 1800.0
+    between_s: float = 30.0
+
+
+class _Stall:
+    """Closes an upstream response whose body began and then sent nothing for ``limit_s`` while
+    the relay waited for it (time spent writing to a slow client does not count)."""
+
+    __slots__ = ("_check_handle", "_limit_s", "_loop", "_since", "_upstream")
+
+    def __init__(self, upstream: aiohttp.ClientResponse, limit_s: float) -> None:
+        self._upstream = upstream
+        self._limit_s = limit_s
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None
+        self._check_handle: asyncio.TimerHandle | None = None
+
+    def waiting(self) -> None:
+        """The relay waits for the next chunk (after the first one)."""
+        self._since = self._loop.time()
+        if self._check_handle is None:
+            self._check_handle = self._loop.call_later(self._limit_s / 3, self._check)
+
+    def arrived(self) -> None:
+        self._since = None
+
+    def _check(self) -> None:
+        since = self._since
+        if since is not None and self._loop.time() - since >= self._limit_s:
+            self._upstream.close()  # the pending read fails: the relay aborts the stream
+            return
+        self._check_handle = self._loop.call_later(self._limit_s / 3, self._check)
+
+    def stop(self) -> None:
+        if self._check_handle is not None:
+            self._check_handle.cancel()
 
 
 class Relay:
@@ -147,6 +183,7 @@ class Relay:
         self.clock = clock
         self.prober = prober
         self._produced: dict[str, float] = {}  # model id -> when the engine last produced output for it
+        self.between_s = timeouts.between_s
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
         )
@@ -430,16 +467,17 @@ class Relay:
         else:
             self.metrics.nonretryable.labels(self.s.inference_server_id, failure).inc()
 
-    @staticmethod
     async def _pump(
-        upstream: aiohttp.ClientResponse, response: web.StreamResponse, kept: bytearray | None = None
+        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, kept: bytearray | None = None
     ) -> tuple[bool, bytes]:
         """Relay the body except its last piece, which is returned for the caller to send with the end.
 
         ``kept`` collects a copy of the body up to ``MAX_OBSERVED_JSON`` bytes (cleared beyond it).
         """
+        stall = _Stall(upstream, self.between_s)
         try:
-            async for chunk in upstream.content.iter_any():
+            while chunk := await upstream.content.readany():
+                stall.arrived()
                 if kept is not None:
                     kept.extend(chunk)
                     if len(kept) > MAX_OBSERVED_JSON:
@@ -448,8 +486,11 @@ class Relay:
                 if upstream.content.at_eof():
                     return True, chunk
                 await response.write(chunk)
+                stall.waiting()
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
             return False, b""
+        finally:
+            stall.stop()
         return True, b""
 
     async def _pump_sse(
@@ -458,8 +499,10 @@ class Relay:
         """As :meth:`_pump`, observing the stream; not ok when it carried no output."""
         scanner = SseScanner(completions=observer.endpoint is Endpoint.COMPLETIONS)
         tail = b""
+        stall = _Stall(upstream, self.between_s)
         try:
-            async for chunk in upstream.content.iter_any():
+            while chunk := await upstream.content.readany():
+                stall.arrived()
                 explicit_before = scanner.explicit_tokens
                 scanner.feed(chunk)
                 if upstream.content.at_eof():
@@ -472,8 +515,11 @@ class Relay:
                     if explicit is not None and explicit != explicit_before:
                         self.hub.on_usage(observer.request_id, observer.generation, explicit)
                         observer.reported_input_tokens = scanner.prompt_tokens
+                stall.waiting()
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
             return False, b""
+        finally:
+            stall.stop()
         return scanner.output_seen, tail
 
 
