@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from grpc import aio
+from support.loopback import serving
 from support.waiting import until
 
 from stargate.balancer.types import Target
@@ -48,13 +49,9 @@ async def stand_in() -> AsyncIterator[StandIn]:
     backend = StandIn()
     app = web.Application()
     app.router.add_get("/health", backend.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    backend.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    yield backend
-    backend.release.set()
-    await runner.cleanup()
+    async with serving(app) as backend.url:
+        yield backend
+        backend.release.set()
 
 
 def recording_prober(

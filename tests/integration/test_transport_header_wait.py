@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
+from support.loopback import serving
 from support.waiting import until
 
 from stargate.errors import UpstreamError, UpstreamTimeout
@@ -46,13 +47,9 @@ async def backend() -> AsyncIterator[SlowBackend]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", slow.handle)
     app.router.add_post("/v1/responses", slow.stream)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    slow.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    yield slow
-    slow.release.set()
-    await runner.cleanup()
+    async with serving(app) as slow.url:
+        yield slow
+        slow.release.set()
 
 
 async def send(transport: HttpTransport, backend: SlowBackend, path: str = "/v1/chat/completions") -> str:
