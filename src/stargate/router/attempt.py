@@ -276,13 +276,6 @@ class AttemptMachine:
     ) -> tuple[AttemptState, Action]:
         """``full``: the router holds ``max_held_requests`` already, so this one may not wait."""
         request = state.request
-
-        def wait(pause: float) -> tuple[AttemptState, Action]:
-            if not full:
-                return _waited(state, pause)
-            held = self.settings.max_held_requests
-            return state, Fail(RoutingError(f"the router already holds {held} requests waiting for room"), "")
-
         candidates = snapshot.candidates
         excluded = state.failed_cluster_ids
         if isinstance(snapshot, NoTarget) or all(c.cluster_id in excluded for c in candidates):
@@ -291,7 +284,7 @@ class AttemptMachine:
             if isinstance(snapshot, NoTarget) and snapshot.starting:  # backends may be registering
                 routing_deadline = _routing_deadline(request)
                 if routing_deadline is not None and now < routing_deadline:
-                    return wait(min(WAIT_POLL_CAP_S, routing_deadline - now))
+                    return self._wait(state, min(WAIT_POLL_CAP_S, routing_deadline - now), full)
             return self._unroutable(state, snapshot)
         max_wait_ms = MAX_WAIT_CAP_MS if request.max_wait_ms is None else request.max_wait_ms
         wait_deadline = request.received_at + max_wait_ms / 1000.0
@@ -328,16 +321,23 @@ class AttemptMachine:
         if isinstance(decision, Wait):
             pause = min(decision.ms / 1000.0, WAIT_POLL_CAP_S, wait_deadline - now)
             if pause > 0:
-                return wait(pause)
+                return self._wait(state, pause, full)
         routing_deadline = _routing_deadline(request)
         if routing_deadline is not None and now < routing_deadline:
             pause = min(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, routing_deadline - now)
-            return wait(pause)
+            return self._wait(state, pause, full)
         if request.max_wait_ms is None:
             reason = "no backend for this model can take the request now (x-max-wait-ms lets it wait)"
         else:
             reason = f"no backend for this model took the request within its {request.max_wait_ms} ms wait"
         return self._unroutable(state, snapshot, reason)
+
+    def _wait(self, state: AttemptState, pause: float, full: bool) -> tuple[AttemptState, Action]:
+        """Sleep and route again, unless the router already holds ``max_held_requests`` (``full``)."""
+        if not full:
+            return _waited(state, pause)
+        held = self.settings.max_held_requests
+        return state, Fail(RoutingError(f"the router already holds {held} requests waiting for room"), "")
 
     def _unroutable(
         self, state: AttemptState, snapshot: Snapshot, reason: str = "no selectable backend for this model"

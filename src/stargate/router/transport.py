@@ -140,7 +140,8 @@ class _AiohttpResponse:
 
 
 MAX_HEADER_WAIT_S = 1800.0
-"""The longest wait for response headers from a backend that stays in routing."""
+"""The longest wait for response headers, or then a first body byte, from a backend that stays in
+routing."""
 
 
 class HttpTransport:
