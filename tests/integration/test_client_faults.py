@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 import pytest
+from support import waiting
 from support.pylon_fakes import FakeEngine
 from support.stargate_harness import CHAT, Harness, running
 
@@ -247,6 +248,78 @@ async def test_client_abandoning_a_stream_through_pylon_logs_one_warning(
         signal.logger.removeHandler(signal)
     assert client_lines(caplog, "test.pylon.clients") == [
         "client closed the connection mid-response (request id gone-3)"
+    ]
+    assert_quiet(caplog)
+
+
+def hung_up(sg: Harness, model: str) -> float:
+    """Requests of ``model`` whose client hung up before the answer began (counted as 499)."""
+    labels = {"model": model, "routing_key": "", "inference_server_id": "", "status": "499"}
+    return sg.metric("stargate_requests_total", **labels)
+
+
+async def test_a_client_hanging_up_before_its_answer_cancels_the_request_at_the_backend(
+    sg: Harness, conns: Connections, router_log: Signal, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A non-streamed answer sends nothing until its end: only the hang-up itself can stop the
+    attempt, which otherwise held the backend's slot for the whole generation."""
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    backend.hold_headers = asyncio.Event()  # never set: the backend is still generating
+    await conns.open(sg.base, head(CHAT, b"{}", "m", "gone-4") + b"{}")
+    await asyncio.wait_for(backend.arrived.wait(), 5)
+    conns.abort()
+    await asyncio.wait_for(backend.cancelled.wait(), 5)
+    await router_log.wait()
+    assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
+    assert hung_up(sg, "m") == 1
+    (target,) = (await (await sg.http.get(sg.base + "/debug/routing")).json())["targets"]
+    assert [c["in_flight"]["requests"] for c in target["clusters"]] == [0]
+    assert client_lines(caplog, "test.router.clients") == [
+        "client closed the connection before the response started (request id gone-4)"
+    ]
+    assert_quiet(caplog)
+
+
+async def test_a_client_hanging_up_while_its_request_waits_for_a_model_leaves_the_router(
+    sg: Harness, conns: Connections, router_log: Signal
+) -> None:
+    """A request held for its routing wait (here: a model not registered yet, the router just
+    started) is dropped when its client hangs up, not kept until the wait ends."""
+    held = head(CHAT, b"{}", "later", "gone-5").replace(
+        b"x-input-tokens", b"x-max-wait-ms: 60000\r\nx-input-tokens"
+    )
+    await conns.open(sg.base, held + b"{}")
+    await waiting.until("the request is in the router", lambda: sg.server.proxy.in_flight == 1)  # type: ignore[union-attr]
+    conns.abort()
+    await router_log.wait()
+    assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
+    assert hung_up(sg, "later") == 1
+
+
+async def test_stargate_hanging_up_cancels_the_request_at_the_engine(
+    pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    signal = Signal("test.pylon.clients")
+    try:
+        engine.chat_mode = "silent"  # queued behind other work: no headers yet
+        await conns.open(
+            pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "gone-6") + PYLON_CHAT
+        )
+        await waiting.until(
+            "the engine received the request", lambda: engine.hits("/v1/chat/completions") == 1
+        )
+        conns.abort()
+        await asyncio.wait_for(engine.cancelled.wait(), 5)
+        await signal.wait()
+    finally:
+        signal.logger.removeHandler(signal)
+    labels = {"model": "llama", "routing_key": "", "status": "cancelled"}
+    assert pylon.metrics.registry.get_sample_value("pylon_requests_total", labels) == 1
+    assert len(pylon.load) == 0
+    assert client_lines(caplog, "test.pylon.clients") == [
+        "client closed the connection before the response started (request id gone-6)"
     ]
     assert_quiet(caplog)
 

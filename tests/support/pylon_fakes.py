@@ -24,7 +24,7 @@ class FakeEngine:
     models_status: int = 200  # with models_body: replaces the /v1/models answer
     models_body: bytes | None = None
     health_status: dict[str, int] = field(default_factory=lambda: {"/health": 200, "/v1/health/ready": 200})
-    chat_mode: str = "ok"  # ok | hang | no_output | status
+    chat_mode: str = "ok"  # ok | hang | silent (no headers) | no_output | status
     chat_status: int = 200
     chat_headers: dict[str, str] = field(default_factory=dict)
     stream_status: int = 404
@@ -34,6 +34,7 @@ class FakeEngine:
     first_byte_delay_s: float = 0.0  # a stream's headers at once, its first byte this much later
     requests: list[tuple[str, str, CIMultiDict[str], bytes]] = field(default_factory=list)
     url: str = ""
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # a caller hung up on a request
     _runner: web.AppRunner | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -65,6 +66,12 @@ class FakeEngine:
             return web.json_response({"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 1}})
         if self.chat_mode == "status":
             return web.json_response({"error": "busy"}, status=self.chat_status, headers=self.chat_headers)
+        if self.chat_mode == "silent":
+            try:
+                await self._hold()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         if self.first_byte_delay_s:
@@ -110,7 +117,9 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/pylon/v1/stats/stream", self._stream)
-        self._runner = web.AppRunner(app, handle_signals=False, auto_decompress=False)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, auto_decompress=False, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

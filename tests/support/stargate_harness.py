@@ -25,8 +25,6 @@ TIMEOUT = aiohttp.ClientTimeout(total=15)
 CLIENT_SKIPS = ("Accept-Encoding", "User-Agent")
 
 
-
-
 @dataclass
 class Reply:
     status: int = 200
@@ -50,6 +48,7 @@ class ScriptedBackend:
     hold_headers: asyncio.Event | None = None  # when set: wait for it before answering at all
     hold_health: asyncio.Event | None = None  # when set: /health waits for it (a frozen backend)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set once a request was read
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # set when a caller hung up on one
     requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -60,6 +59,13 @@ class ScriptedBackend:
         return web.Response(text="ok")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._answer(request)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.requests.append((request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
         self.arrived.set()
@@ -92,7 +98,9 @@ class ScriptedBackend:
         app.router.add_get("/health", self.health)
         for path in (CHAT, "/v1/responses", "/v1/embeddings"):
             app.router.add_post(path, self.handle)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.5, auto_decompress=False)
+        self.runner = web.AppRunner(
+            app, shutdown_timeout=0.5, auto_decompress=False, handler_cancellation=True
+        )
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

@@ -116,6 +116,7 @@ class PylonApp:
             access_log=None,
             handle_signals=False,
             auto_decompress=False,
+            handler_cancellation=True,  # Stargate hanging up cancels the request at the engine
         )
         bound = await listen(runner, host, port)
         self._runners.append(runner)

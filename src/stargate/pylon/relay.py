@@ -266,6 +266,13 @@ class Relay:
             )
             status = response.status
             return response
+        except asyncio.CancelledError:
+            # Stargate hung up (aiohttp cancels the handler): the engine request is closed with it.
+            started = observer is not None and observer.status is not None
+            report_client_gone(self.faults, request, meta.request_id, started=started)
+            if observer is not None:
+                observer.cancel()
+            raise
         finally:
             if observer is not None:
                 observer.finish(failed=True)

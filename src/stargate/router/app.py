@@ -229,6 +229,7 @@ class StargateServer:
             access_log=None,
             shutdown_timeout=1.0,
             auto_decompress=False,
+            handler_cancellation=True,  # a client that hangs up cancels its request upstream
         )
         try:
             bound = await listen(runner, host, port)

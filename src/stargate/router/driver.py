@@ -249,6 +249,9 @@ class AttemptDriver:
             metrics.attempt(target, backend_id, "proxy_502")
             metrics.replay_buffer(target, replay.buffered)
             return SendFailed(exc, replay.readiness()), None
+        except asyncio.CancelledError:  # the client hung up while the backend had not answered
+            self._state.finish(reservation)
+            raise
         status = response.status
         metrics.attempt(target, backend_id, f"upstream_{status}")
         metrics.replay_buffer(target, replay.buffered)

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+CLIENT_CLOSED = 499
+"""The status counted for a request whose client hung up before its answer began (nginx's)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     max_replay_body_bytes: int = MAX_BODY_BYTES
@@ -113,6 +117,9 @@ class ProxyHandler:
             response = await self._proxy(request, parsed, headers, body, traced)
             status = response.status
             return response
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -167,6 +174,11 @@ class ProxyHandler:
             outcome = await self._driver.run(
                 parsed, request.method, request.path_qs, forwarded, replay, route
             )
+        except asyncio.CancelledError:
+            # The client hung up (aiohttp cancels its handler): the attempt is cancelled upstream.
+            self._metrics.request_finished(parsed.target, "", CLIENT_CLOSED)
+            report_client_gone(self._faults, request, parsed.request_id, started=False)
+            raise
         except Exception:
             log.exception(
                 "request %s for model %s failed inside the proxy",
@@ -227,6 +239,9 @@ class ProxyHandler:
         except ConnectionError:
             # The client went away; nothing left to tell it.
             report_client_gone(self._faults, request, parsed.request_id, started=started)
+        except asyncio.CancelledError:
+            report_client_gone(self._faults, request, parsed.request_id, started=started)
+            raise
         finally:
             upstream.release()
             self._driver.finish(outcome)

@@ -67,6 +67,7 @@ class FakeResponse:
 DEAD = "dead"  # script entry: connection refused, the request never left
 HUNG = "hung"  # script entry: no response headers in time
 HALF = "half"  # script entry: read one chunk of the body, then fail
+SILENT = "silent"  # script entry: sent, no response headers until cancelled
 
 
 @dataclass
@@ -89,6 +90,9 @@ class FakeTransport:
             raise UpstreamNotSent("connection refused")
         if step == HUNG:
             raise UpstreamTimeout("no response headers in time")
+        if step == SILENT:
+            self.sent.append((backend.inference_server_id, headers, b""))
+            await asyncio.Event().wait()
         data = bytearray()
         if isinstance(body, bytes):
             data.extend(body)
@@ -123,10 +127,7 @@ def make_runner(
     clock: list[float] | None = None,
 ) -> tuple[AttemptDriver, FakeState, FakeTransport, RouterMetrics]:
     expected = expected or dict.fromkeys(clusters, 0)
-    candidates = tuple(
-        make_candidate(c, tps=0.0, queue_map={0: expected[c] or 0})
-        for c in clusters
-    )
+    candidates = tuple(make_candidate(c, tps=0.0, queue_map={0: expected[c] or 0}) for c in clusters)
     view = FakeView(
         candidates, FirstEligible(), {c: [backend(b, c) for b in ids] for c, ids in clusters.items()}
     )
@@ -436,6 +437,18 @@ async def test_a_request_cancelled_while_it_waits_for_the_first_byte_leaves_the_
     with pytest.raises(asyncio.CancelledError):
         await task
     assert waiting.released and state.finished == [0]
+
+
+async def test_a_request_cancelled_while_it_waits_for_response_headers_leaves_the_in_flight_count() -> None:
+    """The client hung up (aiohttp cancels its handler) while the backend had not answered."""
+    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [SILENT]})
+    task = asyncio.create_task(run(runner))
+    while not transport.sent:
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert state.finished == [0]
 
 
 async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_relay() -> None:
