@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import io
 import logging
+import re
+import socket
 from collections.abc import AsyncIterator
 
 import orjson
@@ -22,6 +24,12 @@ from stargate.wire.client_faults import ClientFaults
 
 BURST = 3
 HEAD_TIMEOUT_MS = 200
+STALL_TIMEOUT_MS = 300  # the body and send timeouts
+TIMEOUTS = {
+    "http_header_read_timeout_ms": HEAD_TIMEOUT_MS,
+    "http_body_read_timeout_ms": STALL_TIMEOUT_MS,
+    "http_send_timeout_ms": STALL_TIMEOUT_MS,
+}
 MALFORMED = [
     b"GET / HTTP/9.x\r\nHost: a\r\n\r\n",
     b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n",
@@ -66,7 +74,7 @@ def router_log() -> AsyncIterator[Signal]:
 @pytest.fixture
 async def sg() -> AsyncIterator[Harness]:
     faults = frozen_faults("test.router.clients")
-    async with running(client_faults=faults, http_header_read_timeout_ms=HEAD_TIMEOUT_MS) as harness:
+    async with running(client_faults=faults, **TIMEOUTS) as harness:
         yield harness
 
 
@@ -78,6 +86,8 @@ async def pylon(engine: FakeEngine) -> AsyncIterator[PylonApp]:
             *("--metrics-port", "0", "--metrics-host", "127.0.0.1", "--model-name", "llama"),
             *("--disable-bringup", "--engine-stats-stream", "off"),
             *("--http-header-read-timeout-ms", str(HEAD_TIMEOUT_MS)),
+            *("--http-body-read-timeout-ms", str(STALL_TIMEOUT_MS)),
+            *("--http-send-timeout-ms", str(STALL_TIMEOUT_MS)),
         ]
     )
     app = PylonApp(settings, out=io.StringIO(), client_faults=frozen_faults("test.pylon.clients"))
@@ -94,9 +104,15 @@ class Connections:
     def __init__(self) -> None:
         self.writers: list[asyncio.StreamWriter] = []
 
-    async def open(self, url: str, data: bytes = b"") -> asyncio.StreamReader:
+    async def open(self, url: str, data: bytes = b"", *, receive_buffer: int = 0) -> asyncio.StreamReader:
+        """``receive_buffer``: a small kernel receive buffer, for a client that stops reading."""
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
+        sock = socket.socket()
+        if receive_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=receive_buffer or 2**16)
         self.writers.append(writer)
         if data:
             writer.write(data)
@@ -324,6 +340,76 @@ async def test_stargate_hanging_up_cancels_the_request_at_the_engine(
     assert_quiet(caplog)
 
 
+async def test_stargate_closes_a_request_body_that_stalls_and_cancels_it_upstream(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    loop = asyncio.get_running_loop()
+    reader = await conns.open(sg.base, head(CHAT, b"{" * 100, "m", "stalled") + b"{" * 10)
+    started = loop.time()
+    assert await closed_by_server(reader)
+    assert loop.time() - started >= STALL_TIMEOUT_MS / 1000 * 0.9
+    await asyncio.wait_for(backend.cancelled.wait(), 5)  # it had the head and the first bytes
+    assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
+    assert hung_up(sg, "m") == 1
+    (line,) = client_lines(caplog, "test.router.clients")
+    assert re.fullmatch(
+        r"closed the connection from 127\.0\.0\.1:\d+: its request body sent nothing for 300 ms", line
+    )
+    assert_quiet(caplog)
+
+
+async def test_a_request_body_that_keeps_coming_is_not_cut_however_long_it_takes(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    await sg.backend("b1")
+    body = b"{" + b" " * 8 + b"}"
+    reader = await conns.open(sg.base, head(CHAT, body, "m", "slow-body"))
+    for i in range(0, len(body), 2):  # 5 pieces 100 ms apart: 500 ms in all, each gap < 300 ms
+        conns.send(body[i : i + 2])
+        await asyncio.sleep(STALL_TIMEOUT_MS / 3000)
+    assert (await until(reader, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    assert client_lines(caplog, "test.router.clients") == []
+
+
+async def test_stargate_closes_a_connection_whose_client_reads_nothing_and_cancels_it_upstream(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    backend.chunks = (b"data: " + b"x" * 2**20 + b"\n\n",) * 64  # more than every buffer on the way
+    await conns.open(sg.base, head(CHAT, b"{}", "m", "unread") + b"{}", receive_buffer=4096)
+    await asyncio.wait_for(backend.cancelled.wait(), 10)
+    assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
+    (line,) = client_lines(caplog, "test.router.clients")
+    assert re.fullmatch(
+        r"closed the connection to 127\.0\.0\.1:\d+: it read nothing of the answer for 300 ms", line
+    )
+    assert_quiet(caplog)
+
+
+async def test_pylon_closes_a_request_body_that_stalls_and_releases_its_load(
+    pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "stalled"))
+    conns.send(PYLON_CHAT[:5])
+    assert await closed_by_server(reader)
+    labels = {"model": "llama", "routing_key": "", "status": "cancelled"}
+    await waiting.until(
+        "the request ended",
+        lambda: pylon.metrics.registry.get_sample_value("pylon_requests_total", labels) == 1,
+    )
+    assert len(pylon.load) == 0 and engine.hits("/v1/chat/completions") == 0
+    (line,) = client_lines(caplog, "test.pylon.clients")
+    assert re.fullmatch(
+        r"closed the connection from 127\.0\.0\.1:\d+: its request body sent nothing for 300 ms", line
+    )
+    assert_quiet(caplog)
+
+
 async def slowloris(conns: Connections, url: str, count: int) -> list[asyncio.StreamReader]:
     """``count`` connections that send part of a request head (the first sends nothing at all)."""
     partial = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nx-mod"
@@ -397,10 +483,20 @@ async def test_pylon_keeps_an_idle_keep_alive_connection_after_a_request_with_a_
     assert_quiet(caplog)
 
 
-def test_both_binaries_take_the_head_timeout_flag() -> None:
+@pytest.mark.parametrize(
+    ("flag", "default"),
+    [
+        ("http-header-read-timeout-ms", 10_000),
+        ("http-body-read-timeout-ms", 60_000),
+        ("http-send-timeout-ms", 60_000),
+    ],
+)
+def test_both_binaries_take_the_client_timeout_flags(flag: str, default: int) -> None:
+    field = flag.replace("-", "_")
     base = ["--stargate-id", "s", "--advertise-addr", "127.0.0.1:1", "--disable-dns-discovery"]
-    assert settings_from_args(build_parser({}).parse_args(base)).http_header_read_timeout_ms == 10_000
-    options = build_parser({}).parse_args([*base, "--http-header-read-timeout-ms", "0"])
-    assert settings_from_args(options).http_header_read_timeout_ms == 0
-    pylon = parse_settings(["--upstream-http-base-url", "http://127.0.0.1:1", "--model-name", "m"])
-    assert pylon.http_header_read_timeout_ms == 10_000
+    assert getattr(settings_from_args(build_parser({}).parse_args(base)), field) == default
+    options = build_parser({}).parse_args([*base, f"--{flag}", "0"])
+    assert getattr(settings_from_args(options), field) == 0
+    pylon = ["--upstream-http-base-url", "http://127.0.0.1:1", "--model-name", "m"]
+    assert getattr(parse_settings(pylon), field) == default
+    assert getattr(parse_settings([*pylon, f"--{flag}", "5"]), field) == 5

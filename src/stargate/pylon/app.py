@@ -37,7 +37,7 @@ from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
 from stargate.wire.http_client import client_session
-from stargate.wire.http_server import GuardedAppRunner
+from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner
 from stargate.wire.listen import listen
 
 if TYPE_CHECKING:
@@ -112,11 +112,14 @@ class PylonApp:
         runner = GuardedAppRunner(
             app,
             faults=self.client_faults,
-            header_read_timeout_s=self.s.http_header_read_timeout_ms / 1000.0,
+            timeouts=ClientTimeouts(
+                self.s.http_header_read_timeout_ms / 1000.0,
+                self.s.http_body_read_timeout_ms / 1000.0,
+                self.s.http_send_timeout_ms / 1000.0,
+            ),
             access_log=None,
             handle_signals=False,
             auto_decompress=False,
-            handler_cancellation=True,  # Stargate hanging up cancels the request at the engine
         )
         bound = await listen(runner, host, port)
         self._runners.append(runner)

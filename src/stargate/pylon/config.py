@@ -103,6 +103,8 @@ class PylonSettings:
     otel_endpoint: str | None
     otel_service_name: str
     http_header_read_timeout_ms: int
+    http_body_read_timeout_ms: int
+    http_send_timeout_ms: int
     log_level: str
 
 
@@ -210,6 +212,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
       help="where Stargate sends requests (IP:port, port 0 ok)")
     a("--http-header-read-timeout-ms", type=non_negative_int, default=10_000,
       help="close a connection whose request head is not complete in this time; 0 disables")
+    a("--http-body-read-timeout-ms", type=non_negative_int, default=60_000,
+      help="close a connection whose request body sends nothing for this long; 0 disables")
+    a("--http-send-timeout-ms", type=non_negative_int, default=60_000,
+      help="close a connection whose client reads nothing of the answer for this long; 0 disables")
     a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
     a("--model-name", type=_non_blank, action="append", default=[],
       help="static model (repeatable); none = discovery")
@@ -376,5 +382,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         priority_ceiling=ns.pylon_priority_ceiling,
         max_engine_concurrency=ns.max_engine_concurrency,
         http_header_read_timeout_ms=ns.http_header_read_timeout_ms,
+        http_body_read_timeout_ms=ns.http_body_read_timeout_ms,
+        http_send_timeout_ms=ns.http_send_timeout_ms,
         log_level=ns.log_level,
     )

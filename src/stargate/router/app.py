@@ -35,7 +35,7 @@ from stargate.wire import address
 from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
-from stargate.wire.http_server import GuardedAppRunner
+from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner
 from stargate.wire.listen import listen
 
 if TYPE_CHECKING:
@@ -59,6 +59,8 @@ class StargateSettings:
     metrics_prefix: str = DEFAULT_PREFIX
     shutdown_drain_timeout_ms: int = 30_000
     http_header_read_timeout_ms: int = 10_000  # 0 = no request-head deadline
+    http_body_read_timeout_ms: int = 60_000  # 0 = a request body may pause for ever
+    http_send_timeout_ms: int = 60_000  # 0 = a client may leave its answer unread for ever
     lb_config: LbConfig = field(default_factory=LbConfig.permissive)
     retry: RetrySettings = field(default_factory=RetrySettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
@@ -225,11 +227,14 @@ class StargateServer:
         runner = GuardedAppRunner(
             app,
             faults=self.client_faults,
-            header_read_timeout_s=self.settings.http_header_read_timeout_ms / 1000.0,
+            timeouts=ClientTimeouts(
+                self.settings.http_header_read_timeout_ms / 1000.0,
+                self.settings.http_body_read_timeout_ms / 1000.0,
+                self.settings.http_send_timeout_ms / 1000.0,
+            ),
             access_log=None,
             shutdown_timeout=1.0,
             auto_decompress=False,
-            handler_cancellation=True,  # a client that hangs up cancels its request upstream
         )
         try:
             bound = await listen(runner, host, port)

@@ -59,6 +59,18 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         default=_D.http_header_read_timeout_ms,
         help="close a connection whose request head is not complete in this time; 0 disables",
     )
+    add(
+        "--http-body-read-timeout-ms",
+        type=non_negative_int,
+        default=_D.http_body_read_timeout_ms,
+        help="close a connection whose request body sends nothing for this long; 0 disables",
+    )
+    add(
+        "--http-send-timeout-ms",
+        type=non_negative_int,
+        default=_D.http_send_timeout_ms,
+        help="close a connection whose client reads nothing of the answer for this long; 0 disables",
+    )
     add("--advertise-addr", default=None, help="self gRPC address published in discovery (required)")
     add("--metrics-port", type=port, default=_D.metrics_port, help="Prometheus port (0.0.0.0:PORT/metrics)")
     add("--metrics-host", default=_D.metrics_host, help="Prometheus bind host")
@@ -259,6 +271,8 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         model_discovery_listen_addr=options.model_discovery_listen_addr,
         http_listen_addr=options.http_listen_addr,
         http_header_read_timeout_ms=options.http_header_read_timeout_ms,
+        http_body_read_timeout_ms=options.http_body_read_timeout_ms,
+        http_send_timeout_ms=options.http_send_timeout_ms,
         metrics_host=options.metrics_host,
         metrics_port=options.metrics_port,
         metrics_prefix=options.metrics_prefix,

@@ -25,6 +25,8 @@ class Fault(Enum):
     REQUEST_ABANDONED = "client closed before its request was complete"
     RESPONSE_ABANDONED = "client closed before the response was complete"
     SLOW_HEAD = "request head not complete in time"
+    SLOW_BODY = "request body stalled"
+    SLOW_READER = "answer not read"
 
 
 @dataclass(slots=True)

@@ -1,13 +1,22 @@
-"""The aiohttp server of Stargate's and Pylon's listeners: a request-head timeout and quiet client faults.
+"""The aiohttp server of Stargate's and Pylon's listeners: client timeouts and quiet client faults.
 
-aiohttp has no request-head deadline: a client that opens connections and trickles header bytes
-(slowloris) holds them until the keep-alive timeout, an hour by default. ``GuardedAppRunner`` serves
-an application with ``GuardedRequestHandler``, which closes a connection whose request head is not
-complete within ``header_read_timeout_s``, counted from the connection's start for the first
-request and from the first byte of each later one (Go's ``ReadHeaderTimeout``); idle keep-alive
-connections stay governed by aiohttp's keep-alive timeout, request bodies by the handlers. (The one
-head the deadline cannot see is a partial one sent in the same packet as a complete request: the
-parser keeps it to itself, and aiohttp's keep-alive timeout bounds it.)
+aiohttp bounds no client: one that trickles header bytes (slowloris) holds its connection until the
+keep-alive timeout, an hour by default, and one that stops sending its request body, or stops
+reading the answer, holds it (and the request upstream, an engine slot included) for as long as it
+stays connected. ``GuardedAppRunner`` serves an application with ``GuardedRequestHandler``, which
+closes a connection (``ClientTimeouts``, each 0 disables):
+
+- whose request head is not complete within ``head_s``, counted from the connection's start for the
+  first request and from the first byte of each later one (Go's ``ReadHeaderTimeout``). (The one
+  head the deadline cannot see is a partial one sent in the same packet as a complete request: the
+  parser keeps it to itself, and aiohttp's keep-alive timeout bounds it.)
+- whose request body, once begun, sends nothing for ``body_s`` while the server reads it (nginx's
+  ``client_body_timeout``);
+- that reads nothing of the answer for ``send_s`` while the answer waits in a full send buffer
+  (nginx's ``send_timeout``): the transport paused writing and did not resume.
+
+Idle keep-alive connections stay governed by aiohttp's keep-alive timeout. The handler of a closed
+connection is cancelled (``handler_cancellation``), which cancels its request upstream.
 
 aiohttp logs every malformed request (and every handler error, including a client that hung up) at
 ERROR with a traceback. Faults the client caused become one rate-limited WARNING line
@@ -17,6 +26,7 @@ ERROR with a traceback. Faults the client caused become one rate-limited WARNING
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -26,24 +36,49 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from stargate.wire.client_faults import ClientFaults, Fault, detail
 
 
-class GuardedRequestHandler(RequestHandler):
-    """aiohttp's connection protocol with a request-head deadline and client-fault logging.
+@dataclass(frozen=True, slots=True)
+class ClientTimeouts:
+    """How long a client may stall its connection (seconds, 0 = no limit): the request head, a
+    silence in the request body, an unread answer."""
 
-    Relies on three attributes of aiohttp's ``RequestHandler`` (checked by the tests): ``_waiter``
-    is pending exactly while the connection waits for a request head, ``_messages`` holds the heads
-    parsed and not yet handled, ``_current_request`` is the request being handled.
+    head_s: float = 10.0
+    body_s: float = 60.0
+    send_s: float = 60.0
+
+
+class GuardedRequestHandler(RequestHandler):
+    """aiohttp's connection protocol with client deadlines and client-fault logging.
+
+    Relies on attributes of aiohttp's ``RequestHandler`` (checked by the tests): ``_waiter`` is
+    pending exactly while the connection waits for a request head, ``_messages`` holds the heads
+    (with their body streams) parsed and not yet handled, ``_current_request`` is the request being
+    handled, ``_reading_paused`` / ``_buffer_paused`` say the server stopped reading.
     """
 
-    __slots__ = ("_faults", "_head_timeout_s", "_head_timer", "_peer")
+    __slots__ = (
+        "_body_timer",
+        "_faults",
+        "_head_timer",
+        "_last_data",
+        "_peer",
+        "_send_timer",
+        "_timeouts",
+        "timed_out",
+    )
 
     def __init__(
-        self, manager: web.Server, *, faults: ClientFaults, header_read_timeout_s: float, **kwargs: Any
+        self, manager: web.Server, *, faults: ClientFaults, timeouts: ClientTimeouts, **kwargs: Any
     ) -> None:
         super().__init__(manager, **kwargs)
         self._faults = faults
-        self._head_timeout_s = header_read_timeout_s
+        self._timeouts = timeouts
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._last_data = 0.0
         self._peer = "unknown peer"
+        self.timed_out = False
+        """This side closed the connection on a client deadline (logged then, not again as a hang-up)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -63,10 +98,30 @@ class GuardedRequestHandler(RequestHandler):
             self._cancel_head_timer()
         elif head_starts:
             self._arm_head_timer()  # the first bytes of a later request's head, not complete yet
+        if data and self._timeouts.body_s > 0:
+            self._last_data = self._loop.time()
+            if self._body_timer is None and self._receiving_body():
+                self._body_timer = self._loop.call_later(self._timeouts.body_s, self._check_body)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
+        for timer in (self._body_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._body_timer = self._send_timer = None
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The send buffer is full: the client has not read the answer so far."""
+        super().pause_writing()
+        if self._timeouts.send_s > 0 and self._send_timer is None:
+            self._send_timer = self._loop.call_later(self._timeouts.send_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().resume_writing()
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         """aiohttp's error log: client faults become one rate-limited WARNING, the rest stay ERROR."""
@@ -97,9 +152,49 @@ class GuardedRequestHandler(RequestHandler):
         current = self._current_request
         return current is not None and current.content.is_eof()
 
+    def _receiving_body(self) -> bool:
+        """The latest request's body is not all in (a head parsed but not handled yet, or the one
+        being handled)."""
+        if self._messages:
+            return not self._messages[-1][1].is_eof()
+        current = self._current_request
+        return current is not None and not current.content.is_eof()
+
+    def _check_body(self) -> None:
+        self._body_timer = None
+        if self.transport is None or not self._receiving_body():
+            return
+        limit = self._timeouts.body_s
+        if self._reading_paused or self._buffer_paused:
+            # The server is not taking the bytes (flow control): the silence is not the client's.
+            self._last_data = self._loop.time()
+        quiet = self._loop.time() - self._last_data
+        if quiet < limit:
+            self._body_timer = self._loop.call_later(limit - quiet, self._check_body)
+            return
+        self._close_for(
+            Fault.SLOW_BODY, "closed the connection from %s: its request body sent nothing for %d ms", limit
+        )
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        if self.transport is not None and self.writing_paused:
+            self._close_for(
+                Fault.SLOW_READER,
+                "closed the connection to %s: it read nothing of the answer for %d ms",
+                self._timeouts.send_s,
+            )
+
+    def _close_for(self, fault: Fault, message: str, limit_s: float) -> None:
+        """Reset the connection (a close would wait to flush what the client does not read)."""
+        self.timed_out = True
+        self._faults.report(fault, message, self._peer, round(limit_s * 1000))
+        if self.transport is not None:
+            self.transport.abort()
+
     def _arm_head_timer(self) -> None:
-        if self._head_timeout_s > 0:
-            self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_timed_out)
+        if self._timeouts.head_s > 0:
+            self._head_timer = self._loop.call_later(self._timeouts.head_s, self._head_timed_out)
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -118,7 +213,7 @@ class GuardedRequestHandler(RequestHandler):
             Fault.SLOW_HEAD,
             "closed the connection from %s: no complete request head within %d ms",
             self._peer,
-            round(self._head_timeout_s * 1000),
+            round(self._timeouts.head_s * 1000),
         )
         self.force_close()
 
@@ -126,7 +221,7 @@ class GuardedRequestHandler(RequestHandler):
 class _GuardedServer(web.Server):
     """aiohttp's server (the protocol factory) making ``GuardedRequestHandler`` connections."""
 
-    def __init__(self, base: web.Server, faults: ClientFaults, header_read_timeout_s: float) -> None:
+    def __init__(self, base: web.Server, faults: ClientFaults, timeouts: ClientTimeouts) -> None:
         super().__init__(
             base.request_handler,
             request_factory=base.request_factory,
@@ -135,30 +230,31 @@ class _GuardedServer(web.Server):
             **base._kwargs,
         )
         self._faults = faults
-        self._header_read_timeout_s = header_read_timeout_s
+        self._timeouts = timeouts
 
     def __call__(self) -> RequestHandler:
         return GuardedRequestHandler(
             self,
             faults=self._faults,
-            header_read_timeout_s=self._header_read_timeout_s,
+            timeouts=self._timeouts,
             loop=self._loop,
             **self._kwargs,
         )
 
 
 class GuardedAppRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections are ``GuardedRequestHandler``; 0 disables the timeout."""
+    """``web.AppRunner`` whose connections are ``GuardedRequestHandler``; a handler is cancelled
+    when its client hangs up (or a deadline closes the connection)."""
 
     def __init__(
-        self, app: web.Application, *, faults: ClientFaults, header_read_timeout_s: float, **kwargs: Any
+        self, app: web.Application, *, faults: ClientFaults, timeouts: ClientTimeouts, **kwargs: Any
     ) -> None:
-        super().__init__(app, **kwargs)
+        super().__init__(app, handler_cancellation=True, **kwargs)
         self._faults = faults
-        self._header_read_timeout_s = header_read_timeout_s
+        self._timeouts = timeouts
 
     async def _make_server(self) -> web.Server:
-        return _GuardedServer(await super()._make_server(), self._faults, self._header_read_timeout_s)
+        return _GuardedServer(await super()._make_server(), self._faults, self._timeouts)
 
 
 def report_client_gone(
@@ -171,6 +267,8 @@ def report_client_gone(
     transport = request.transport
     if transport is not None and not transport.is_closing():
         return False
+    if isinstance(request.protocol, GuardedRequestHandler) and request.protocol.timed_out:
+        return True  # logged when the deadline closed it
     where = f" (request id {detail(request_id)})" if request_id else ""
     if request.body_exists and not request.content.is_eof():
         faults.report(
