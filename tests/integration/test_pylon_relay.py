@@ -479,3 +479,30 @@ async def test_non_streaming_refusal_says_how_to_relay(
             assert "--pylon-relay-non-streaming" in (await resp.json(content_type=None))["hint"]
     finally:
         await app.close()
+
+
+async def test_requests_sharing_a_request_id_are_each_counted_until_each_ends(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    """A client may send one x-request-id on several requests at once: each holds an engine slot,
+    so each counts in Pylon's load (its admission and what it publishes) until it ends itself."""
+    app = await started(engine, "--engine-stats-stream", "off")
+    try:
+        engine.chat_mode = "hang"  # streams that stay open until the engine closes
+        url = app.http_url + "/v1/chat/completions"
+        streams = [asyncio.create_task(client.post(url, data=CHAT, headers=HEADERS)) for _ in range(3)]
+        responses = await asyncio.gather(*streams)
+        assert [r.status for r in responses] == [200, 200, 200]
+        gen = app.registry.current("llama")
+        assert gen is not None and len(app.load) == 3 and app.load.active_requests(gen) == 3
+        responses[0].close()  # one ends: the other two still count
+        await until("the first request ended", lambda: len(app.load) == 2)
+        assert app.load.active_requests(gen) == 2
+        for response in responses[1:]:
+            response.close()
+        await until("every request ended", lambda: len(app.load) == 0)
+        labels = {"model": "llama", "routing_key": "", "status": "cancelled"}
+        assert app.metrics.registry.get_sample_value("pylon_requests_total", labels) == 3
+        assert [r[2]["x-request-id"] for r in engine.requests if r[1] == "/v1/chat/completions"] == ["r1"] * 3
+    finally:
+        await app.close()

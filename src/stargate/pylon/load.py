@@ -16,6 +16,7 @@ work it will never do, and routers move conversations away from their cache.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -123,6 +124,7 @@ class LiveLoad:
         self._prefix_caching = prefix_caching
         self._prompts: dict[tuple[Generation, str], int] = {}  # key → its last sent prompt's tokens
         self.on_change: Callable[[Generation], None] = _unchanged
+        self._duplicates = itertools.count(2)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -130,6 +132,14 @@ class LiveLoad:
     @property
     def prefix_caching(self) -> bool:
         return self._prefix_caching
+
+    def unique_key(self, request_id: str) -> str:
+        """The key to track a new request by: ``request_id``, or ``request_id#N`` while one with
+        that id is tracked. A client may send one id on several requests at once; keyed by the id
+        alone they counted as one, and the first to end released them all."""
+        if request_id not in self._requests:
+            return request_id
+        return f"{request_id}#{next(self._duplicates)}"
 
     def track(
         self,

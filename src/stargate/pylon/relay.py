@@ -243,11 +243,13 @@ class Relay:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
         observer: RequestObserver | None = None
         key = h.text_value(request.headers.get(h.CACHE_AFFINITY_KEY))  # the router's key, or none
+        request_id = meta.request_id  # the engine gets the client's; Pylon counts each request once
         if endpoint is not None:
-            self.load.track(meta.request_id, gen, meta.priority or 0, meta.input_tokens, key)
-            self.hub.on_request_tracked(meta.request_id, gen)
+            request_id = self.load.unique_key(meta.request_id)
+            self.load.track(request_id, gen, meta.priority or 0, meta.input_tokens, key)
+            self.hub.on_request_tracked(request_id, gen)
             observer = RequestObserver(
-                request_id=meta.request_id,
+                request_id=request_id,
                 generation=gen,
                 endpoint=endpoint,
                 input_tokens=meta.input_tokens,
@@ -262,14 +264,14 @@ class Relay:
         status = 500
         try:
             response = await self._handle_tracked(
-                request, meta.request_id, gen, meta.priority, endpoint, observer, key, span
+                request, request_id, gen, meta.priority, endpoint, observer, key, span
             )
             status = response.status
             return response
         except asyncio.CancelledError:
             # Stargate hung up (aiohttp cancels the handler): the engine request is closed with it.
             started = observer is not None and observer.status is not None
-            report_client_gone(self.faults, request, meta.request_id, started=started)
+            report_client_gone(self.faults, request, request_id, started=started)
             if observer is not None:
                 observer.cancel()
             raise
