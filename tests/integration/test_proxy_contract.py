@@ -653,6 +653,22 @@ async def test_shutdown_reports_drain_timeout(sg: Harness) -> None:
         backend.gate.set()
 
 
+async def test_requests_still_held_when_the_drain_runs_out_get_503(sg: Harness) -> None:
+    """A held request was never sent anywhere: when the drain ends it gets a 503 its client can
+    retry elsewhere, not a cut connection (nor a 404 once the control plane stopped)."""
+    held = {**HEADERS, "x-model": "later", "x-max-wait-ms": "60000"}  # registers later: it waits
+    answer = asyncio.create_task(sg.post(held))
+    await until("the request is held", lambda: sg.server.proxy.in_flight == 1)  # type: ignore[union-attr]
+    assert await sg.server.shutdown(drain_timeout_s=0.05) is False
+    status, _, body = await asyncio.wait_for(answer, 5)
+    error = orjson.loads(body)["error"]
+    assert (status, error["code"], error["message"]) == (
+        503,
+        "no_selectable_backend",
+        "the router is shutting down",
+    )
+
+
 async def test_upstream_dying_mid_stream_aborts_the_client_connection(sg: Harness) -> None:
     backend = await sg.backend("b1")
     backend.abort_after_first = True
@@ -662,7 +678,7 @@ async def test_upstream_dying_mid_stream_aborts_the_client_connection(sg: Harnes
             await resp.read()
     await until(
         "the request counted",
-        lambda: sg.metric("stargate_requests_total", **labels(inference_server_id="b1", status="200")) == 1
+        lambda: sg.metric("stargate_requests_total", **labels(inference_server_id="b1", status="200")) == 1,
     )
 
 

@@ -2,7 +2,8 @@
 
 ``StargateServer.start`` binds every listener (port 0 → ephemeral) and returns the bound addresses;
 ``shutdown`` drains (``/readyz`` answers 503, in-flight proxied requests may finish within the drain
-timeout) and then stops the listeners and closes the one client session of the process.
+timeout; requests still held waiting for room then get a 503) and then stops the listeners and
+closes the one client session of the process.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 PLAIN_CLIENT_PATHS = ("/v1/completions",)  # proxied only in plain-client mode (docs/compat.md)
+RELEASE_HELD_S = 1.0  # held requests poll at least every 25 ms: they end well within this
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class StargateServer:
         self.addresses: BoundAddresses | None = None
         self.control_plane: ControlPlane | None = None
         self.proxy: ProxyHandler | None = None
+        self._driver: AttemptDriver | None = None
         self._session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
 
@@ -156,7 +159,7 @@ class StargateServer:
             alive=self.state.is_routable,
         )
         machine = AttemptMachine(s.retry, admission=check_admission, expected_queue=expected_queue_ms)
-        driver = AttemptDriver(
+        self._driver = driver = AttemptDriver(
             self.state, machine, transport, self.metrics, clock=self.clock.monotonic, sleep=self.clock.sleep
         )
         self.proxy = proxy = ProxyHandler(
@@ -206,6 +209,10 @@ class StargateServer:
         drained = await self.proxy.wait_idle(timeout) if self.proxy is not None else True
         if not drained:
             log.warning("shutdown drain timeout of %.3f s exceeded with requests in flight", timeout)
+            if self._driver is not None:
+                # Held requests were never sent: a 503 lets their clients retry elsewhere, where a
+                # cut connection says nothing (and with the control plane gone they would see 404).
+                await self._driver.release_held(RELEASE_HELD_S)
         await self._close()
         return drained
 

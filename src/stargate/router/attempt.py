@@ -13,7 +13,9 @@ Routing pass (on ``Start``, ``Woke`` and a cluster that ran out of backends):
   original: a request with a routing wait that finds no target while the router is ``starting``
   polls every 25 ms within that wait, as a restarted router's Pylons register again;
 * a request that arrives while the router holds ``max_held_requests`` and would wait → 503
-  ``RoutingError`` at once (not in the original, whose waits are bounded only by time);
+  ``RoutingError`` at once (not in the original, whose waits are bounded only by time); so does a
+  request that would wait (again) once the router is closing (its drain ran out: it is about to
+  stop, and a 503 can be retried elsewhere where a cut connection cannot);
 * input-work admission rejection → ``Fail(InputWorkLimitExceeded)``;
 * ``Selected`` → ``Pick`` a backend of the chosen cluster; ``Picked(None)`` excludes the cluster and
   routes again (the one place "pick a backend, else exclude the cluster" is written);
@@ -127,6 +129,10 @@ class AdmissionRejected:
 Note = Retried | Exhausted | Evicted | AdmissionRejected
 
 
+CLOSING = "the router is shutting down"
+"""Why a request that would wait fails once the router's drain ran out."""
+
+
 # ---- events: what happened --------------------------------------------------------------------
 
 
@@ -134,11 +140,13 @@ Note = Retried | Exhausted | Evicted | AdmissionRejected
 class Start:
     held: int = 0
     """Requests the router holds waiting for room as this one arrives."""
+    closing: bool = False
+    """The router is about to stop: the request may not wait."""
 
 
 @dataclass(frozen=True, slots=True)
 class Woke:
-    pass
+    closing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,9 +266,12 @@ class AttemptMachine:
             state = replace(state, notes=())
         if isinstance(event, Start):
             limit = self.settings.max_held_requests
-            return self._route(state, snapshot, now, rng, full=0 < limit <= event.held)
+            refusal = CLOSING if event.closing else None
+            if 0 < limit <= event.held:
+                refusal = f"the router already holds {limit} requests waiting for room"
+            return self._route(state, snapshot, now, rng, refusal)
         if isinstance(event, Woke):
-            return self._route(state, snapshot, now, rng)
+            return self._route(state, snapshot, now, rng, CLOSING if event.closing else None)
         if isinstance(event, Picked):
             return self._picked(state, event.backend, snapshot, now, rng)
         if isinstance(event, Answered):
@@ -272,19 +283,25 @@ class AttemptMachine:
     # ---- routing (§4.7) ------------------------------------------------------------------------
 
     def _route(
-        self, state: AttemptState, snapshot: Snapshot, now: float, rng: random.Random, full: bool = False
+        self,
+        state: AttemptState,
+        snapshot: Snapshot,
+        now: float,
+        rng: random.Random,
+        refusal: str | None = None,
     ) -> tuple[AttemptState, Action]:
-        """``full``: the router holds ``max_held_requests`` already, so this one may not wait."""
+        """``refusal``: why this request may not wait (the router holds ``max_held_requests``
+        already, or is closing); it then fails with that reason where it would wait."""
         request = state.request
         candidates = snapshot.candidates
         excluded = state.failed_cluster_ids
         if isinstance(snapshot, NoTarget) or all(c.cluster_id in excluded for c in candidates):
             if _requeues(state, now):
-                return self._route(_requeued(state), snapshot, now, rng, full)
+                return self._route(_requeued(state), snapshot, now, rng, refusal)
             if isinstance(snapshot, NoTarget) and snapshot.starting:  # backends may be registering
                 routing_deadline = _routing_deadline(request)
                 if routing_deadline is not None and now < routing_deadline:
-                    return self._wait(state, min(WAIT_POLL_CAP_S, routing_deadline - now), full)
+                    return self._wait(state, min(WAIT_POLL_CAP_S, routing_deadline - now), refusal)
             return self._unroutable(state, snapshot)
         max_wait_ms = MAX_WAIT_CAP_MS if request.max_wait_ms is None else request.max_wait_ms
         wait_deadline = request.received_at + max_wait_ms / 1000.0
@@ -321,23 +338,22 @@ class AttemptMachine:
         if isinstance(decision, Wait):
             pause = min(decision.ms / 1000.0, WAIT_POLL_CAP_S, wait_deadline - now)
             if pause > 0:
-                return self._wait(state, pause, full)
+                return self._wait(state, pause, refusal)
         routing_deadline = _routing_deadline(request)
         if routing_deadline is not None and now < routing_deadline:
             pause = min(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, routing_deadline - now)
-            return self._wait(state, pause, full)
+            return self._wait(state, pause, refusal)
         if request.max_wait_ms is None:
             reason = "no backend for this model can take the request now (x-max-wait-ms lets it wait)"
         else:
             reason = f"no backend for this model took the request within its {request.max_wait_ms} ms wait"
         return self._unroutable(state, snapshot, reason)
 
-    def _wait(self, state: AttemptState, pause: float, full: bool) -> tuple[AttemptState, Action]:
-        """Sleep and route again, unless the router already holds ``max_held_requests`` (``full``)."""
-        if not full:
+    def _wait(self, state: AttemptState, pause: float, refusal: str | None) -> tuple[AttemptState, Action]:
+        """Sleep and route again, unless the request may not wait (``refusal``)."""
+        if refusal is None:
             return _waited(state, pause)
-        held = self.settings.max_held_requests
-        return state, Fail(RoutingError(f"the router already holds {held} requests waiting for room"), "")
+        return state, Fail(RoutingError(refusal), "")
 
     def _unroutable(
         self, state: AttemptState, snapshot: Snapshot, reason: str = "no selectable backend for this model"

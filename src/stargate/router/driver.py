@@ -59,7 +59,7 @@ from stargate.wire import headers as h
 
 log = logging.getLogger(__name__)
 
-WOKE = Woke()
+WOKE, WOKE_CLOSING = Woke(), Woke(closing=True)
 
 
 class RoutingStateView(Protocol):
@@ -135,6 +135,20 @@ class AttemptDriver:
         self._holding = 0
         """Requests asleep between routing passes, the ones held waiting for room
         (``RetrySettings.max_held_requests``)."""
+        self._none_held = asyncio.Event()
+        self._none_held.set()
+        self._closing = False
+
+    async def release_held(self, timeout_s: float) -> bool:
+        """The router is about to stop: every held request (and any that would wait) ends with a
+        503 at its next routing pass, which comes within one poll. True once none is held."""
+        self._closing = True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._none_held.wait()
+        except TimeoutError:
+            return False
+        return True
 
     async def run(
         self,
@@ -148,7 +162,7 @@ class AttemptDriver:
         """``trace``, when given, receives the routing facts for the request's span."""
         target, clock = request.target, self._clock
         state = start(request)
-        event: Event = Start(self._holding)
+        event: Event = Start(self._holding, self._closing)
         response: UpstreamResponse | None = None
         reservation: Any = None
         routing_started: float | None = clock()
@@ -168,13 +182,16 @@ class AttemptDriver:
                 event = Picked(picked)
             elif isinstance(action, Sleep):
                 self._holding += 1
+                self._none_held.clear()
                 try:
                     await self._sleep(action.seconds)
                 finally:
                     self._holding -= 1
+                    if self._holding == 0:
+                        self._none_held.set()
                 if trace is not None:
                     trace.waited_s += action.seconds
-                event = WOKE
+                event = WOKE_CLOSING if self._closing else WOKE
             elif isinstance(action, Send):
                 if routing_started is not None:
                     self._metrics.routing_duration(target, clock() - routing_started)

@@ -346,3 +346,21 @@ def test_a_request_that_would_wait_while_the_router_holds_its_limit_gets_503_at_
     )
     _, action = unlimited.step(fresh(max_wait_ms=1000), Start(held=10**6), view, 100.0, rng)
     assert isinstance(action, Sleep)
+
+
+def test_a_request_that_would_wait_once_the_router_is_closing_gets_503() -> None:
+    """The drain ran out: held requests end at their next pass, new ones do not start to wait, and
+    one that finds room now is still sent."""
+    machine = AttemptMachine(
+        RetrySettings(), admission=lambda d, c, r: None, expected_queue=expected_queue_ms
+    )
+    rng = random.Random(1)
+    for event in (Woke(closing=True), Start(closing=True)):
+        for decision in (UNAVAILABLE, Wait(50.0)):
+            view, _ = scripted([decision])
+            _, action = machine.step(fresh(max_wait_ms=1000), event, view, 100.0, rng)
+            assert isinstance(action, Fail) and type(action.error) is RoutingError
+            assert str(action.error) == "the router is shutting down"
+        view, _ = scripted([SELECT0])
+        _, action = machine.step(fresh(max_wait_ms=1000), event, view, 100.0, rng)
+        assert isinstance(action, Pick)
