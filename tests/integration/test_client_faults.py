@@ -72,6 +72,13 @@ def router_log() -> AsyncIterator[Signal]:
 
 
 @pytest.fixture
+def pylon_log() -> AsyncIterator[Signal]:
+    signal = Signal("test.pylon.clients")
+    yield signal
+    signal.logger.removeHandler(signal)
+
+
+@pytest.fixture
 async def sg() -> AsyncIterator[Harness]:
     faults = frozen_faults("test.router.clients")
     async with running(client_faults=faults, **TIMEOUTS) as harness:
@@ -248,20 +255,19 @@ async def test_client_abandoning_its_request_body_at_stargate_logs_one_warning(
 
 
 async def test_client_abandoning_a_stream_through_pylon_logs_one_warning(
-    pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
+    pylon: PylonApp,
+    engine: FakeEngine,
+    conns: Connections,
+    pylon_log: Signal,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING)
-    signal = Signal("test.pylon.clients")
-    try:
-        engine.chat_mode = "hang"  # one keep-alive comment, then nothing until the engine closes
-        reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "gone-3"))
-        conns.send(PYLON_CHAT)
-        await until(reader, b": keepalive\n\n")
-        conns.abort()
-        engine._closing.set()  # the engine ends the stream; Pylon finds the client gone
-        await signal.wait()
-    finally:
-        signal.logger.removeHandler(signal)
+    engine.chat_mode = "hang"  # one keep-alive comment, then nothing until the engine closes
+    reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "gone-3"))
+    conns.send(PYLON_CHAT)
+    await until(reader, b": keepalive\n\n")
+    conns.abort()  # Pylon's handler is cancelled at once, mid-response
+    await pylon_log.wait()
     assert client_lines(caplog, "test.pylon.clients") == [
         "client closed the connection mid-response (request id gone-3)"
     ]
@@ -314,23 +320,19 @@ async def test_a_client_hanging_up_while_its_request_waits_for_a_model_leaves_th
 
 
 async def test_stargate_hanging_up_cancels_the_request_at_the_engine(
-    pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
+    pylon: PylonApp,
+    engine: FakeEngine,
+    conns: Connections,
+    pylon_log: Signal,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING)
-    signal = Signal("test.pylon.clients")
-    try:
-        engine.chat_mode = "silent"  # queued behind other work: no headers yet
-        await conns.open(
-            pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "gone-6") + PYLON_CHAT
-        )
-        await waiting.until(
-            "the engine received the request", lambda: engine.hits("/v1/chat/completions") == 1
-        )
-        conns.abort()
-        await asyncio.wait_for(engine.cancelled.wait(), 5)
-        await signal.wait()
-    finally:
-        signal.logger.removeHandler(signal)
+    engine.chat_mode = "silent"  # queued behind other work: no headers yet
+    await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "gone-6") + PYLON_CHAT)
+    await waiting.until("the engine received the request", lambda: engine.hits("/v1/chat/completions") == 1)
+    conns.abort()
+    await asyncio.wait_for(engine.cancelled.wait(), 5)
+    await pylon_log.wait()
     labels = {"model": "llama", "routing_key": "", "status": "cancelled"}
     assert pylon.metrics.registry.get_sample_value("pylon_requests_total", labels) == 1
     assert len(pylon.load) == 0

@@ -427,21 +427,14 @@ async def test_a_body_broken_before_its_first_byte_with_nowhere_else_is_an_error
     assert len(transport.sent) == 1 and state.finished == [0]
 
 
-async def test_a_request_cancelled_while_it_waits_for_the_first_byte_leaves_the_in_flight_count() -> None:
-    waiting = FakeResponse(200, hold=asyncio.Event())
-    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [waiting]})
-    task = asyncio.create_task(run(runner))
-    while not transport.sent:
-        await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert waiting.released and state.finished == [0]
-
-
-async def test_a_request_cancelled_while_it_waits_for_response_headers_leaves_the_in_flight_count() -> None:
+@pytest.mark.parametrize("waits_for", ["response headers", "the first body byte"])
+async def test_a_request_cancelled_while_it_waits_for_its_backend_leaves_the_in_flight_count(
+    waits_for: str,
+) -> None:
     """The client hung up (aiohttp cancels its handler) while the backend had not answered."""
-    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [SILENT]})
+    first_byte = FakeResponse(200, hold=asyncio.Event())
+    step = SILENT if waits_for == "response headers" else first_byte
+    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [step]})
     task = asyncio.create_task(run(runner))
     while not transport.sent:
         await asyncio.sleep(0)
@@ -449,6 +442,7 @@ async def test_a_request_cancelled_while_it_waits_for_response_headers_leaves_th
     with pytest.raises(asyncio.CancelledError):
         await task
     assert state.finished == [0]
+    assert first_byte.released is (step is first_byte)
 
 
 async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_relay() -> None:
