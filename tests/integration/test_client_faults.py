@@ -376,6 +376,23 @@ async def test_a_request_body_that_keeps_coming_is_not_cut_however_long_it_takes
     assert client_lines(caplog, "test.router.clients") == []
 
 
+async def test_a_body_pipelined_behind_a_request_in_hand_is_not_due_until_that_request_ends(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    backend.hold_headers = asyncio.Event()  # the first answer takes longer than the body timeout
+    first = head(CHAT, b"{}", "m", "in-hand") + b"{}"
+    reader = await conns.open(sg.base, first + head(CHAT, b"{" * 10, "m", "pipelined") + b"{")
+    await asyncio.wait_for(backend.arrived.wait(), 5)
+    await asyncio.sleep(STALL_TIMEOUT_MS / 1000 * 2)  # the pipelined body is silent all along
+    backend.hold_headers.set()
+    assert (await until(reader, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    assert await closed_by_server(reader)  # then its own silence counts
+    (line,) = client_lines(caplog, "test.router.clients")
+    assert line.endswith("its request body sent nothing for 300 ms")
+
+
 async def test_stargate_closes_a_connection_whose_client_reads_nothing_and_cancels_it_upstream(
     sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
 ) -> None:
