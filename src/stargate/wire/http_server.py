@@ -165,11 +165,9 @@ class GuardedRequestHandler(RequestHandler):
         if self.transport is None or not self._receiving_body():
             return
         limit = self._timeouts.body_s
-        current = self._current_request
-        behind = current is not None and current.content.is_eof()  # pipelined behind a request in hand
-        if self._reading_paused or self._buffer_paused or behind:
-            # The server is not taking the bytes (flow control), or not yet waiting for them: the
-            # silence is not the client's.
+        if self._reading_paused or self._buffer_paused or self._body_complete():
+            # The server is not taking the bytes (flow control), or not yet waiting for them (a body
+            # pipelined behind a request still being handled): the silence is not the client's.
             self._last_data = self._loop.time()
         quiet = self._loop.time() - self._last_data
         if quiet < limit:
