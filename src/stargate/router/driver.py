@@ -14,6 +14,7 @@ longest silent stretch of a request) costs a retry elsewhere, not a cut stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -139,16 +140,13 @@ class AttemptDriver:
         self._none_held.set()
         self._closing = False
 
-    async def release_held(self, timeout_s: float) -> bool:
+    async def release_held(self, timeout_s: float) -> None:
         """The router is about to stop: every held request (and any that would wait) ends with a
-        503 at its next routing pass, which comes within one poll. True once none is held."""
+        503 at its next routing pass, which comes within one poll; returns once none is held (or
+        after ``timeout_s``)."""
         self._closing = True
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._none_held.wait()
-        except TimeoutError:
-            return False
-        return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._none_held.wait(), timeout_s)
 
     async def run(
         self,

@@ -41,9 +41,9 @@ class ClientTimeouts:
     """How long a client may stall its connection (seconds, 0 = no limit): the request head, a
     silence in the request body, an unread answer."""
 
-    head_s: float = 10.0
-    body_s: float = 60.0
-    send_s: float = 60.0
+    head_s: float
+    body_s: float
+    send_s: float
 
 
 class GuardedRequestHandler(RequestHandler):
