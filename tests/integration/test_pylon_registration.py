@@ -127,6 +127,24 @@ async def test_an_unreachable_stargate_is_logged_once_and_reported_down(
     assert len(warnings) == 1 and f"cannot reach Stargate at http://{address}" in warnings[0]
 
 
+async def test_a_stargate_dropped_from_discovery_is_reported_at_once() -> None:
+    address = dead_address()
+    clock = ManualClock()
+    events: list[tuple[str, bool, list[str]]] = []
+
+    def seen(router: str, up: bool) -> None:
+        events.append((router, up, reg.routers))
+
+    reg = client(retry_s=1.0, clock=clock, on_connected=seen)
+    reg.update_routers({"sg-1": RouterInfo("sg-1", address, "http://" + address)})
+    try:
+        await until("a failed attempt", lambda: len(events) == 1)  # the stream now waits to retry
+        reg.update_routers({})
+        assert events == [("sg-1", False, ["sg-1"]), ("sg-1", False, [])]
+    finally:
+        await reg.close()
+
+
 async def test_b111_watch_disconnect_drops_routers_then_rewatches(stargate: FakeStargate) -> None:
     stargate.end_watches = 1
     seen: list[set[str]] = []

@@ -66,7 +66,7 @@ class PylonApp:
         self.clock = clock or SystemClock()
         self._out = out
         self._relay_timeouts = relay_timeouts or RelayTimeouts()
-        self.metrics = PylonMetrics()
+        self.metrics = PylonMetrics(clock=self.clock.monotonic)
         self.registry = ModelRegistry()
         self.load = LiveLoad(prefix_caching=settings.engine_prefix_caching)
         self.ids = RequestIds()
@@ -158,6 +158,8 @@ class PylonApp:
         else:
             self._routers_up.discard(router)
             self.metrics.router_lost(router)
+        if self.registration is not None:
+            self.metrics.router_discovered(router, router in self.registration.routers)
 
     async def start(self) -> None:
         s = self.s

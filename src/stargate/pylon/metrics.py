@@ -10,6 +10,8 @@ share their family names with the token counters (``token_histogram``).
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
@@ -18,17 +20,20 @@ from stargate.balancer.types import ModelStats
 from stargate.pylon.event_counter import EventCounter
 from stargate.pylon.stats.observation import Observation
 from stargate.pylon.token_histogram import TokenHistogram
-from stargate.wire.labels import LabelChildren
+from stargate.wire.labels import GoneSeries, LabelChildren
 
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (*TIME_BUCKETS, 60.0)
 TOKEN_BUCKETS = (1, 10, 100, 1000, 10_000, 100_000, 500_000)
 ADVERTISED_STATUSES = ("active", "inactive", "unknown")
 QUEUE_MS_BUCKETS = (0, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000)
+GONE_ROUTER_TTL_S = 600.0
+"""How long the series of a Stargate that left discovery stay (reading disconnected, inactive)."""
 
 
 class PylonMetrics:
-    def __init__(self, version: str = "0.1.0") -> None:
+    def __init__(self, version: str = "0.1.0", *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._gone_routers = GoneSeries(GONE_ROUTER_TTL_S, self._drop_router, clock)
         r = self.registry = CollectorRegistry(auto_describe=True)
         Gauge(
             "target_info", "Build information", ["service_version", "service_name", "commit"], registry=r
@@ -233,6 +238,16 @@ class PylonMetrics:
         """On stream loss every model last advertised to ``router`` reads inactive."""
         self.advertise(router, dict.fromkeys(self._advertised.get(router, {}), "inactive"))
 
+    def router_discovered(self, router: str, present: bool) -> None:
+        """Whether discovery still lists ``router``; the series of one it no longer lists expire."""
+        self._gone_routers.mark(router, present)
+
+    def _drop_router(self, router: str) -> None:
+        self.advertise(router, {})
+        del self._advertised[router]
+        with contextlib.suppress(KeyError):
+            self.registration_connected.remove(router)
+
     def request_started(self, model: str) -> None:
         self._started(model).inc()
 
@@ -314,6 +329,7 @@ class PylonMetrics:
         self._set_label_gauges(model, ((), ()))
 
     def render(self) -> bytes:
+        self._gone_routers.expire()
         return generate_latest(self.registry)
 
 

@@ -124,9 +124,12 @@ class StargateServer:
         self.clock = clock or SystemClock()
         self.tracing = tracing
         self.client_faults = client_faults or ClientFaults(logging.getLogger("stargate.router.clients"))
-        self.metrics = metrics or RouterMetrics(settings.metrics_prefix)
+        self.metrics = metrics or RouterMetrics(settings.metrics_prefix, clock=self.clock.monotonic)
         self.state = RoutingState(
-            clock=self.clock.monotonic, wall_clock=self.clock.wall, on_active_count=self.metrics.set_active
+            clock=self.clock.monotonic,
+            wall_clock=self.clock.wall,
+            on_active_count=self.metrics.set_active,
+            on_backend_live=self.metrics.backend_live,
         )
         self.endpoints = Endpoints(
             self.state.list_models,

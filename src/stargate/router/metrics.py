@@ -4,15 +4,20 @@ Each ``RouterMetrics`` owns its own ``CollectorRegistry`` so several routers (te
 live in one process. Label values use ``""`` for a missing routing key; request ids, prompts, URLs
 and tokens are never labels. Routing keys and models come from client headers, so label pairs that
 no registration ever advertised are bounded (``MAX_CLIENT_TARGETS``; later ones count under
-``OTHER_TARGET``): random ``x-model`` values cannot grow the registry without end.
+``OTHER_TARGET``): random ``x-model`` values cannot grow the registry without end. Nor can a fleet
+whose pods register under new ids: a backend's own series go ``DEPARTED_SERIES_TTL_S`` after its
+registration ends, unless it registers again first (``GoneSeries``).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stargate.balancer.types import Target
-from stargate.wire.labels import LabelChildren
+from stargate.wire.labels import GoneSeries, LabelChildren
 
 REPLAY_BUFFER_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 PROXY_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -22,6 +27,8 @@ MAX_CLIENT_TARGETS = 1000
 """Distinct ``(routing_key, model)`` label pairs taken from requests alone (never registered)."""
 OTHER_TARGET = "__other__"
 """Both labels of a request whose unregistered target came after the first ``MAX_CLIENT_TARGETS``."""
+DEPARTED_SERIES_TTL_S = 600.0
+"""How long the series of a backend whose registration ended stay: scrapes see its last counts."""
 
 
 def _counter_name(prefix: str, name: str) -> str:
@@ -32,7 +39,13 @@ def _counter_name(prefix: str, name: str) -> str:
 class RouterMetrics:
     """All router series. Methods take a ``Target`` so label spelling lives in one place."""
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        prefix: str = DEFAULT_PREFIX,
+        registry: CollectorRegistry | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
         tgt = ("routing_key", "model")
@@ -143,11 +156,28 @@ class RouterMetrics:
         self._proxy_duration = LabelChildren(self.proxy_duration_seconds)
         self._routing_duration = LabelChildren(self.routing_duration_seconds)
         self._active = LabelChildren(self.active_inference_servers)
+        self._evictions = LabelChildren(self.quic_connection_evictions_total)
+        self._reconnects = LabelChildren(self.quic_hot_path_reconnect_total)
+        # every family labelled by backend, with the position of that label
+        self._per_backend = (
+            (self._requests, 2), (self._attempts, 2), (self._proxy_duration, 2),
+            (self._evictions, 0), (self._reconnects, 0),
+        )  # fmt: skip
+        self._gone = GoneSeries(DEPARTED_SERIES_TTL_S, self._drop_backend, clock)
         self._registered: set[tuple[str, str]] = set()
         self._client_targets: set[tuple[str, str]] = set()
 
     def render(self) -> bytes:
+        self._gone.expire()
         return generate_latest(self.registry)
+
+    def backend_live(self, backend_id: str, live: bool) -> None:
+        """A registration of ``backend_id`` began (``live``) or ended."""
+        self._gone.mark(backend_id, live)
+
+    def _drop_backend(self, backend_id: str) -> None:
+        for children, index in self._per_backend:
+            children.drop(index, backend_id)
 
     # -- per-event helpers -------------------------------------------------------------------------
 
@@ -197,7 +227,7 @@ class RouterMetrics:
         self._routing_duration(*self._tgt(target)).observe(seconds)
 
     def eviction(self, backend_id: str, reason: str) -> None:
-        self.quic_connection_evictions_total.labels(backend_id, reason).inc()
+        self._evictions(backend_id, reason).inc()
 
     def reconnect(self, backend_id: str, ok: bool) -> None:
-        self.quic_hot_path_reconnect_total.labels(backend_id, "success" if ok else "error").inc()
+        self._reconnects(backend_id, "success" if ok else "error").inc()

@@ -129,6 +129,7 @@ class RoutingState:
 
     ``on_active_count(target, n)`` runs after every registration-side change of a target with its
     active backend count (0 once it is gone); reservations do not change the count and do not call it.
+    ``on_backend_live(backend_id, live)`` runs when a registration is admitted and when it ends.
     """
 
     def __init__(
@@ -137,10 +138,12 @@ class RoutingState:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         on_active_count: Callable[[Target, int], None] | None = None,
+        on_backend_live: Callable[[str, bool], None] = lambda _backend_id, _live: None,
     ) -> None:
         self._clock = clock
         self._wall_clock = wall_clock
         self._on_active_count = on_active_count
+        self._on_backend_live = on_backend_live
         self._generations = itertools.count(1)
         self._live: dict[str, _Registration] = {}
         self._cluster_generations: dict[tuple[str | None, str], _ClusterGeneration] = {}
@@ -311,6 +314,7 @@ class RoutingState:
         backend = Backend(inference_server_id, url, effective_cluster)
         handle = RegistrationHandle(backend, routing_key, next(self._generations))
         self._live[inference_server_id] = _Registration(handle)
+        self._on_backend_live(inference_server_id, True)
         return handle
 
     def apply_update(
@@ -365,6 +369,7 @@ class RoutingState:
         if cluster_generation.members == 0:
             del self._cluster_generations[key]
         self._report(touched)
+        self._on_backend_live(handle.backend.inference_server_id, False)
 
     # ---- internals -----------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Label children looked up without ``labels()``'s lock and validation on every request.
+"""Label children looked up without ``labels()``'s lock and validation on every request, and
+series of peers that went away.
 
 A cache holds exactly the children prometheus_client already keeps, so it adds no cardinality of
 its own; a series the owner removes from the metric is forgotten here too.
@@ -6,6 +7,8 @@ its own; a series the owner removes from the metric is forgotten here too.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -30,3 +33,40 @@ class LabelChildren:
 
     def forget(self, *values: str) -> None:
         self._cache.pop(values, None)
+
+    def drop(self, index: int, value: str) -> None:
+        """Remove every series created here whose label at ``index`` is ``value``, from the metric too."""
+        for values in [v for v in self._cache if v[index] == value]:
+            del self._cache[values]
+            self._metric.remove(*values)
+
+
+class GoneSeries:
+    """Series labelled by a peer (a backend, a Stargate) are dropped ``ttl_s`` after it went away,
+    unless it came back: scrapes still see its last counts, and a fleet whose pods come back under
+    new names does not grow the registry without end."""
+
+    __slots__ = ("_clock", "_drop", "_gone", "_ttl_s")
+
+    def __init__(
+        self, ttl_s: float, drop: Callable[[str], None], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._ttl_s = ttl_s
+        self._drop = drop
+        self._clock = clock
+        self._gone: dict[str, float] = {}  # peer -> when it went, oldest first
+
+    def mark(self, peer: str, present: bool) -> None:
+        self._gone.pop(peer, None)
+        if not present:
+            self._gone[peer] = self._clock()
+        self.expire()
+
+    def expire(self) -> None:
+        cutoff = self._clock() - self._ttl_s
+        while self._gone:
+            peer, gone_at = next(iter(self._gone.items()))
+            if gone_at > cutoff:
+                return
+            del self._gone[peer]
+            self._drop(peer)

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stargate.balancer.types import ModelStats
 from stargate.pylon.live_metrics import LiveLoadCollector
 from stargate.pylon.load import Phase
-from stargate.pylon.metrics import PylonMetrics
+from stargate.pylon.metrics import GONE_ROUTER_TTL_S, PylonMetrics
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 
 from .helpers import Rig, make_rig
@@ -117,3 +117,20 @@ def test_advertised_status_is_one_hot_per_router_and_inactive_after_stream_loss(
     assert status("b") == {}
     metrics.router_lost("sg-1")
     assert status("a") == {"active": 0, "inactive": 1, "unknown": 0}
+
+
+def test_series_of_a_stargate_gone_from_discovery_expire_unless_it_returns() -> None:
+    now = [0.0]
+    metrics = PylonMetrics(clock=lambda: now[0])
+    for router in ("sg-gone", "sg-back"):
+        metrics.registration_connected.labels(router).set(1)
+        metrics.advertise(router, {"a": "active"})
+        metrics.router_lost(router)
+        metrics.router_discovered(router, False)
+    now[0] = GONE_ROUTER_TTL_S - 1
+    metrics.router_discovered("sg-back", True)
+    routers = {dict(k[1]).get("router") for k in samples(metrics)} - {None}
+    assert routers == {"sg-gone", "sg-back"}  # still read disconnected, inactive
+    now[0] = GONE_ROUTER_TTL_S
+    routers = {dict(k[1]).get("router") for k in samples(metrics)} - {None}
+    assert routers == {"sg-back"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.utils import floatToGoString
 
 from stargate.balancer.types import Target
-from stargate.router.metrics import MAX_CLIENT_TARGETS, OTHER_TARGET, RouterMetrics
+from stargate.router.metrics import DEPARTED_SERIES_TTL_S, MAX_CLIENT_TARGETS, OTHER_TARGET, RouterMetrics
 
 T = Target("rk", "m")
 TGT = ("routing_key", "model")
@@ -122,3 +122,42 @@ def test_client_chosen_targets_are_bounded_registered_ones_never() -> None:
     sample = m.registry.get_sample_value
     other = {"routing_key": OTHER_TARGET, "model": OTHER_TARGET, "inference_server_id": "", "status": "404"}
     assert sample("stargate_requests_total", other) == 50
+
+
+def backend_series(m: RouterMetrics) -> set[str]:
+    families = (m.requests_total, m.proxy_attempts_total, m.proxy_duration_seconds,
+                m.quic_connection_evictions_total, m.quic_hot_path_reconnect_total)  # fmt: skip
+    return {
+        sample.labels["inference_server_id"]
+        for family in families
+        for metric in family.collect()
+        for sample in metric.samples
+    }
+
+
+def test_series_of_a_departed_backend_go_after_the_ttl_unless_it_returns() -> None:
+    now = [0.0]
+    m = RouterMetrics(clock=lambda: now[0])
+    for backend in ("gone", "back", "stays"):
+        m.backend_live(backend, True)
+        m.request_finished(T, backend, 200)
+        m.attempt(T, backend, "success")
+        m.proxy_duration(T, backend, 0.1)
+        m.eviction(backend, "proxy_error")
+        m.reconnect(backend, True)
+    m.backend_live("gone", False)
+    m.backend_live("back", False)
+    now[0] = DEPARTED_SERIES_TTL_S - 1
+    m.backend_live("back", True)  # registered again before its series expired
+    assert b'inference_server_id="gone"' in m.render()  # scrapes still see its last counts
+    now[0] = DEPARTED_SERIES_TTL_S
+    m.render()
+    assert backend_series(m) == {"back", "stays"}
+    m.request_finished(T, "gone", 200)  # a late answer makes its series again, counted from 0
+    assert (
+        m.registry.get_sample_value(
+            "stargate_requests_total",
+            {"routing_key": "rk", "model": "m", "inference_server_id": "gone", "status": "200"},
+        )
+        == 1
+    )

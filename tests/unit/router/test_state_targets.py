@@ -123,6 +123,18 @@ def test_stale_handle_never_touches_a_same_id_replacement() -> None:
     assert state.is_registered("a") and state.is_advertised(T)
 
 
+def test_backend_live_reports_each_admission_and_end_once() -> None:
+    seen: list[tuple[str, bool]] = []
+    state = RoutingState(clock=lambda: 5.0, on_backend_live=lambda b, live: seen.append((b, live)))
+    old = join(state, "a")
+    assert state.admit("a", "http://other:1", "", None) is None  # refused: no report
+    state.remove(old)
+    new = join(state, "a")
+    state.remove(old)  # a stale handle ends nothing
+    state.remove(new)
+    assert seen == [("a", True), ("a", False), ("a", True), ("a", False)]
+
+
 def test_empty_cluster_id_means_the_server_id() -> None:
     state, _ = make_state()
     handle = join(state, "srv-1")
