@@ -41,6 +41,7 @@ from stargate.bench.suite import write_summary
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError, StargateError
 from stargate.flags import positive_float
+from stargate.wire.runner import raise_open_files_limit
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -77,6 +78,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(os.environ).parse_args(sys.argv[1:] if argv is None else argv)
+    raise_open_files_limit()  # its clients, and the fleet processes it starts, open many sockets
     # Piped or redirected output keeps whole table rows and markdown lines instead of rich's 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=400, soft_wrap=True)
     try:
