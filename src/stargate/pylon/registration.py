@@ -31,6 +31,7 @@ from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.wire import headers as h
 from stargate.wire.backoff import Backoff
 from stargate.wire.clock import Clock, SystemClock
+from stargate.wire.link_log import LinkLog
 from stargate.wire.proto import stats_to_proto
 
 __all__ = [
@@ -93,34 +94,6 @@ def _library_cancelled() -> bool:
     return task is not None and task.cancelling() == 0
 
 
-class _Link:
-    """Reachability of one Stargate as the log tells it: one line per change, not per retry."""
-
-    def __init__(self, what: str, address: str) -> None:
-        self._what = what
-        self._address = address
-        self.up: bool | None = None
-
-    def connected(self) -> None:
-        if self.up is not True:
-            log.info("%s with Stargate at %s established", self._what, self._address)
-        self.up = True
-
-    def failed(self, reason: str, retry_s: float) -> None:
-        if self.up is True:
-            log.warning(
-                "%s with Stargate at %s lost (%s); reconnecting", self._what, self._address, reason
-            )
-        elif self.up is None:
-            log.warning(
-                "cannot reach Stargate at %s for %s (%s); retrying with backoff, first in %.1f s",
-                self._address, self._what, reason, retry_s,
-            )  # fmt: skip
-        else:
-            log.debug("%s with Stargate at %s still failing (%s)", self._what, self._address, reason)
-        self.up = False
-
-
 class StargateDiscovery:
     def __init__(
         self,
@@ -169,7 +142,7 @@ class StargateDiscovery:
             self._tasks[url] = asyncio.get_running_loop().create_task(self._watch(url))
 
     async def _watch(self, url: str) -> None:
-        link = _Link("stargate discovery watch", url)
+        link = LinkLog(log, "stargate discovery watch", f"Stargate at {url}")
         backoff = Backoff(self._retry_s, self._max_retry_s, rng=self._rng)
         while True:
             reason = "stream ended"
@@ -187,7 +160,7 @@ class StargateDiscovery:
             link.failed(reason, delay)
             await self._clock.sleep(delay)
 
-    async def _watch_once(self, url: str, link: _Link, backoff: Backoff) -> str:
+    async def _watch_once(self, url: str, link: LinkLog, backoff: Backoff) -> str:
         channel = open_channel(url)
         try:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
@@ -321,7 +294,7 @@ class RegistrationClient:
         return md
 
     async def _run_router(self, info: RouterInfo) -> None:
-        link = _Link(f"registration stream to {info.router_id}", info.dial_url)
+        link = LinkLog(log, f"registration stream to {info.router_id}", f"Stargate at {info.dial_url}")
         backoff = Backoff(self._retry_s, self._max_retry_s, rng=self._rng)
         while True:
             attempt = _Attempt()
@@ -343,7 +316,9 @@ class RegistrationClient:
             link.failed(reason, delay)
             await self._clock.sleep(delay)
 
-    async def _stream_once(self, info: RouterInfo, attempt: _Attempt, link: _Link, backoff: Backoff) -> None:
+    async def _stream_once(
+        self, info: RouterInfo, attempt: _Attempt, link: LinkLog, backoff: Backoff
+    ) -> None:
         channel = open_channel(info.dial_url, info.authority)
         try:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]

@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
+
 from stargate.mock_engine.engine import Engine, EngineConfig
 from stargate.mock_engine.metrics import render
 from stargate.pylon.admission import AdmissionConfig, Result, decide
 from stargate.pylon.load import U64_MAX, Phase
 from stargate.pylon.registration import stats_to_proto
-from stargate.pylon.stats.prometheus import apply_engine_metrics, parse_engine_metrics
+from stargate.pylon.stats.prometheus import apply_engine_metrics, parse_engine_metrics, run_prometheus_poller
 
 from .helpers import make_rig
 
@@ -163,3 +169,50 @@ def test_engine_load_above_own_count_never_makes_pylon_reject() -> None:
         limit=rig.hub.effective_limit(rig.gen),
     )
     assert (d.result, d.actual_ms) == (Result.ACCEPTED, 0)
+
+
+class _Done(Exception):
+    pass
+
+
+async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pages = [(404, ""), (404, ""), (200, "other_metric 1\n"), (200, VLLM), (200, VLLM), (500, "")]
+    served = iter(pages)
+
+    async def page(_request: web.Request) -> web.Response:
+        status, text = next(served)
+        return web.Response(status=status, text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+    polls = iter(range(len(pages) - 1))
+
+    async def sleep(_s: float) -> None:
+        if next(polls, None) is None:
+            raise _Done
+
+    rig = make_rig()
+    caplog.set_level(logging.DEBUG, logger="stargate.pylon.prometheus")
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(_Done):
+                await run_prometheus_poller(session, url, rig.hub, interval_s=0.5, sleep=sleep)
+    finally:
+        await runner.cleanup()
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "stargate.pylon.prometheus"]
+    peer = f"engine at {url}"
+    assert lines == [
+        ("WARNING", f"cannot reach {peer} for engine metrics polling (HTTP 404); retrying, first in 0.5 s"),
+        ("DEBUG", f"engine metrics polling with {peer} still failing (HTTP 404)"),
+        ("DEBUG", f"engine metrics polling with {peer} still failing "
+                  "(the page has none of vLLM's or SGLang's load series)"),
+        ("INFO", f"engine metrics polling with {peer} established"),
+        ("WARNING", f"engine metrics polling with {peer} lost (HTTP 500); reconnecting"),
+    ]  # fmt: skip

@@ -2,7 +2,8 @@
 
 ``auto``: fall back to OpenAI chunk usage when the endpoint answers 404/405/501 before any valid
 event was ever seen (the task then ends normally); afterwards those statuses are retry reasons.
-``required``: reconnect forever. Reconnect delay: 100 ms doubling to 5 s, never reset.
+``required``: reconnect forever. Reconnect delay: 100 ms doubling to 5 s, never reset. The log says
+once when the stream cannot be had or is lost, and once when it is back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from stargate.pylon.config import StatsStreamMode
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.ndjson import Invalid, LineSplitter, PingEvent, StatsEvent, parse_line
+from stargate.wire.link_log import LinkLog
 
 log = logging.getLogger("stargate.pylon.stats")
 UNSUPPORTED = frozenset({404, 405, 501})
@@ -44,6 +46,7 @@ class EngineStatsStream:
         self._metrics = metrics
         self._sleep = sleep
         self._backoff = backoff_start_s
+        self._link = LinkLog(log, "engine stats stream", f"engine at {url}")
         self.valid_event_seen = False
 
     def feed_line(self, line: bytes | Invalid) -> None:
@@ -74,6 +77,7 @@ class EngineStatsStream:
                     return "unsupported"
                 if not 200 <= resp.status < 300:
                     return "http_status"
+                self._link.connected()
                 splitter = LineSplitter()
                 gauge = self._metrics.stream_connected.labels(str(self._mode))
                 gauge.set(1)
@@ -105,5 +109,6 @@ class EngineStatsStream:
                     return
                 reason = "http_status"
             self._metrics.stream_reconnects.labels(reason).inc()
+            self._link.failed(reason, self._backoff)
             await self._sleep(self._backoff)
             self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)

@@ -8,7 +8,8 @@ from OpenAI chunk usage (fallback math). Series carrying a ``model_name`` (or ol
 One quantity may be exported under several names (vLLM's and SGLang's, old and new): the
 series of one name are summed (data-parallel ranks each export their own), and the names of one
 quantity are never added together — the largest wins. An engine that exports both families
-(the mock engine does) is therefore counted once.
+(the mock engine does) is therefore counted once. A page that cannot be had, or that carries none
+of these series (a wrong ``--engine-metrics-path``, another engine), is logged once until it is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from stargate.pylon.load import EngineLoad
 from stargate.pylon.stats.aggregate import SRC_PROMETHEUS
 from stargate.pylon.stats.hub import StatsHub
 from stargate.wire.limits import U64_MAX
+from stargate.wire.link_log import LinkLog
 
 log = logging.getLogger("stargate.pylon.prometheus")
 
@@ -159,13 +161,19 @@ async def run_prometheus_poller(
     interval_s: float,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
+    link = LinkLog(log, "engine metrics polling", f"engine at {url}")
     while True:
         try:
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(interval_s, 1.0))) as resp:
                 if 200 <= resp.status < 300:
-                    apply_engine_metrics(hub, parse_engine_metrics(await resp.text()))
+                    parsed = parse_engine_metrics(await resp.text())
+                    apply_engine_metrics(hub, parsed)
+                    if parsed:
+                        link.connected()
+                    else:
+                        link.failed("the page has none of vLLM's or SGLang's load series", interval_s)
                 else:
-                    log.debug("engine metrics %s answered %s", url, resp.status)
+                    link.failed(f"HTTP {resp.status}", interval_s)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.debug("engine metrics poll failed: %s", exc)
+            link.failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, interval_s)
         await sleep(interval_s)

@@ -1,0 +1,35 @@
+"""Reachability of one peer as the log tells it: one line per change, not one per retry.
+
+A Stargate that Pylon cannot reach, an engine whose stats stream or metrics page fails: the first
+failure is a ``WARNING`` naming the peer and the reason, later ones while it stays down are
+``DEBUG``, and the first success after a failure (or at all) is one ``INFO`` line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+class LinkLog:
+    __slots__ = ("_logger", "_peer", "_what", "up")
+
+    def __init__(self, logger: logging.Logger, what: str, peer: str) -> None:
+        self._logger = logger
+        self._what = what
+        self._peer = peer
+        self.up: bool | None = None
+
+    def connected(self) -> None:
+        if self.up is not True:
+            self._logger.info("%s with %s established", self._what, self._peer)
+        self.up = True
+
+    def failed(self, reason: str, retry_s: float) -> None:
+        if self.up is True:
+            self._logger.warning("%s with %s lost (%s); reconnecting", self._what, self._peer, reason)
+        elif self.up is None:
+            message = "cannot reach %s for %s (%s); retrying, first in %.1f s"
+            self._logger.warning(message, self._peer, self._what, reason, retry_s)
+        else:
+            self._logger.debug("%s with %s still failing (%s)", self._what, self._peer, reason)
+        self.up = False
