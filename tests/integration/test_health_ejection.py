@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.proto import stargate_pb2_grpc
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
-from stargate.router.health import HealthProber, HealthSettings
+from stargate.router.health import HealthProber, HealthSettings, LoopLag
 from stargate.router.state import RoutingState
 
 T = Target(None, "model-a")
@@ -100,6 +101,54 @@ async def test_late_probes_of_a_backend_that_answers_requests_do_not_eject_it(st
         answering = False  # it stopped answering requests too
         assert await prober.probe() is None and await prober.probe() is None
         assert events == [("eject", 2)]
+
+
+async def test_probes_that_time_out_while_the_router_runs_late_do_not_eject(stand_in: StandIn) -> None:
+    router_late = True
+    events: list[tuple[str, int]] = []
+    async with aiohttp.ClientSession() as session:
+        prober = recording_prober(session, stand_in.url, events, loop_late=lambda _seconds: router_late)
+        rtt = await prober.probe()
+        assert rtt is not None
+        stand_in.hanging = True
+        for _ in range(3):  # timed out, but the router was the late one
+            assert await prober.probe() == rtt
+        assert (prober.failures, prober.late, events) == (0, True, [])
+        router_late = False
+        assert await prober.probe() is None and await prober.probe() is None
+        assert events == [("eject", 2)]
+
+
+async def test_a_refused_probe_counts_even_while_the_router_runs_late() -> None:
+    events: list[tuple[str, int]] = []
+    async with aiohttp.ClientSession() as session:
+        with socket.socket() as unused:  # a port nothing listens on
+            unused.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+        prober = recording_prober(session, url, events, loop_late=lambda _seconds: True)
+        assert await prober.probe() is None and await prober.probe() is None
+        assert (prober.late, events) == (False, [("eject", 2)])
+
+
+async def test_loop_lag_tells_a_late_wake_up_and_one_still_waiting() -> None:
+    now = [0.0]
+    wakes = iter([0.05, 0.05, 0.35])  # on time, on time, 300 ms late (woken at 0.45 s)
+    seen: list[bool] = []
+
+    async def sleep(_seconds: float) -> None:
+        step = next(wakes, None)
+        if step is None:  # the loop is busy and this wake-up still waits, 200 ms past its tick
+            now[0] += 0.25
+            seen.append(lag.late_within(0.01))
+            raise asyncio.CancelledError
+        now[0] += step
+        seen.append(lag.late_within(0.5))
+
+    lag = LoopLag(0.1, tick_s=0.05, clock=lambda: now[0], sleep=sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await lag.run()
+    assert seen == [False, False, True, True]  # late from the moment its wake-up is overdue
+    assert lag.late_within(0.3) and not lag.late_within(0.2)  # the late wake-up, 0.25 s ago
 
 
 async def test_probe_loop_rechecks_sooner_after_a_failure(stand_in: StandIn) -> None:

@@ -238,6 +238,7 @@ class PylonApp:
                 timeout_s=s.bringup_timeout_ms / 1000.0,
                 clock=self.clock,
                 produced=relay.produced_within,
+                work_ahead=relay.work_ahead_s,
             )
         canaries = self.canaries
         self._lifecycle = ModelLifecycle(

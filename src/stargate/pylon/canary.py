@@ -8,10 +8,13 @@ health probe, then a canary, each retried after 1 s; when both pass the generati
 again and periodic canaries resume. Canaries are not observed, so they leave Pylon's own stats
 untouched; the engine may still report them on its stats stream (spec §13 item 2).
 
-Not in the original: a canary that gets no answer within its timeout while the engine produced
-output for other requests of the model meanwhile (``produced``) is late, not failed: it waited in
-the engine's queue behind them. Counted as a failure, every engine of a saturated fleet went
-``INACTIVE`` at once and the routers answered the requests they were holding 503.
+Not in the original: a canary queued behind the engine's work is late, not failed. Its timeout
+starts after the prompt work the engine had in hand when it was sent (``work_ahead``, at the
+measured input rate, at most ``MAX_WORK_AHEAD_S``), and one that still gets no answer while the
+engine produced output for other requests of the model meanwhile (``produced``) passes. Counted as
+failures, every engine of a saturated fleet went ``INACTIVE`` at once and the routers answered the
+requests they were holding 503; long prompts still did so when no first token came within the
+timeout.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ log = logging.getLogger("stargate.pylon.canary")
 CANARY_PROMPT = "1+1="
 CANARY_INPUT_TOKENS = 4
 RECOVERY_RETRY_S = 1.0
+MAX_WORK_AHEAD_S = 120.0
+"""The most a canary's timeout is extended for the work queued ahead of it: an engine that hangs
+with a deep queue is still found (its health probes find one that stops answering at all)."""
 LATE = "no answer within the timeout"
 
 
@@ -99,9 +105,11 @@ class CanaryRunner:
         retry_s: float = RECOVERY_RETRY_S,
         clock: Clock | None = None,
         produced: Callable[[str, float], bool] = lambda _model_id, _seconds: False,
+        work_ahead: Callable[[Generation], float] = lambda _gen: 0.0,
     ) -> None:
         """``produced(model_id, seconds)``: whether the engine produced output for the model within
-        the last ``seconds`` (``Relay.produced_within``)."""
+        the last ``seconds`` (``Relay.produced_within``); ``work_ahead(gen)``: seconds of prompt
+        work ahead of a request sent now (``Relay.work_ahead_s``)."""
         self._session = session
         self._base = base_url
         self._ids = ids
@@ -113,6 +121,7 @@ class CanaryRunner:
         self._retry_s = retry_s
         self._clock = clock or SystemClock()
         self._produced = produced
+        self._work_ahead = work_ahead
         self._tasks: dict[Generation, asyncio.Task[None]] = {}
 
     def start(self, gen: Generation) -> None:
@@ -128,10 +137,11 @@ class CanaryRunner:
 
     async def canary(self, gen: Generation) -> str | None:
         """Why the canary failed, or None; a late one passes while the engine produces output."""
+        timeout_s = self._timeout_s + min(self._work_ahead(gen), MAX_WORK_AHEAD_S)
         failure = await send_canary(
-            self._session, self._base, self._ids, gen, threshold=self._threshold, timeout_s=self._timeout_s
+            self._session, self._base, self._ids, gen, threshold=self._threshold, timeout_s=timeout_s
         )
-        if failure == LATE and self._produced(gen.model_id, self._timeout_s):
+        if failure == LATE and self._produced(gen.model_id, timeout_s):
             log.debug("canary for model %s queued past its timeout behind answered requests", gen.model_id)
             return None
         return failure

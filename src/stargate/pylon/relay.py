@@ -209,6 +209,12 @@ class Relay:
         at = self._produced.get(model_id)
         return at is not None and self.clock.monotonic() - at <= seconds
 
+    def work_ahead_s(self, gen: Generation) -> float:
+        """Seconds of prompt work the engine has in hand for ``gen`` at the measured input rate (0
+        when unknown): a request sent now, a canary too, waits behind it in the engine's queue."""
+        ahead = self.load.estimates(gen, self.hub.input_tps(gen))
+        return max(ahead.values(), default=0) / 1000.0 if ahead else 0.0
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_route("*", "/{tail:.*}", self.handle)

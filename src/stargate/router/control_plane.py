@@ -29,7 +29,7 @@ from stargate.errors import ConfigError, DiscoveryFailed, RegistrationRejected, 
 from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.router import watch
 from stargate.router.discovery import DiscoverySettings, PeerDiscovery, with_self
-from stargate.router.health import HealthProber, HealthSettings, wait_stopped
+from stargate.router.health import HealthProber, HealthSettings, LoopLag, wait_stopped
 from stargate.router.registration import (
     Identity,
     OpenAuthenticator,
@@ -146,6 +146,8 @@ class ControlPlane:
         self._publisher: watch.WatchPublisher | None = None
         self._discovery: PeerDiscovery | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._loop_lag = LoopLag(settings.health.late_loop_s)
+        self._loop_lag_task: asyncio.Task[None] | None = None
         self._control_port = 0
         self.advertise_addr = settings.advertise_addr
 
@@ -177,16 +179,19 @@ class ControlPlane:
         )
         for server in self._servers:
             await server.start()
-        self._poller = asyncio.get_running_loop().create_task(self._poll_discovery(self._publisher))
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._poll_discovery(self._publisher))
+        self._loop_lag_task = loop.create_task(self._loop_lag.run(), name="event loop lag")
         return control_port, discovery_port
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving; open streams end as a shutdown and clean their registrations up."""
         self._stopping.set()
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-            self._poller = None
+        for task in (self._poller, self._loop_lag_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._poller = self._loop_lag_task = None
         await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
         self._servers = []
         await wait_stopped(list(self._probe_tasks))
@@ -311,6 +316,7 @@ class ControlPlane:
             on_eject=eject,
             on_restore=restore,
             answering=lambda seconds: self._state.answered_within(backend_id, seconds),
+            loop_late=self._loop_lag.late_within,
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
         ended: _StreamEnd | None = None

@@ -15,7 +15,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from support.waiting import until
 
-from stargate.pylon.canary import CanaryRunner, send_canary
+from stargate.pylon.canary import LATE, CanaryRunner, send_canary
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import RequestIds
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
@@ -31,6 +31,7 @@ class Engine:
     chat_status: int = 200
     chat_body: bytes = b'{"choices":[],"usage":{"completion_tokens":2}}'
     health_status: int = 200
+    chat_delay_s: float = 0.0
     chats: list[tuple[CIMultiDict[str], Any]] = field(default_factory=list)
     health_hits: int = 0
     url: str = ""
@@ -38,6 +39,7 @@ class Engine:
 
     async def _chat(self, request: web.Request) -> web.Response:
         self.chats.append((CIMultiDict(request.headers), orjson.loads(await request.read())))
+        await asyncio.sleep(self.chat_delay_s)
         return web.Response(status=self.chat_status, body=self.chat_body, content_type="application/json")
 
     async def _health(self, _request: web.Request) -> web.Response:
@@ -204,3 +206,22 @@ async def test_interval_zero_disables_canaries(engine: Engine, session: aiohttp.
         assert engine.chats == [] and clock.pending == 0
     finally:
         await runner.close()
+
+
+async def test_a_canary_waits_out_the_work_queued_ahead_of_it_before_its_timeout(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    """The engine answers after 0.2 s (real time: the timeout is aiohttp's), past a 0.05 s timeout."""
+    engine.chat_delay_s = 0.2
+    registry = ModelRegistry()
+    gen = registry.allocate("llama")
+
+    def runner(work_ahead_s: float) -> CanaryRunner:
+        return CanaryRunner(
+            session=session, base_url=engine.url, ids=RequestIds(UUID), registry=registry,
+            prober=HealthProber(session, engine.url, ("/health",)), interval_s=5.0, threshold=237,
+            timeout_s=0.05, work_ahead=lambda _gen: work_ahead_s,
+        )  # fmt: skip
+
+    assert await runner(0.0).canary(gen) == LATE
+    assert await runner(1.0).canary(gen) is None  # queued behind a second of prompt work
