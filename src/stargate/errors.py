@@ -146,6 +146,22 @@ class UnsupportedEncoding(RequestError):
     code = "unsupported_content_encoding"
 
 
+class NoSuchEndpoint(StargateError):
+    """A path this listener does not serve."""
+
+    status = 404
+    code = "not_found"
+    kind = "invalid_request_error"
+
+
+class MethodNotAllowed(StargateError):
+    """A served path asked with another method (the ``Allow`` header lists the right ones)."""
+
+    status = 405
+    code = "method_not_allowed"
+    kind = "invalid_request_error"
+
+
 class ModelNotFound(StargateError):
     """``GET /v1/models/{id}`` for a model no active backend serves."""
 

@@ -13,14 +13,18 @@ client's exception message says what was wrong. Where a spec fixes a body it is 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import orjson
 from aiohttp import web
 
-from stargate.errors import StargateError
+from stargate.errors import MethodNotAllowed, NoSuchEndpoint, StargateError
 from stargate.wire import headers as h
 
 REASONS = {
     400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
     413: "Content Too Large",
     415: "Unsupported Media Type",
     429: "Too Many Requests",
@@ -58,3 +62,20 @@ def error_response(exc: StargateError, *, problem: bool = False) -> web.Response
         content_type="application/problem+json" if problem else "application/json",
         headers=headers,
     )
+
+
+@web.middleware
+async def json_route_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """An unknown path or method gets the JSON error body too, not aiohttp's plain-text page."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        message = f"{request.method} is not allowed on {request.path} (allowed: {allowed})"
+        response = error_response(MethodNotAllowed(message))
+        response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+        return response
+    except web.HTTPNotFound:
+        return error_response(NoSuchEndpoint(f"no such endpoint: {request.method} {request.path}"))

@@ -572,11 +572,21 @@ async def test_metrics_served_on_separate_port_with_prefix() -> None:
             assert resp.status == 404
 
 
-async def test_unknown_path_and_wrong_method(sg: Harness) -> None:
+async def test_unknown_path_and_wrong_method_get_json_errors(sg: Harness) -> None:
     async with sg.http.get(sg.base + CHAT) as resp:
-        assert resp.status == 405
+        assert (resp.status, resp.headers["Allow"]) == (405, "POST")
+        error = (await resp.json())["error"]
+        assert (
+            error["code"] == "method_not_allowed"
+            and "GET is not allowed on /v1/chat/completions" in error["message"]
+        )
     async with sg.http.post(sg.base + "/v1/other", headers=HEADERS) as resp:
         assert resp.status == 404
+        assert (await resp.json())["error"] == {
+            "message": "no such endpoint: POST /v1/other",
+            "type": "invalid_request_error",
+            "code": "not_found",
+        }
 
 
 def openai_chunk(content: str | None, finish: str | None = None) -> bytes:

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from stargate.balancer import check_admission, expected_queue_ms
 from stargate.balancer.config import LbConfig
 from stargate.errors import ConfigError
+from stargate.responses import json_route_errors
 from stargate.router.attempt import AttemptMachine, RetrySettings
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
 from stargate.router.discovery import DiscoverySettings
@@ -256,7 +257,7 @@ class StargateServer:
         return host, bound
 
     def _http_app(self, proxy: ProxyHandler) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[json_route_errors])
         paths = PROXIED_PATHS + (PLAIN_CLIENT_PATHS if self.settings.plain_clients is not None else ())
         for path in paths:
             app.router.add_post(path, proxy.handle)
@@ -267,7 +268,7 @@ class StargateServer:
         async def render(request: web.Request) -> web.Response:
             return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-        app = web.Application()
+        app = web.Application(middlewares=[json_route_errors])
         app.router.add_get("/metrics", render)
         return app
 
