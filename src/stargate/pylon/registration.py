@@ -243,7 +243,8 @@ class RegistrationClient:
     def update_routers(self, routers: dict[str, RouterInfo]) -> None:
         for router_id in [r for r in self._streams if r not in routers]:
             self._streams.pop(router_id).cancel()
-            self._on_connected(router_id, False)  # now: a stream cancelled in its retry pause says nothing
+            # Reported here: a stream cancelled while it waits to retry would report nothing.
+            self._on_connected(router_id, False)
         loop = asyncio.get_running_loop()
         for router_id, info in routers.items():
             if router_id not in self._streams:
