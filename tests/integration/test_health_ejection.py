@@ -130,6 +130,21 @@ async def test_a_refused_probe_counts_even_while_the_router_runs_late() -> None:
         assert (prober.late, events) == (False, [("eject", 2)])
 
 
+async def test_a_backend_held_out_stays_out_until_the_hold_passes(stand_in: StandIn) -> None:
+    now_ns = [0]
+    events: list[tuple[str, int]] = []
+    async with aiohttp.ClientSession() as session:
+        prober = recording_prober(session, stand_in.url, events, clock_ns=lambda: now_ns[0])
+        assert await prober.probe() is not None and await prober.rtt_for_update() is not None
+        assert prober.hold_out(10.0) and not prober.hold_out(10.0)  # taken out once
+        assert await prober.probe() is not None  # the backend answers its probes...
+        assert await prober.rtt_for_update() is None and events == []  # ...and stays out
+        now_ns[0] += 10 * 10**9
+        rtt = await prober.probe()
+        assert rtt is not None and await prober.rtt_for_update() == rtt
+        assert events == [("restore", rtt)] and not prober.ejected
+
+
 async def test_loop_lag_tells_a_late_wake_up_and_one_still_waiting() -> None:
     now = [0.0]
     wakes = iter([0.05, 0.05, 0.35])  # on time, on time, 300 ms late (woken at 0.45 s)

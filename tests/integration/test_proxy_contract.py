@@ -37,6 +37,7 @@ from stargate.proto import stargate_pb2 as pb
 from stargate.router.attempt import RetrySettings
 from stargate.router.health import HealthSettings
 from stargate.router.proxy import ProxySettings
+from stargate.router.state import SERVER_ERRORS_IN_A_ROW
 
 
 @pytest.fixture
@@ -827,3 +828,12 @@ async def test_p143_short_max_wait_ends_503_before_global_opens() -> None:
         elapsed = loop.time() - started
         assert status == 503 and "x-stargate-error-code" not in headers
         assert 0.045 <= elapsed < 2.0  # the routing deadline, not X, ended it
+
+
+async def test_a_backend_whose_answers_are_server_errors_leaves_routing_for_a_while() -> None:
+    async with await round_robin() as sg:
+        bad = await sg.backend("bad", Reply(500, body=b"boom"), cluster_id="c1")
+        await sg.backend("good", cluster_id="c2")
+        statuses = [(await sg.post())[0] for _ in range(2 * SERVER_ERRORS_IN_A_ROW + 10)]
+        assert statuses.count(500) == SERVER_ERRORS_IN_A_ROW == len(bad.requests)
+        assert statuses[-10:] == [200] * 10  # out of routing once its 5th answer was an error

@@ -55,6 +55,9 @@ _add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServi
 _EMPTY_ACK = stargate_pb2.InferenceServerAck()
 SHUTDOWN_MESSAGE = "stargate is shutting down"
 UNDECODABLE_MESSAGE = "registration message is not a valid InferenceServerRegistration"
+SERVER_ERROR_HOLD_S = 10.0
+"""How long a backend whose answers were server errors stays out of routing (then its probes
+decide, and its Pylon's canaries have had two periods to mark a broken model inactive)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class ControlPlane:
         self._discovery: PeerDiscovery | None = None
         self._poller: asyncio.Task[None] | None = None
         self._loop_lag = LoopLag(settings.health.late_loop_s)
+        self._hold_outs: dict[str, Callable[[int], None]] = {}  # per live backend: take it out a while
+        state.on_server_errors = self._server_errors
         self._loop_lag_task: asyncio.Task[None] | None = None
         self._control_port = 0
         self.advertise_addr = settings.advertise_addr
@@ -308,6 +313,14 @@ class ControlPlane:
             log.warning("backend %s back in routing: its health probe succeeded", backend_id)
             self._state.apply_update(handle, latest, rtt_ns)
 
+        def hold_out(errors: int) -> None:
+            if prober.hold_out(SERVER_ERROR_HOLD_S):
+                log.warning(
+                    "backend %s out of routing for %g s: its last %d answers were server errors",
+                    backend_id, SERVER_ERROR_HOLD_S, errors,
+                )  # fmt: skip
+                self._state.apply_update(handle, dict.fromkeys(latest), None)
+
         prober = HealthProber(
             self._session,
             identity.inference_server_url,
@@ -320,6 +333,7 @@ class ControlPlane:
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
         ended: _StreamEnd | None = None
+        self._hold_outs[backend_id] = hold_out
         try:
             while message is not None:
                 updates = model_updates(message, max_models=settings.max_models_per_registration)
@@ -344,7 +358,13 @@ class ControlPlane:
             # Sent only now: a client that sees the stream end finds its routes already gone.
             await _abort(context, ended.code, ended.message)
 
+    def _server_errors(self, backend_id: str, errors: int) -> None:
+        hold_out = self._hold_outs.get(backend_id)
+        if hold_out is not None:
+            hold_out(errors)
+
     def _end(self, prober: HealthProber, handle: RegistrationHandle) -> None:
+        self._hold_outs.pop(handle.backend.inference_server_id, None)
         task = prober.stop()
         if task is not None:
             self._probe_tasks.add(task)

@@ -29,6 +29,10 @@ __all__ = ["Backend", "RegistrationHandle", "Reservation", "RoutingState", "Targ
 
 BLANK_MODEL_ID_MESSAGE = "model_ids must not contain empty values"
 STARTUP_GRACE_S = 10.0
+SERVER_ERRORS_IN_A_ROW = 5
+"""Answers of one backend in a row that were server errors before it is taken out of routing: an
+engine that fails every request answers at once, so the load-aware estimate would see it idle and
+send it most of the traffic until its Pylon's next canary."""
 """A restarted router's Pylons register again within their reconnect backoff (at most 5 s)."""
 
 
@@ -130,6 +134,9 @@ class RoutingState:
     ``on_active_count(target, n)`` runs after every registration-side change of a target with its
     active backend count (0 once it is gone); reservations do not change the count and do not call it.
     ``on_backend_live(backend_id, live)`` runs when a registration is admitted and when it ends.
+    ``on_server_errors(backend_id, n)`` runs when a backend's last ``SERVER_ERRORS_IN_A_ROW``
+    answers were server errors and another backend serves each of its models (the control plane
+    takes it out of routing for a while).
     """
 
     def __init__(
@@ -150,6 +157,8 @@ class RoutingState:
         self._targets: dict[Target, _TargetState] = {}
         self._advertised: dict[Target, int] = {}
         self._answered: dict[str, float] = {}  # backend id -> when a response of it last began
+        self._server_errors: dict[str, int] = {}  # backend id -> server errors answered in a row
+        self.on_server_errors: Callable[[str, int], None] = lambda _backend_id, _count: None
         self._started = clock()
 
     # ---- readers (proxy side) ------------------------------------------------------------------
@@ -276,9 +285,26 @@ class RoutingState:
         """The attempt's first response byte arrived: it no longer counts as prefill work.
         ``answered``: the response is no server error, so the backend is alive (``answered_within``);
         a Pylon whose engine is down answers 5xx at once."""
-        if answered and reservation.backend_id in self._live:
-            self._answered[reservation.backend_id] = self._clock()
+        backend_id = reservation.backend_id
+        if backend_id in self._live:
+            if answered:
+                self._answered[backend_id] = self._clock()
+                self._server_errors.pop(backend_id, None)
+            else:
+                errors = self._server_errors[backend_id] = self._server_errors.get(backend_id, 0) + 1
+                if errors >= SERVER_ERRORS_IN_A_ROW and self._others_serve(backend_id):
+                    del self._server_errors[backend_id]
+                    self.on_server_errors(backend_id, errors)
         self._change(reservation, ClusterState.first_byte)
+
+    def _others_serve(self, backend_id: str) -> bool:
+        """Whether every model the backend is routable for has another routable backend."""
+        registration = self._live[backend_id]
+        for model_id in registration.active:
+            state = self._targets.get(Target(registration.handle.routing_key, model_id))
+            if state is None or state.active_count() < 2:
+                return False
+        return True
 
     def answered_within(self, backend_id: str, seconds: float) -> bool:
         """Whether a response of the backend began within the last ``seconds``: a backend busy
@@ -363,6 +389,7 @@ class RoutingState:
         self._readvertise(routing_key, registration.advertised, frozenset())
         del self._live[handle.backend.inference_server_id]
         self._answered.pop(handle.backend.inference_server_id, None)
+        self._server_errors.pop(handle.backend.inference_server_id, None)
         key = (routing_key, handle.backend.cluster_id)
         cluster_generation = self._cluster_generations[key]
         cluster_generation.members -= 1

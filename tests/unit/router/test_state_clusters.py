@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from stargate.balancer.types import Candidate, ModelStats, Target
-from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.router.state import SERVER_ERRORS_IN_A_ROW, RegistrationHandle, RoutingState
 from stargate.wire.proto import CACHED_PROMPT_WORK
 
 MS = 1_000_000  # ns per ms
@@ -547,3 +547,28 @@ def test_a_backend_is_routable_while_it_serves_a_model_with_an_rtt() -> None:
     publish(state, a, ModelStats())
     state.remove(a)
     assert not state.is_routable("a") and not state.is_routable("never")
+
+
+def test_server_errors_in_a_row_are_reported_once_while_another_backend_serves() -> None:
+    state, _ = make_state()
+    reported: list[tuple[str, int]] = []
+    state.on_server_errors = lambda backend_id, errors: reported.append((backend_id, errors))
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0))
+
+    def answers(backend_id: str, *server_errors: bool) -> None:
+        for error in server_errors:
+            reservation = state.reserve(T, backend_id, 10, 0)
+            state.first_byte(reservation, answered=not error)
+            state.finish(reservation)
+
+    answers("a", *[True] * SERVER_ERRORS_IN_A_ROW, False)
+    assert reported == []  # the only backend of its model stays: nothing better to send to
+    b = join(state, "b", cluster_id="c2")
+    publish(state, b, ModelStats(last_mean_input_tps=100.0))
+    answers("a", *[True] * (SERVER_ERRORS_IN_A_ROW - 1), False, True)  # an answer resets the count
+    assert reported == []
+    answers("a", *[True] * SERVER_ERRORS_IN_A_ROW)
+    assert reported == [("a", SERVER_ERRORS_IN_A_ROW)]
+    answers("a", True)
+    assert len(reported) == 1  # counted again from zero
