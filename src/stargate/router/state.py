@@ -29,11 +29,11 @@ __all__ = ["Backend", "RegistrationHandle", "Reservation", "RoutingState", "Targ
 
 BLANK_MODEL_ID_MESSAGE = "model_ids must not contain empty values"
 STARTUP_GRACE_S = 10.0
+"""A restarted router's Pylons register again within their reconnect backoff (at most 5 s)."""
 SERVER_ERRORS_IN_A_ROW = 5
 """Answers of one backend in a row that were server errors before it is taken out of routing: an
 engine that fails every request answers at once, so the load-aware estimate would see it idle and
 send it most of the traffic until its Pylon's next canary."""
-"""A restarted router's Pylons register again within their reconnect backoff (at most 5 s)."""
 
 
 class TargetView:
