@@ -138,6 +138,7 @@ class HealthProber:
         """One probe; records and returns its RTT in ns, or ``None`` on a failure (the last RTT when
         the backend is ``answering`` requests meanwhile)."""
         started = self._clock_ns()
+        ok = timed_out = False
         try:
             async with self._session.get(self._url, headers=self._headers, timeout=self._timeout) as resp:
                 received = 0
@@ -146,11 +147,10 @@ class HealthProber:
                     if received > MAX_HEALTH_BODY_BYTES:
                         raise ValueError("health body too large")
                 ok = 200 <= resp.status < 300
-            timed_out = False
         except TimeoutError:
-            ok, timed_out = False, True
+            timed_out = True
         except (aiohttp.ClientError, ValueError):
-            ok, timed_out = False, False
+            pass
         waited_s = (self._clock_ns() - started) / 1e9
         self.late = not ok and (
             (self._answering is not None and self._answering(waited_s))
