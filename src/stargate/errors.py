@@ -199,6 +199,14 @@ class InputWorkLimitExceeded(RoutingError):
         super().__init__("input work admission limit exceeded")
 
 
+class BodyBufferFull(StargateError):
+    """Request bodies held in memory are at the process's limit and none was freed in time."""
+
+    status = 503
+    code = "body_buffer_full"
+    kind = "service_unavailable_error"
+
+
 class UpstreamError(StargateError):
     """A backend could not be reached, or failed before answering."""
 
@@ -275,6 +283,16 @@ class QueueEstimateMismatch(BackendRejected):
 
     def extra_fields(self) -> Mapping[str, object]:
         return self.fields
+
+
+class EngineBodyBufferFull(BackendRejected):
+    """Pylon's ``BodyBufferFull``: it read nothing of the body and sent nothing, so another
+    backend may take the request."""
+
+    code = BodyBufferFull.code
+
+    def __init__(self, reason: BodyBufferFull) -> None:
+        super().__init__(reason.message)
 
 
 class LocalConnectFailure(BackendRejected):

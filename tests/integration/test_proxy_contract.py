@@ -36,6 +36,7 @@ from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.router.attempt import RetrySettings
 from stargate.router.health import HealthSettings
+from stargate.router.plain_client import PlainClientSettings
 from stargate.router.proxy import ProxySettings
 from stargate.router.state import SERVER_ERRORS_IN_A_ROW
 
@@ -289,6 +290,38 @@ async def test_p107_single_rejecting_backend_with_overflow_is_413() -> None:
         status, _, _ = await sg.post(body=chunked(b"12345", b"67890", b"abcde"))
         assert status == 413
         assert sg.metric("stargate_requests_total", **labels(inference_server_id="r", status="413")) == 1
+
+
+async def test_bodies_read_whole_wait_for_room_and_get_503_when_none_frees() -> None:
+    """Plain-client bodies are read whole: beyond the router-wide room they wait, then get 503."""
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 30}]})
+    async with running(
+        plain_clients=PlainClientSettings(max_body_bytes=100),
+        proxy=ProxySettings(max_buffered_body_bytes=100),
+        http_body_read_timeout_ms=300,
+    ) as sg:
+        backend = await sg.backend("b1")
+        backend.hold_headers = asyncio.Event()
+
+        async def plain_post() -> tuple[int, bytes]:
+            async with sg.http.post(sg.base + CHAT, data=body) as resp:
+                return resp.status, await resp.read()
+
+        first = asyncio.create_task(plain_post())
+        await until("the first request reached its backend", backend.arrived.is_set)
+        assert sg.metric("stargate_proxy_buffered_body_bytes") == len(body)  # held until answered
+        status, answer = await plain_post()  # room for 100 - len(body): it waits, then gives up
+        assert status == 503 and orjson.loads(answer)["error"]["code"] == "body_buffer_full"
+        waiting = asyncio.create_task(plain_post())
+        budget = sg.server.body_budget
+        assert budget is not None
+        await until("a second request waits for room", lambda: budget.waiting == 1)
+        backend.hold_headers.set()  # the first one's answer begins: its room frees
+        assert (await first)[0] == 200 and (await waiting)[0] == 200
+        assert len(backend.requests) == 2 and backend.requests[1][2] == body
+        status, _, _ = await sg.post(body=chunked(b"12", b"34"))  # streamed: kept, then given back
+        assert status == 200
+        assert sg.metric("stargate_proxy_buffered_body_bytes") == 0
 
 
 # ---- retries -----------------------------------------------------------------------------------

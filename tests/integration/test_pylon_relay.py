@@ -194,6 +194,30 @@ async def test_b94_engine_down_503(client: aiohttp.ClientSession) -> None:
             await app.close()
 
 
+async def test_a_body_with_no_room_to_be_read_is_a_retryable_refusal(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine, "--engine-stats-stream", "off", "--http-body-read-timeout-ms", "200")
+    try:
+        assert app.relay is not None
+        bodies = app.relay.bodies
+        assert bodies.try_take(bodies.capacity - len(CHAT) + 1)  # room for all but one byte of it
+        url = app.http_url + "/v1/chat/completions"
+        async with client.post(url, data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 503
+            assert resp.headers["x-stargate-retryable"] == "true"
+            assert resp.headers["x-stargate-retry-reason"] == "body_buffer_full"
+            assert (await resp.json(content_type=None))["error"]["code"] == "body_buffer_full"
+        assert engine.requests == []
+        bodies.give(bodies.capacity - len(CHAT) + 1)
+        async with client.post(url, data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert bodies.used == 0 and "pylon_buffered_body_bytes 0.0" in app.metrics.render().decode()
+    finally:
+        await app.close()
+
+
 async def test_compressed_body_is_checked_decoded_and_forwarded_unchanged(
     engine: FakeEngine, client: aiohttp.ClientSession
 ) -> None:

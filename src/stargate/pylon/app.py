@@ -68,6 +68,7 @@ class PylonApp:
         self._relay_timeouts = relay_timeouts or RelayTimeouts()
         self.metrics = PylonMetrics(clock=self.clock.monotonic)
         self.registry = ModelRegistry()
+        self.relay: Relay | None = None
         self.load = LiveLoad(prefix_caching=settings.engine_prefix_caching)
         self.ids = RequestIds()
         self.hub = StatsHub(
@@ -197,7 +198,7 @@ class PylonApp:
             self._spawn(kv, "kv-poller")
         self._spawn(self._sweep(), "stats-collector")
         prober = HealthProber(session, s.upstream_base_url, s.health_paths, clock=self.clock)
-        relay = Relay(
+        self.relay = relay = Relay(
             settings=s,
             session=session,
             registry=self.registry,

@@ -22,6 +22,7 @@ from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
 from stargate.wire import headers as h
 from stargate.wire.address import is_ip, split_host_port
+from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
 SERVICE_NAME = "pylon"
@@ -105,6 +106,7 @@ class PylonSettings:
     http_header_read_timeout_ms: int
     http_body_read_timeout_ms: int
     http_send_timeout_ms: int
+    max_buffered_body_bytes: int
     log_level: str
 
 
@@ -216,6 +218,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
       help="close a connection whose request body sends nothing for this long; 0 disables")
     a("--http-send-timeout-ms", type=non_negative_int, default=60_000,
       help="close a connection whose client reads nothing of the answer for this long; 0 disables")
+    a("--max-buffered-body-bytes", type=non_negative_int, default=MAX_BUFFERED_BODY_BYTES,
+      help=f"request body bytes held in memory at once, all requests together; 0 = no cap, else "
+      f"at least {MAX_BODY_BYTES} (one body)")
     a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
     a("--model-name", type=_non_blank, action="append", default=[],
       help="static model (repeatable); none = discovery")
@@ -322,6 +327,10 @@ def _check_combinations(ns: argparse.Namespace) -> None:
         raise ConfigError("requires --initial-input-tps", path="--benchmark-pin-input-tps")
     if ns.do_calibration and ns.calibration_requests <= 0:
         raise ConfigError("must be > 0 with --do-calibration", path="--calibration-requests")
+    if 0 < ns.max_buffered_body_bytes < MAX_BODY_BYTES:
+        raise ConfigError(
+            f"must be 0 or at least {MAX_BODY_BYTES} (one body)", path="--max-buffered-body-bytes"
+        )
 
 
 def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> PylonSettings:
@@ -384,5 +393,6 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         http_header_read_timeout_ms=ns.http_header_read_timeout_ms,
         http_body_read_timeout_ms=ns.http_body_read_timeout_ms,
         http_send_timeout_ms=ns.http_send_timeout_ms,
+        max_buffered_body_bytes=ns.max_buffered_body_bytes,
         log_level=ns.log_level,
     )

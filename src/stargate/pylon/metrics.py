@@ -20,6 +20,7 @@ from stargate.balancer.types import ModelStats
 from stargate.pylon.event_counter import EventCounter
 from stargate.pylon.stats.observation import Observation
 from stargate.pylon.token_histogram import TokenHistogram
+from stargate.wire.body_budget import BodyBudget
 from stargate.wire.labels import GoneSeries, LabelChildren
 
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -49,6 +50,9 @@ class PylonMetrics:
         )
         self.requests_inflight = Gauge(
             "pylon_requests_inflight", "Proxied requests in flight", ["model"], registry=r
+        )
+        self.buffered_body_bytes = Gauge(
+            "pylon_buffered_body_bytes", "Request body bytes held in memory", registry=r
         )
         self.requests_total = Counter(
             "pylon_requests", "Finished proxied requests", ["model", "routing_key", "status"], registry=r
@@ -213,6 +217,9 @@ class PylonMetrics:
         self._admitted = LabelChildren(self.admission)
         self._labels_published: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._advertised: dict[str, dict[str, str]] = {}
+
+    def watch_body_budget(self, budget: BodyBudget) -> None:
+        self.buffered_body_bytes.set_function(lambda: budget.used)
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)

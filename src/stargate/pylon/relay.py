@@ -21,6 +21,8 @@ from yarl import URL
 
 from stargate.body_coding import decoded
 from stargate.errors import (
+    BodyBufferFull,
+    EngineBodyBufferFull,
     LocalConnectFailure,
     ModelNotAdmitted,
     PayloadTooLarge,
@@ -45,6 +47,7 @@ from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
 from stargate.wire import headers as h
+from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
 from stargate.wire.http_server import report_client_gone
@@ -182,6 +185,11 @@ class Relay:
         self.metrics = metrics
         self.clock = clock
         self.prober = prober
+        # A body waits for room as long as it may pause while sent (0: for ever).
+        self.bodies = BodyBudget(
+            settings.max_buffered_body_bytes, settings.http_body_read_timeout_ms / 1000.0 or None
+        )
+        metrics.watch_body_budget(self.bodies)
         self._produced: dict[str, float] = {}  # model id -> when the engine last produced output for it
         self.between_s = timeouts.between_s
         self.timeout = aiohttp.ClientTimeout(
@@ -314,14 +322,43 @@ class Relay:
         key: str | None = None,
         span: Span | None = None,
     ) -> web.StreamResponse:
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        declared = request.content_length
+        if declared is not None and declared > MAX_BODY:
             return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
-        except ConnectionError:
-            # Nobody is left to read an answer: the request ends here, logged once, never sent on.
-            report_client_gone(self.faults, request, request_id, started=False)
-            return _problem(RequestError("client closed the connection before the request body was complete"))
+        held = MAX_BODY if declared is None else declared  # room taken before the first byte is read
+        try:
+            await self.bodies.take(held)
+        except BodyBufferFull as exc:
+            return _problem(EngineBodyBufferFull(exc))
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
+            except ConnectionError:
+                # Nobody is left to read an answer: the request ends here, logged once, never sent on.
+                report_client_gone(self.faults, request, request_id, started=False)
+                return _problem(
+                    RequestError("client closed the connection before the request body was complete")
+                )
+            self.bodies.give(held - len(body))
+            held = len(body)
+            return await self._admit(request, body, request_id, gen, priority, endpoint, observer, key, span)
+        finally:
+            self.bodies.give(held)
+
+    async def _admit(
+        self,
+        request: web.Request,
+        body: bytes,
+        request_id: str,
+        gen: Generation,
+        priority: int | None,
+        endpoint: Endpoint | None,
+        observer: RequestObserver | None,
+        key: str | None,
+        span: Span | None,
+    ) -> web.StreamResponse:
         try:
             # Checked decoded, forwarded as received: a compressed body reaches the engine unchanged.
             plain = decoded(body, request.headers.get("content-encoding"), MAX_BODY)

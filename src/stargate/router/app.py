@@ -35,6 +35,7 @@ from stargate.router.transport import HttpTransport, make_session
 from stargate.tracing import setup_tracing
 from stargate.wire import address
 from stargate.wire.address import join_host_port
+from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
 from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner
@@ -142,6 +143,7 @@ class StargateServer:
         self.addresses: BoundAddresses | None = None
         self.control_plane: ControlPlane | None = None
         self.proxy: ProxyHandler | None = None
+        self.body_budget: BodyBudget | None = None
         self._driver: AttemptDriver | None = None
         self._session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
@@ -152,7 +154,14 @@ class StargateServer:
         grpc_host, _ = split_host_port(s.listen_addr, "--listen-addr")
         discovery_host, _ = split_host_port(s.model_discovery_listen_addr, "--model-discovery-listen-addr")
         advertise_host, _ = split_host_port(s.advertise_addr, "--advertise-addr")
-        plain = PlainClients(s.plain_clients) if s.plain_clients is not None else None  # may load a tokenizer
+        # A body waits for room in the budget as long as it may pause while sent (0: for ever).
+        self.body_budget = budget = BodyBudget(
+            s.proxy.max_buffered_body_bytes, s.http_body_read_timeout_ms / 1000.0 or None
+        )
+        self.metrics.watch_body_budget(budget)
+        plain = (  # may load a tokenizer
+            PlainClients(s.plain_clients, budget=budget) if s.plain_clients is not None else None
+        )
         if self.tracing is None:
             self.tracing = setup_tracing(s.otel_endpoint, s.otel_service_name)
         self._session = make_session(s.connect_timeout_ms / 1000.0, s.backend_connection_limit)
@@ -175,6 +184,7 @@ class StargateServer:
             plain=plain,
             tracing=self.tracing,
             client_faults=self.client_faults,
+            budget=budget,
         )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")

@@ -103,6 +103,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         help="largest request body kept for replay; larger ones get 413",
     )
     add(
+        "--proxy-max-buffered-body-bytes",
+        env_var="STARGATE_PROXY_MAX_BUFFERED_BODY_BYTES",
+        type=non_negative_int,
+        default=_D.proxy.max_buffered_body_bytes,
+        help="request body bytes held in memory at once, all requests together (replay buffers, "
+        "plain-client reads); 0 = no cap",
+    )
+    add(
         "--default-max-wait-ms",
         env_var="STARGATE_DEFAULT_MAX_WAIT_MS",
         type=non_negative_int,
@@ -260,6 +268,13 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
             f"invalid header name: {options.plain_client_session_header}",
             path="--plain-client-session-header",
         )
+    buffered = options.proxy_max_buffered_body_bytes
+    if buffered and options.plain_clients and buffered < options.plain_client_max_body_bytes:
+        raise ConfigError(
+            f"must be 0 or at least --plain-client-max-body-bytes ({options.plain_client_max_body_bytes}): "
+            "a plain-client body is read whole",
+            path="--proxy-max-buffered-body-bytes",
+        )
     lb_config = load_lb_config(options.lb_config_path) if options.lb_config_path else LbConfig.permissive()
     urls = tuple(
         part.strip() for raw in options.remote_stargate_url or () for part in raw.split(",") if part.strip()
@@ -286,6 +301,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         ),
         proxy=ProxySettings(
             max_replay_body_bytes=options.proxy_max_replay_body_bytes,
+            max_buffered_body_bytes=buffered,
             default_max_wait_ms=min(options.default_max_wait_ms, MAX_WAIT_CAP_MS) or None,
             retry_budget_header=budget_header or None,
         ),

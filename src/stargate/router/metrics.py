@@ -17,6 +17,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stargate.balancer.types import Target
+from stargate.wire.body_budget import BodyBudget
 from stargate.wire.labels import GoneSeries, LabelChildren
 
 REPLAY_BUFFER_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
@@ -138,6 +139,11 @@ class RouterMetrics:
             tgt,
             registry=reg,
         )
+        self.proxy_buffered_body_bytes = Gauge(
+            f"{prefix}proxy_buffered_body_bytes",
+            "Request body bytes held in memory (replay buffers and plain-client reads).",
+            registry=reg,
+        )
         self.tls_certificate_expiry_seconds = Gauge(
             f"{prefix}tls_certificate_expiry_seconds",
             "Unix expiry of a provided TLS identity.",
@@ -219,6 +225,9 @@ class RouterMetrics:
 
     def replay_buffer(self, target: Target, buffered: int) -> None:
         self._replay(self._tgt(target)[1]).observe(buffered)
+
+    def watch_body_budget(self, budget: BodyBudget) -> None:
+        self.proxy_buffered_body_bytes.set_function(lambda: budget.used)
 
     def proxy_duration(self, target: Target, backend_id: str, seconds: float) -> None:
         self._proxy_duration(*self._tgt(target), backend_id).observe(seconds)

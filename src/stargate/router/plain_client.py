@@ -24,6 +24,7 @@ from multidict import CIMultiDict
 from stargate.body_coding import decoded
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.wire import headers as h
+from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.headers import text_value
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -95,8 +96,14 @@ def _too_large(size: int | str, limit: int) -> PayloadTooLarge:
 class PlainClients:
     """The hook of the request-parsing path; built once at startup."""
 
-    def __init__(self, settings: PlainClientSettings, counter: TokenCounter | None = None) -> None:
+    def __init__(
+        self,
+        settings: PlainClientSettings,
+        counter: TokenCounter | None = None,
+        budget: BodyBudget = UNCAPPED,
+    ) -> None:
         self.settings = settings
+        self._budget = budget
         self._counter = counter or settings.counter()
         self._session_header = settings.session_header
 
@@ -114,7 +121,8 @@ class PlainClients:
         )
 
     async def complete(self, request: web.Request) -> tuple[CIMultiDict[str], bytes | None]:
-        """The request's headers with the missing ones filled, and its body when it had to be read."""
+        """The request's headers with the missing ones filled, and its body when it had to be read
+        (holding ``len(body)`` bytes of the budget, for the caller to give back)."""
         headers = CIMultiDict(request.headers)
         if text_value(headers.get(h.REQUEST_ID)) is None:
             headers[h.REQUEST_ID] = REQUEST_ID_PREFIX + uuid.uuid4().hex
@@ -125,6 +133,14 @@ class PlainClients:
         if headers.get(h.INPUT_TOKENS) is not None and text_value(headers.get(h.MODEL)) is not None:
             return headers, None
         raw = await self._read(request)
+        try:
+            self._fill(headers, raw)
+        except BaseException:
+            self._budget.give(len(raw))
+            raise
+        return headers, raw
+
+    def _fill(self, headers: CIMultiDict[str], raw: bytes) -> None:
         # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
         body = _json_object(decoded(raw, headers.get("content-encoding"), self.settings.max_body_bytes))
         if text_value(headers.get(h.MODEL)) is None:
@@ -141,7 +157,6 @@ class PlainClients:
             key = text_value(user)
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
-        return headers, raw
 
     def input_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of an OpenAI request body (at least 1)."""
@@ -153,16 +168,26 @@ class PlainClients:
         return max(1, counted + token_ids)
 
     async def _read(self, request: web.Request) -> bytes:
+        """The whole body, holding ``len(body)`` bytes of the budget: room for the declared length
+        (the cap when none is declared) is taken before the first byte is read."""
         limit = self.settings.max_body_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
             raise _too_large(declared, limit)
-        buffer = bytearray()
-        async for chunk in request.content.iter_any():
-            buffer.extend(chunk)
-            if len(buffer) > limit:
-                raise _too_large(f"more than {limit}", limit)
-        return bytes(buffer)
+        room = limit if declared is None else declared
+        await self._budget.take(room)
+        try:
+            buffer = bytearray()
+            async for chunk in request.content.iter_any():
+                buffer.extend(chunk)
+                if len(buffer) > limit:  # chunked: nothing declared (a length is exact, aiohttp's check)
+                    raise _too_large(f"more than {limit}", limit)
+            raw = bytes(buffer)
+        except BaseException:
+            self._budget.give(room)
+            raise
+        self._budget.give(room - len(raw))
+        return raw
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

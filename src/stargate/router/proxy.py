@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,9 +36,10 @@ from stargate.router.plain_client import PlainClients
 from stargate.router.replay import ReplayBody
 from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
+from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.http_server import report_client_gone
-from stargate.wire.limits import MAX_BODY_BYTES
+from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
 if TYPE_CHECKING:
     from stargate.otel import Span, Tracing
@@ -53,6 +54,7 @@ CLIENT_CLOSED = 499
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     max_replay_body_bytes: int = MAX_BODY_BYTES
+    max_buffered_body_bytes: int = MAX_BUFFERED_BODY_BYTES  # every request's together; 0 = no cap
     retry_budget_header: str | None = h.RETRY_BUDGET_MS
     default_max_wait_ms: int | None = None  # the routing wait of requests without x-max-wait-ms
 
@@ -69,8 +71,10 @@ class ProxyHandler:
         plain: PlainClients | None = None,
         tracing: Tracing | None = None,
         client_faults: ClientFaults | None = None,
+        budget: BodyBudget = UNCAPPED,
     ) -> None:
         self._driver = driver
+        self._budget = budget
         self._faults = client_faults or ClientFaults(log)
         self._tracing = tracing
         self._plain = plain
@@ -94,10 +98,12 @@ class ProxyHandler:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
         headers: Mapping[str, str] = request.headers
-        body: bytes | None = None
+        replay: ReplayBody | None = None
         try:
             if self._plain is not None and self._plain.incomplete(headers):
                 headers, body = await self._plain.complete(request)
+                if body is not None:
+                    replay = ReplayBody.read(body, self._budget)
             parsed = parse_request(
                 headers,
                 resolve=self._resolve,
@@ -106,7 +112,12 @@ class ProxyHandler:
                 received_at=received_at,
             )
         except StargateError as exc:
+            if replay is not None:
+                replay.release()
             return error_response(exc)
+        if replay is None:
+            source = request.content.iter_any() if request.body_exists else None
+            replay = ReplayBody(source, self._settings.max_replay_body_bytes, self._budget)
         if parsed.max_wait_ms is None and self._settings.default_max_wait_ms is not None:
             parsed = dataclasses.replace(parsed, max_wait_ms=self._settings.default_max_wait_ms)
         self.in_flight += 1
@@ -114,13 +125,14 @@ class ProxyHandler:
         traced = self._begin_span(headers, parsed) if self._tracing is not None else None
         status = 500
         try:
-            response = await self._proxy(request, parsed, headers, body, traced)
+            response = await self._proxy(request, parsed, headers, replay, traced)
             status = response.status
             return response
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
             raise
         finally:
+            replay.release()
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
@@ -157,13 +169,9 @@ class ProxyHandler:
         request: web.Request,
         parsed: ProxyRequest,
         headers: Mapping[str, str],
-        body: bytes | None,
+        replay: ReplayBody,
         traced: tuple[Span, RouteTrace] | None,
     ) -> web.StreamResponse:
-        source: AsyncIterable[bytes] | None = request.content.iter_any() if request.body_exists else None
-        if body is not None:
-            source = _once(body)
-        replay = ReplayBody(source, self._settings.max_replay_body_bytes)
         forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
         route = None
         if traced is not None:
@@ -174,6 +182,7 @@ class ProxyHandler:
             outcome = await self._driver.run(
                 parsed, request.method, request.path_qs, forwarded, replay, route
             )
+            replay.release()  # no attempt follows: the answer may stream for minutes without it
         except asyncio.CancelledError:
             # The client hung up (aiohttp cancels its handler): the attempt is cancelled upstream.
             self._metrics.request_finished(parsed.target, "", CLIENT_CLOSED)
@@ -247,8 +256,3 @@ class ProxyHandler:
             self._driver.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response
-
-
-async def _once(body: bytes) -> AsyncIterator[bytes]:
-    """A body already read (plain-client mode) as the one-chunk stream the replay buffer expects."""
-    yield body

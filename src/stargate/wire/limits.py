@@ -14,6 +14,8 @@ I31_MAX = 2**31 - 1
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """The largest request body a hop holds: Stargate's replay buffer (default), Pylon's read limit, the
 mock engine's (default). A body Stargate may replay must also fit through Pylon."""
+MAX_BUFFERED_BODY_BYTES = 1024 * 1024 * 1024
+"""Default room for the request bodies a Stargate or Pylon holds at once (``wire.body_budget``)."""
 MAX_PLAUSIBLE_TOKENS = 1 << 24
 """16 777 216 prompt tokens: above every model's context window. A throughput sample counting more
 came from a client's claim or a faulty counter, not from an engine (Pylon's and Stargate's rates)."""

@@ -74,6 +74,13 @@ def test_b08_pin_requires_initial_tps() -> None:
         parse("--benchmark-pin-input-tps")
 
 
+def test_buffered_body_room_holds_one_body_or_is_off() -> None:
+    assert parse().max_buffered_body_bytes == 1 << 30
+    assert parse("--max-buffered-body-bytes", "0").max_buffered_body_bytes == 0
+    with pytest.raises(ConfigError, match="--max-buffered-body-bytes"):
+        parse("--max-buffered-body-bytes", str((64 << 20) - 1))
+
+
 def test_b09_calibration_requests_zero() -> None:
     with pytest.raises(ConfigError, match="--calibration-requests"):
         parse("--do-calibration", "--calibration-requests", "0")

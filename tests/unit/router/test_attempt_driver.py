@@ -29,6 +29,7 @@ from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.metrics import RouterMetrics
 from stargate.router.replay import Readiness, ReplayBody
 from stargate.router.retry_signal import retry_signal
+from stargate.wire.body_budget import BodyBudget
 
 DEFINITION = AlgorithmDefinition(Algorithm.ROUND_ROBIN)
 
@@ -337,6 +338,18 @@ async def test_p107_retry_needing_overflowed_body_is_413_with_backend_id() -> No
     body = ReplayBody(chunks(b"12345", b"67890", b"abcde"), 8)
     outcome = await run(runner, body)
     assert isinstance(outcome, LocalFailure) and (outcome.status, outcome.backend_id) == (413, "a")
+
+
+async def test_a_body_the_router_had_no_room_to_keep_gets_the_backends_answer_not_a_retry() -> None:
+    runner, _, transport, _ = make_runner(
+        {"c1": ["a"], "c2": ["b"]}, {"a": [retryable()], "b": [FakeResponse(200)]}
+    )
+    budget = BodyBudget(6, 1.0)
+    body = ReplayBody(chunks(b"12345", b"67890"), 1000, budget)
+    outcome = await run(runner, body)
+    assert isinstance(outcome, Passthrough) and outcome.response.status == 429  # not a 413
+    assert outcome.backend.inference_server_id == "a" and len(transport.sent) == 1
+    assert budget.used == 0  # the 5 bytes kept before room ran out went back with the buffer
 
 
 async def test_expected_queue_header_set_per_cluster_and_absent_when_unknown_p104() -> None:

@@ -76,3 +76,10 @@ def test_cli_mode_flags() -> None:
     bad = build_parser({}).parse_args([*base, "--plain-clients", "--plain-client-session-header", "a b"])
     with pytest.raises(ConfigError, match="--plain-client-session-header"):
         settings_from_args(bad)
+    small = [*base, "--plain-clients", "--plain-client-max-body-bytes", "1000"]
+    assert settings_from_args(
+        build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "1000"])
+    ).proxy.max_buffered_body_bytes == 1000
+    too_small = build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "999"])
+    with pytest.raises(ConfigError, match="--proxy-max-buffered-body-bytes"):  # a body is read whole
+        settings_from_args(too_small)
