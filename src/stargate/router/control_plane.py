@@ -41,7 +41,7 @@ from stargate.router.registration import (
     metadata_value,
     model_updates,
 )
-from stargate.router.state import RegistrationHandle, RoutingState
+from stargate.router.state import SERVER_ERROR_HOLD_S, RegistrationHandle, RoutingState
 from stargate.wire import headers as h
 from stargate.wire.address import join_host_port, split_host_port
 from stargate.wire.clock import Clock, SystemClock
@@ -55,9 +55,6 @@ _add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServi
 _EMPTY_ACK = stargate_pb2.InferenceServerAck()
 SHUTDOWN_MESSAGE = "stargate is shutting down"
 UNDECODABLE_MESSAGE = "registration message is not a valid InferenceServerRegistration"
-SERVER_ERROR_HOLD_S = 10.0
-"""How long a backend whose answers were server errors stays out of routing (then its probes
-decide, and its Pylon's canaries have had two periods to mark a broken model inactive)."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,13 @@ SERVER_ERRORS_IN_A_ROW = 5
 """Answers of one backend in a row that were server errors before it is taken out of routing: an
 engine that fails every request answers at once, so the load-aware estimate would see it idle and
 send it most of the traffic until its Pylon's next canary."""
+SERVER_ERROR_HOLD_S = 10.0
+"""How long a backend whose answers were server errors stays out of routing (then its probes
+decide, and its Pylon's canaries have had two periods to mark a broken model inactive)."""
+SERVER_ERROR_HOLD_SHARE = 0.1
+"""The share of a model's backends that may be held out for server errors at once (at least one,
+never the last): Envoy's ``max_ejection_percent``. Requests that make every engine fail must not
+take most of a fleet out, one backend after another."""
 
 
 class TargetView:
@@ -135,8 +142,9 @@ class RoutingState:
     active backend count (0 once it is gone); reservations do not change the count and do not call it.
     ``on_backend_live(backend_id, live)`` runs when a registration is admitted and when it ends.
     ``on_server_errors(backend_id, n)`` runs when a backend's last ``SERVER_ERRORS_IN_A_ROW``
-    answers were server errors and another backend serves each of its models (the control plane
-    takes it out of routing for a while).
+    answers were server errors, another backend serves each of its models and few enough of their
+    backends are held already (the control plane takes it out of routing for
+    ``SERVER_ERROR_HOLD_S``).
     """
 
     def __init__(
@@ -158,6 +166,7 @@ class RoutingState:
         self._advertised: dict[Target, int] = {}
         self._answered: dict[str, float] = {}  # backend id -> when a response of it last began
         self._server_errors: dict[str, int] = {}  # backend id -> server errors answered in a row
+        self._held: dict[str, float] = {}  # backend id -> end of its server-error hold
         self.on_server_errors: Callable[[str, int], None] = lambda _backend_id, _count: None
         self._started = clock()
 
@@ -292,17 +301,27 @@ class RoutingState:
                 self._server_errors.pop(backend_id, None)
             else:
                 errors = self._server_errors[backend_id] = self._server_errors.get(backend_id, 0) + 1
-                if errors >= SERVER_ERRORS_IN_A_ROW and self._others_serve(backend_id):
+                if errors >= SERVER_ERRORS_IN_A_ROW and self._may_hold(backend_id):
                     del self._server_errors[backend_id]
+                    self._held[backend_id] = self._clock() + SERVER_ERROR_HOLD_S
                     self.on_server_errors(backend_id, errors)
         self._change(reservation, ClusterState.first_byte)
 
-    def _others_serve(self, backend_id: str) -> bool:
-        """Whether every model the backend is routable for has another routable backend."""
+    def _may_hold(self, backend_id: str) -> bool:
+        """Whether every model the backend is routable for has another routable backend, and
+        fewer of that model's backends are held out than ``SERVER_ERROR_HOLD_SHARE`` allows."""
+        now = self._clock()
+        self._held = {b: until for b, until in self._held.items() if until > now}
+        held = [self._live[b] for b in self._held if b in self._live]
         registration = self._live[backend_id]
+        routing_key = registration.handle.routing_key
         for model_id in registration.active:
-            state = self._targets.get(Target(registration.handle.routing_key, model_id))
+            target = Target(routing_key, model_id)
+            state = self._targets.get(target)
             if state is None or state.active_count() < 2:
+                return False
+            allowed = max(1, int(self._advertised.get(target, 0) * SERVER_ERROR_HOLD_SHARE))
+            if sum(r.handle.routing_key == routing_key and model_id in r.advertised for r in held) >= allowed:
                 return False
         return True
 
@@ -390,6 +409,7 @@ class RoutingState:
         del self._live[handle.backend.inference_server_id]
         self._answered.pop(handle.backend.inference_server_id, None)
         self._server_errors.pop(handle.backend.inference_server_id, None)
+        self._held.pop(handle.backend.inference_server_id, None)
         key = (routing_key, handle.backend.cluster_id)
         cluster_generation = self._cluster_generations[key]
         cluster_generation.members -= 1

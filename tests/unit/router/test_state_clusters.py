@@ -5,7 +5,12 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from stargate.balancer.types import Candidate, ModelStats, Target
-from stargate.router.state import SERVER_ERRORS_IN_A_ROW, RegistrationHandle, RoutingState
+from stargate.router.state import (
+    SERVER_ERROR_HOLD_S,
+    SERVER_ERRORS_IN_A_ROW,
+    RegistrationHandle,
+    RoutingState,
+)
 from stargate.wire.proto import CACHED_PROMPT_WORK
 
 MS = 1_000_000  # ns per ms
@@ -572,3 +577,31 @@ def test_server_errors_in_a_row_are_reported_once_while_another_backend_serves()
     assert reported == [("a", SERVER_ERRORS_IN_A_ROW)]
     answers("a", True)
     assert len(reported) == 1  # counted again from zero
+
+
+def test_server_errors_hold_out_at_most_a_tenth_of_a_models_backends_at_least_one() -> None:
+    state, clock = make_state()
+    reported: list[str] = []
+    state.on_server_errors = lambda backend_id, _errors: reported.append(backend_id)
+    names = [f"b{i}" for i in range(20)]
+    handles = {name: join(state, name, cluster_id=name) for name in names}
+    for handle in handles.values():
+        publish(state, handle, ModelStats(last_mean_input_tps=100.0))
+
+    def fail(backend_id: str) -> None:
+        for _ in range(SERVER_ERRORS_IN_A_ROW):
+            reservation = state.reserve(T, backend_id, 10, 0)
+            state.first_byte(reservation, answered=False)
+            state.finish(reservation)
+
+    for name in names[:4]:
+        fail(name)
+    assert reported == ["b0", "b1"]  # 2 of 20 held; b2 and b3 stay in routing
+    for name in names[2:]:
+        state.remove(handles[name])  # 2 backends left: b0 and b1, both held
+    clock.now += SERVER_ERROR_HOLD_S
+    state.apply_update(handles["b0"], {"model-a": ModelStats(last_mean_input_tps=100.0)}, MS)
+    fail("b0")
+    assert reported == ["b0", "b1", "b0"]  # the holds ended: one of the two may go again
+    fail("b1")
+    assert reported == ["b0", "b1", "b0"]  # never a second of two, whatever its answers
