@@ -136,6 +136,13 @@ class RequestError(StargateError):
         return {} if self.hint is None else {"hint": self.hint}
 
 
+class HandlerTimedOut(StargateError):
+    """A request handler let a timeout escape (aiohttp's 504)."""
+
+    status = 504
+    code = "timeout"
+
+
 class PayloadTooLarge(RequestError):
     status = 413
     code = "payload_too_large"

@@ -180,9 +180,16 @@ def assert_quiet(caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def malformed_requests_get_400(conns: Connections, url: str) -> None:
+    """Each gets the JSON error body naming the problem, and a closed connection."""
     for data in MALFORMED * 2:
         reader = await conns.open(url, data)
-        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.0 400 Bad Request\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the server closed it
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 400 Bad Request\r\n") and b"Content-Type: application/" in head
+        error = orjson.loads(body)["error"]
+        assert error["code"] == "invalid_request" and "\n" not in error["message"]
+        too_long = b"a" * 9000 in data
+        assert ("longer than 8190 bytes" in error["message"]) == too_long
 
 
 def assert_burst_of_malformed_lines(caplog: pytest.LogCaptureFixture, name: str) -> None:

@@ -218,6 +218,18 @@ async def test_a_body_with_no_room_to_be_read_is_a_retryable_refusal(
         await app.close()
 
 
+async def test_the_metrics_listener_answers_an_unknown_path_with_the_json_error_body(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine, "--engine-stats-stream", "off")
+    try:
+        async with client.get(f"http://127.0.0.1:{app.metrics_port}/nope") as resp:
+            assert resp.status == 404
+            assert (await resp.json(content_type=None))["error"]["code"] == "not_found"
+    finally:
+        await app.close()
+
+
 async def test_compressed_body_is_checked_decoded_and_forwarded_unchanged(
     engine: FakeEngine, client: aiohttp.ClientSession
 ) -> None:

@@ -32,6 +32,7 @@ from stargate.pylon.stats.engine_stream import EngineStatsStream
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.kv import run_kv_poller
 from stargate.pylon.stats.prometheus import run_prometheus_poller
+from stargate.responses import json_route_errors
 from stargate.tracing import setup_tracing
 from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
@@ -118,6 +119,7 @@ class PylonApp:
                 self.s.http_body_read_timeout_ms / 1000.0,
                 self.s.http_send_timeout_ms / 1000.0,
             ),
+            problem=True,
             access_log=None,
             handle_signals=False,
             auto_decompress=False,
@@ -166,7 +168,7 @@ class PylonApp:
         s = self.s
         if self.tracing is None:
             self.tracing = setup_tracing(s.otel_endpoint, s.otel_service_name)
-        metrics_app = web.Application()
+        metrics_app = web.Application(middlewares=[json_route_errors])
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
         self._session = session = client_session(connect_timeout_s=10.0, limit=4096)

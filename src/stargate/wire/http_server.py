@@ -20,7 +20,10 @@ connection is cancelled (``handler_cancellation``), which cancels its request up
 
 aiohttp logs every malformed request (and every handler error, including a client that hung up) at
 ERROR with a traceback. Faults the client caused become one rate-limited WARNING line
-(``ClientFaults``); every other error keeps aiohttp's ERROR and traceback.
+(``ClientFaults``); every other error keeps aiohttp's ERROR and traceback. aiohttp answers a
+request it cannot parse (and a handler that raised) with a plain-text page; here it gets the JSON
+error body of every other error (``stargate.responses``): 400 ``invalid_request`` (the spec's status
+for a header violation) naming what was wrong.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
+from stargate.errors import HandlerTimedOut, RequestError, StargateError
+from stargate.responses import error_response
 from stargate.wire.client_faults import ClientFaults, Fault, detail
 
 
@@ -61,16 +66,24 @@ class GuardedRequestHandler(RequestHandler):
         "_head_timer",
         "_last_data",
         "_peer",
+        "_problem",
         "_send_timer",
         "_timeouts",
         "timed_out",
     )
 
     def __init__(
-        self, manager: web.Server, *, faults: ClientFaults, timeouts: ClientTimeouts, **kwargs: Any
+        self,
+        manager: web.Server,
+        *,
+        faults: ClientFaults,
+        timeouts: ClientTimeouts,
+        problem: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
         self._faults = faults
+        self._problem = problem  # Pylon's RFC 7807 error bodies (``error_response``)
         self._timeouts = timeouts
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
@@ -142,6 +155,29 @@ class GuardedRequestHandler(RequestHandler):
             )
         else:
             super().log_exception(*args, **kw)
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse, or whose handler raised, as the JSON
+        error body; the connection still closes after it."""
+        super().handle_error(request, status, exc, message)  # logs; raises once an answer began
+        error: StargateError
+        if isinstance(exc, LineTooLong):
+            error = RequestError("the request line or a header field is longer than 8190 bytes")
+        elif status < 500:
+            error = RequestError(f"malformed HTTP request: {detail(message or exc or 'unparsable')}")
+        elif status == 504:
+            error = HandlerTimedOut("the request timed out inside the server")
+        else:
+            error = StargateError("internal server error")
+        response = error_response(error, problem=self._problem)
+        response.force_close()
+        return response
 
     def _awaiting_head(self) -> bool:
         waiter = self._waiter
@@ -222,7 +258,9 @@ class GuardedRequestHandler(RequestHandler):
 class _GuardedServer(web.Server):
     """aiohttp's server (the protocol factory) making ``GuardedRequestHandler`` connections."""
 
-    def __init__(self, base: web.Server, faults: ClientFaults, timeouts: ClientTimeouts) -> None:
+    def __init__(
+        self, base: web.Server, faults: ClientFaults, timeouts: ClientTimeouts, problem: bool
+    ) -> None:
         super().__init__(
             base.request_handler,
             request_factory=base.request_factory,
@@ -232,12 +270,14 @@ class _GuardedServer(web.Server):
         )
         self._faults = faults
         self._timeouts = timeouts
+        self._problem = problem
 
     def __call__(self) -> RequestHandler:
         return GuardedRequestHandler(
             self,
             faults=self._faults,
             timeouts=self._timeouts,
+            problem=self._problem,
             loop=self._loop,
             **self._kwargs,
         )
@@ -245,17 +285,25 @@ class _GuardedServer(web.Server):
 
 class GuardedAppRunner(web.AppRunner):
     """``web.AppRunner`` whose connections are ``GuardedRequestHandler``; a handler is cancelled
-    when its client hangs up (or a deadline closes the connection)."""
+    when its client hangs up (or a deadline closes the connection). ``problem``: error bodies in
+    Pylon's RFC 7807 form."""
 
     def __init__(
-        self, app: web.Application, *, faults: ClientFaults, timeouts: ClientTimeouts, **kwargs: Any
+        self,
+        app: web.Application,
+        *,
+        faults: ClientFaults,
+        timeouts: ClientTimeouts,
+        problem: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(app, handler_cancellation=True, **kwargs)
         self._faults = faults
         self._timeouts = timeouts
+        self._problem = problem
 
     async def _make_server(self) -> web.Server:
-        return _GuardedServer(await super()._make_server(), self._faults, self._timeouts)
+        return _GuardedServer(await super()._make_server(), self._faults, self._timeouts, self._problem)
 
 
 def report_client_gone(

@@ -3,9 +3,15 @@ fails here, by name, instead of silently switching a client deadline off."""
 
 from __future__ import annotations
 
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from stargate.wire.http_server import GuardedRequestHandler
+from stargate.wire.client_faults import ClientFaults
+from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner, GuardedRequestHandler
 
 
 def test_the_aiohttp_connection_state_the_client_deadlines_read_exists() -> None:
@@ -16,3 +22,29 @@ def test_the_aiohttp_connection_state_the_client_deadlines_read_exists() -> None
     assert [name for name in needed if name not in slots] == []
     assert isinstance(RequestHandler.writing_paused, property)
     assert issubclass(GuardedRequestHandler, RequestHandler)
+
+
+async def served(problem: bool) -> tuple[web.AppRunner, str]:
+    async def broken(_request: web.Request) -> web.Response:
+        raise RuntimeError("a bug")
+
+    app = web.Application()
+    app.router.add_get("/", broken)
+    faults = ClientFaults(logging.getLogger("test.http_server"))
+    runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(0, 0, 0), problem=problem)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/"
+
+
+@pytest.mark.parametrize("problem", [False, True])
+async def test_a_handler_that_raises_gets_the_json_error_body(problem: bool) -> None:
+    runner, url = await served(problem)
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url) as resp:
+            assert resp.status == 500
+            assert resp.content_type == ("application/problem+json" if problem else "application/json")
+            assert (await resp.json(content_type=None))["error"]["code"] == "internal_error"
+    finally:
+        await runner.cleanup()
