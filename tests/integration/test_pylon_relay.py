@@ -209,6 +209,14 @@ async def test_a_body_with_no_room_to_be_read_is_a_retryable_refusal(
             assert resp.headers["x-stargate-retry-reason"] == "body_buffer_full"
             assert (await resp.json(content_type=None))["error"]["code"] == "body_buffer_full"
         assert engine.requests == []
+        # No length and no chunks: no body, so it needs no room and is checked at once.
+        reader, writer = await asyncio.open_connection(*app.http_url.removeprefix("http://").split(":"))
+        head = "".join(f"{name}: {value}\r\n" for name, value in HEADERS.items())
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n{head}\r\n".encode())
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+        await writer.wait_closed()
+        assert answer.startswith(b"HTTP/1.1 400 ")  # the body is no JSON; not a 503 after a wait
         bodies.give(bodies.capacity - len(CHAT) + 1)
         async with client.post(url, data=CHAT, headers=HEADERS) as resp:
             assert resp.status == 200

@@ -325,7 +325,8 @@ class Relay:
         declared = request.content_length
         if declared is not None and declared > MAX_BODY:
             return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
-        held = MAX_BODY if declared is None else declared  # room taken before the first byte is read
+        # Room for the body is taken before its first byte is read (the cap when no length is given).
+        held = (MAX_BODY if declared is None else declared) if request.body_exists else 0
         try:
             await self.bodies.take(held)
         except BodyBufferFull as exc:

@@ -174,7 +174,7 @@ class PlainClients:
         declared = request.content_length
         if declared is not None and declared > limit:
             raise _too_large(declared, limit)
-        room = limit if declared is None else declared
+        room = (limit if declared is None else declared) if request.body_exists else 0
         await self._budget.take(room)
         try:
             buffer = bytearray()
