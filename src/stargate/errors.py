@@ -136,13 +136,6 @@ class RequestError(StargateError):
         return {} if self.hint is None else {"hint": self.hint}
 
 
-class HandlerTimedOut(StargateError):
-    """A request handler let a timeout escape (aiohttp's 504)."""
-
-    status = 504
-    code = "timeout"
-
-
 class PayloadTooLarge(RequestError):
     status = 413
     code = "payload_too_large"
@@ -212,6 +205,13 @@ class BodyBufferFull(StargateError):
     status = 503
     code = "body_buffer_full"
     kind = "service_unavailable_error"
+
+
+class HandlerTimedOut(StargateError):
+    """A request handler let a timeout escape (aiohttp's 504)."""
+
+    status = 504
+    code = "timeout"
 
 
 class UpstreamError(StargateError):

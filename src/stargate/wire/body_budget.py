@@ -5,9 +5,9 @@ their sum: 40 streamed requests of 50 MB took Stargate to 3 GB and each Pylon to
 client could exhaust the machine's memory and take every request in flight down with the process.
 Bodies read whole wait (first come, first served) for room, so their memory is bounded and the
 requests are delayed, not lost; a wait longer than ``wait_s`` (None: no limit) ends in
-``BodyBufferFull``. A body
-only kept for replay takes room without waiting and is not kept when there is none (the request
-goes on, without retries that need its body), as Envoy does past its buffer limit.
+``BodyBufferFull``. A body only kept for replay takes room without waiting and is not kept when
+there is none (the request goes on, without retries that need its body), as Envoy does past its
+buffer limit.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ class BodyBudget:
                 waiter.cancel()
                 self._waiters.remove(entry)
                 self._grant()  # those behind may fit now
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, TimeoutError):  # only a set wait times out
                 raise BodyBufferFull(
                     f"request bodies held in memory are at the limit of {self.capacity} bytes and "
-                    f"none finished within {self.wait_s:g} s"  # only a set wait times out
+                    f"none finished within {self.wait_s:g} s"
                 ) from None
             raise
 

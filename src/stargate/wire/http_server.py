@@ -40,6 +40,9 @@ from stargate.errors import HandlerTimedOut, RequestError, StargateError
 from stargate.responses import error_response
 from stargate.wire.client_faults import ClientFaults, Fault, detail
 
+MAX_LINE_BYTES = 8190
+"""aiohttp's parser limit on the request line and on each header field (neither server changes it)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ClientTimeouts:
@@ -168,7 +171,7 @@ class GuardedRequestHandler(RequestHandler):
         super().handle_error(request, status, exc, message)  # logs; raises once an answer began
         error: StargateError
         if isinstance(exc, LineTooLong):
-            error = RequestError("the request line or a header field is longer than 8190 bytes")
+            error = RequestError(f"the request line or a header field is longer than {MAX_LINE_BYTES} bytes")
         elif status < 500:
             error = RequestError(f"malformed HTTP request: {detail(message or exc or 'unparsable')}")
         elif status == 504:
