@@ -312,9 +312,10 @@ async def test_bodies_read_whole_wait_for_room_and_get_503_when_none_frees() -> 
         assert sg.metric("stargate_proxy_buffered_body_bytes") == len(body)  # held until answered
         status, answer = await plain_post()  # room for 100 - len(body): it waits, then gives up
         assert status == 503 and orjson.loads(answer)["error"]["code"] == "body_buffer_full"
-        waiting = asyncio.create_task(plain_post())
         budget = sg.server.body_budget
         assert budget is not None
+        budget.wait_s = 10.0  # from here a wait outlasts the test's steps on a slow machine
+        waiting = asyncio.create_task(plain_post())
         await until("a second request waits for room", lambda: budget.waiting == 1)
         backend.hold_headers.set()  # the first one's answer begins: its room frees
         assert (await first)[0] == 200 and (await waiting)[0] == 200

@@ -43,7 +43,7 @@ async def test_waiters_are_served_in_arrival_order_and_nobody_overtakes_them() -
 
 
 async def test_a_wait_past_its_limit_is_body_buffer_full_and_lets_the_next_one_in() -> None:
-    budget = BodyBudget(10, 0.05)
+    budget = BodyBudget(10, 0.5)  # long enough that the next waiter queues first, however slow the machine
     assert budget.try_take(5)
     stuck = await waiting(budget, 8)
     budget.wait_s = 5.0
