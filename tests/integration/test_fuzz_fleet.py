@@ -34,12 +34,14 @@ from stargate.bench.fuzz_cases import (
     framing_cases,
     fuzz_body,
     fuzz_headers,
+    plain_headers,
     request_bytes,
 )
 from stargate.mock_engine import Engine, EngineConfig, TimingConfig, start_server
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
 from stargate.router.app import StargateServer
+from stargate.router.plain_client import PlainClientSettings
 from stargate.wire import headers as h
 
 MODEL = "m"
@@ -81,7 +83,7 @@ async def fleet() -> AsyncIterator[Fleet]:
     engine = Engine(EngineConfig(model=MODEL, timing=TimingConfig(num_tokens=3, token_delay_ms=1)))
     runner: web.AppRunner
     runner, engine_url = await start_server(engine, "127.0.0.1", 0)
-    server = StargateServer(stargate_settings())
+    server = StargateServer(stargate_settings(plain_clients=PlainClientSettings()))
     pylon: PylonApp | None = None
     try:
         bound = await server.start()
@@ -164,6 +166,7 @@ def _dumps(value: object) -> bytes:
         return repr(value).encode()
 
 
+DEEP = b'{"model":"m","stream":true,"messages":' + b"[" * 1000 + b'"x"' + b"]" * 1000 + b"}"
 LONG_ZEROS = {h.REQUEST_ID: "zeros", h.MODEL: MODEL, h.INPUT_TOKENS: "0" * 4400 + "5",
               "content-type": "application/json"}  # fmt: skip
 
@@ -172,6 +175,7 @@ LONG_ZEROS = {h.REQUEST_ID: "zeros", h.MODEL: MODEL, h.INPUT_TOKENS: "0" * 4400 
 @given(request=requests())
 @example(request=("stargate", PATHS[0], LONG_ZEROS, orjson.dumps(chat_body(MODEL))))  # the engine's int()
 @example(request=("pylon", PATHS[1], LONG_ZEROS, orjson.dumps({**chat_body(MODEL), "input": "hi"})))
+@example(request=("stargate", PATHS[0], plain_headers("deep"), DEEP))  # plain-client mode reads it
 async def test_fuzzed_headers_and_bodies_get_documented_statuses(
     fleet: Fleet, caplog: pytest.LogCaptureFixture, request: tuple[str, str, dict[str, str], bytes]
 ) -> None:

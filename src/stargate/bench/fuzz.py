@@ -3,12 +3,14 @@
 1 Stargate, ``--pylons`` Pylons and as many mock engines, started like every bench fleet. Each of
 ``--requests`` cases is one of: fuzzed contract headers, a fuzzed body, malformed HTTP/1.1 framing (to
 Stargate's or a Pylon's port, raw sockets), or a fuzzed registration stream to Stargate's control
-plane. Every case draws from its own seeded generator, so a run is repeatable whatever the
-concurrency. The summary gives requests per category, the status histogram, undocumented 5xx, the
-tracebacks in the processes' logs, whether every Pylon's registration stayed connected throughout
-(its ``pylon_registration_stream_connected`` sampled twice a second) and still routes (Stargate's
-``/debug/routing``), and the status of a normal request at the end. Goals: 0, 0, yes, 200; a missed
-goal makes the exit status 1.
+plane. Stargate runs in plain-client mode (``--plain-clients``: a request with the contract's
+headers is forwarded as without it), and a share of the body cases sent to it carry only the
+headers an OpenAI client sends, so its body parsing is fuzzed too. Every case draws from its own
+seeded generator, so a run is repeatable whatever the concurrency. The summary gives requests per
+category, the status histogram, undocumented 5xx, the tracebacks in the processes' logs, whether
+every Pylon's registration stayed connected throughout (its ``pylon_registration_stream_connected``
+sampled twice a second) and still routes (Stargate's ``/debug/routing``), and the status of a normal
+request at the end. Goals: 0, 0, yes, 200; a missed goal makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import random
 import re
@@ -38,6 +41,7 @@ from stargate.bench.console import EXIT_FAILED, EXIT_OK, run_async
 from stargate.bench.faults import routable_ids
 from stargate.bench.fleet import Fleet, FleetTimeouts
 from stargate.bench.schema import parse_scenario
+from stargate.bench.serve import PLAIN_STARGATE_ARGS
 from stargate.bench.suite import markdown_table
 from stargate.flags import FlagSet, positive_int
 from stargate.proto import stargate_pb2_grpc
@@ -149,6 +153,8 @@ class FuzzRun:
             request_id = f"fuzz-{index}"
             if category == "bodies":
                 (body, extra), headers = fc.fuzz_body(rng, MODEL), fc.valid_headers(MODEL, request_id)
+                if addr == self.sg and rng.random() < 0.3:
+                    headers = fc.plain_headers(request_id)  # the body is read for the model and prompt
             else:
                 (body, extra), headers = (fc.valid_body(MODEL), {}), fc.fuzz_headers(rng, MODEL, request_id)
             data, detail = fc.request_bytes(rng.choice(fc.PATHS), headers | extra, body), repr(headers)
@@ -243,7 +249,8 @@ def count_tracebacks(log_dir: Path) -> dict[str, int]:
 
 async def run_fuzz(requests: int, pylons: int, concurrency: int, seed: int, out: Path) -> FuzzReport:
     scenario = fuzz_scenario(pylons)
-    fleet = Fleet(scenario, plan.runs(scenario)[0], out, FleetTimeouts(start_s=30.0, ready_s=60.0))
+    spec = dataclasses.replace(plan.runs(scenario)[0], stargate_args=PLAIN_STARGATE_ARGS)
+    fleet = Fleet(scenario, spec, out, FleetTimeouts(start_s=30.0, ready_s=60.0))
     async with fleet, aio.insecure_channel(fleet.stargates[0].grpc) as channel:
         run = FuzzRun(fleet, seed, channel)
         await run.run(requests, concurrency)

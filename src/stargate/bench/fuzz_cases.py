@@ -103,6 +103,12 @@ def valid_headers(model: str, request_id: str) -> dict[str, str]:
     return {h.REQUEST_ID: request_id, h.MODEL: model, h.INPUT_TOKENS: "5", "content-type": "application/json"}
 
 
+def plain_headers(request_id: str) -> dict[str, str]:
+    """What an OpenAI client sends: Stargate's plain-client mode reads the model and the prompt
+    from the body."""
+    return {h.REQUEST_ID: request_id, "content-type": "application/json"}
+
+
 def valid_body(model: str) -> bytes:
     return orjson.dumps(chat_body(model))
 
@@ -134,6 +140,10 @@ def fuzz_body(rng: random.Random, model: str) -> tuple[bytes, dict[str, str]]:
         return orjson.dumps({**chat_body(model), "messages": [{"role": "user", "content": content}]}), {}
     if kind == 6:
         return orjson.dumps({**chat_body(model), "stream": rng.choice((False, None, "true", 1))}), {}
+    if kind == 7:  # JSON parsers stop at some depth (orjson at 1 024), recursive walkers earlier
+        depth = rng.choice((100, 600, 1000, 1100))
+        nested = b"[" * depth + b'"x"' + b"]" * depth
+        return b'{"model":"%s","stream":true,"messages":%s}' % (model.encode(), nested), {}
     return orjson.dumps(chat_body(model, rng.choice((1, 2, 3)))), {}
 
 

@@ -101,16 +101,23 @@ def _is_number(value: Any) -> bool:
 
 
 def _text_of(value: Any) -> bytes:
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, list):
-        return b"".join(_text_of(item) for item in value)
-    if isinstance(value, dict):
-        text = value.get("text")
-        if isinstance(text, str):
-            return text.encode()
-        return _text_of(value.get("content"))
-    return b""
+    """The text parts under ``value``, in order. Walked with a stack, not recursion: a body nests
+    as deep as the JSON parser allows (1 024 levels), past Python's recursion limit."""
+    parts: list[bytes] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            parts.append(item.encode())
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            text = item.get("text")
+            if isinstance(text, str):
+                parts.append(text.encode())
+            else:
+                stack.append(item.get("content"))
+    return b"".join(parts)
 
 
 def chat_prompt_bytes(messages: Any) -> bytes:

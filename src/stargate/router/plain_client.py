@@ -203,14 +203,20 @@ def _json_object(raw: bytes) -> dict[str, Any]:
 
 
 def _collect(value: Any, texts: list[str]) -> int:
-    """Append prompt strings under ``value`` to ``texts``; returns the count of literal token ids."""
-    if isinstance(value, str):
-        texts.append(value)
-        return 0
-    if isinstance(value, list):
-        if value and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-            return len(value)  # a pre-tokenized prompt
-        return sum(_collect(item, texts) for item in value)
-    if isinstance(value, dict):
-        return sum(_collect(item, texts) for key, item in value.items() if key in TEXT_KEYS)
-    return 0
+    """Append prompt strings under ``value`` to ``texts`` in order; returns the count of literal
+    token ids. Walked with a stack, not recursion: a body nests as deep as the JSON parser allows
+    (1 024 levels), past Python's recursion limit."""
+    token_ids = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, list):
+            if item and all(isinstance(part, int) and not isinstance(part, bool) for part in item):
+                token_ids += len(item)  # a pre-tokenized prompt
+            else:
+                stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed([part for key, part in item.items() if key in TEXT_KEYS]))
+    return token_ids

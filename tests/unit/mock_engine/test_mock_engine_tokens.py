@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import orjson
+
 from stargate.mock_engine import tokens as tok
 
 
@@ -73,3 +75,10 @@ def test_text_token_estimate_rounds_up_four_bytes_per_token() -> None:
     assert tok.text_token_estimate(b"") == 1
     assert tok.text_token_estimate(b"abcd") == 1
     assert tok.text_token_estimate(b"abcde") == 2
+
+
+def test_prompt_text_nested_as_deep_as_json_allows_is_read_in_order() -> None:
+    deep = orjson.loads(b"[" * 1000 + b'"abc"' + b"]" * 1000)  # orjson's limit is 1024 levels
+    assert tok.raw_prompt_bytes(deep) == b"abc"
+    content = [{"text": "ab"}, {"content": ["cd", {"text": "ef"}]}, "gh"]
+    assert tok.chat_prompt_bytes([{"role": "user", "content": content}]) == b"user\x00abcdefgh\x00"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from stargate.bench.peers.tokenizer import write_tokenizer_dir
@@ -46,6 +47,14 @@ def test_input_tokens_of_each_endpoint_body() -> None:
     assert clients.input_tokens({"input": "abcd", "instructions": "xy"}) == len("abcd\nxy")
     assert clients.input_tokens({"input": ["a", "b"]}) == len("a\nb")
     assert clients.input_tokens({"model": "m"}) == 1  # never 0
+
+
+def test_prompts_nested_as_deep_as_json_allows_are_counted_in_order() -> None:
+    clients = plain(bytes_per_token=1)
+    deep = orjson.loads(b"[" * 1000 + b'"abc"' + b"]" * 1000)  # orjson's limit is 1024 levels
+    assert clients.input_tokens({"messages": deep}) == 3
+    nested = {"role": "user", "content": [{"text": "ab"}, {"content": [{"text": "cd"}, [7, 8]]}, "ef"]}
+    assert clients.input_tokens({"messages": [nested]}) == len("ab\ncd\nef") + 2  # 2 token ids
 
 
 def test_a_configured_tokenizer_counts_the_prompt(tmp_path: Path) -> None:
