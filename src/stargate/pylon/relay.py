@@ -325,28 +325,20 @@ class Relay:
         declared = request.content_length
         if declared is not None and declared > MAX_BODY:
             return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
-        # Room for the body is taken before its first byte is read (the cap when no length is given).
-        held = (MAX_BODY if declared is None else declared) if request.body_exists else 0
         try:
-            await self.bodies.take(held)
+            body = await self.bodies.read_whole(request, MAX_BODY, request.read)
         except BodyBufferFull as exc:
             return _problem(EngineBodyBufferFull(exc))
+        except web.HTTPRequestEntityTooLarge:
+            return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
+        except ConnectionError:
+            # Nobody is left to read an answer: the request ends here, logged once, never sent on.
+            report_client_gone(self.faults, request, request_id, started=False)
+            return _problem(RequestError("client closed the connection before the request body was complete"))
         try:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
-            except ConnectionError:
-                # Nobody is left to read an answer: the request ends here, logged once, never sent on.
-                report_client_gone(self.faults, request, request_id, started=False)
-                return _problem(
-                    RequestError("client closed the connection before the request body was complete")
-                )
-            self.bodies.give(held - len(body))
-            held = len(body)
             return await self._admit(request, body, request_id, gen, priority, endpoint, observer, key, span)
         finally:
-            self.bodies.give(held)
+            self.bodies.give(len(body))
 
     async def _admit(
         self,

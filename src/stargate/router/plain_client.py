@@ -168,26 +168,21 @@ class PlainClients:
         return max(1, counted + token_ids)
 
     async def _read(self, request: web.Request) -> bytes:
-        """The whole body, holding ``len(body)`` bytes of the budget: room for the declared length
-        (the cap when none is declared) is taken before the first byte is read."""
+        """The whole body, holding ``len(body)`` bytes of the budget (``BodyBudget.read_whole``)."""
         limit = self.settings.max_body_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
             raise _too_large(declared, limit)
-        room = (limit if declared is None else declared) if request.body_exists else 0
-        await self._budget.take(room)
-        try:
+
+        async def capped() -> bytes:
             buffer = bytearray()
             async for chunk in request.content.iter_any():
                 buffer.extend(chunk)
                 if len(buffer) > limit:  # chunked: nothing declared (a length is exact, aiohttp's check)
                     raise _too_large(f"more than {limit}", limit)
-            raw = bytes(buffer)
-        except BaseException:
-            self._budget.give(room)
-            raise
-        self._budget.give(room - len(raw))
-        return raw
+            return bytes(buffer)
+
+        return await self._budget.read_whole(request, limit, capped)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
 
 from stargate.errors import BodyBufferFull
 
@@ -65,6 +68,23 @@ class BodyBudget:
                     f"none finished within {self.wait_s:g} s"
                 ) from None
             raise
+
+    async def read_whole(
+        self, request: web.BaseRequest, cap: int, read: Callable[[], Awaitable[bytes]]
+    ) -> bytes:
+        """``read()`` the request's body, holding room for it: its declared length (``cap`` when it
+        declares none, nothing without a body) is taken before the first byte is read, the rest
+        given back once it is in. The caller gives back ``len(body)`` when done with it."""
+        declared = request.content_length
+        room = (cap if declared is None else declared) if request.body_exists else 0
+        await self.take(room)
+        try:
+            body = await read()
+        except BaseException:
+            self.give(room)
+            raise
+        self.give(room - len(body))
+        return body
 
     def give(self, amount: int) -> None:
         self.used -= amount
