@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from support.waiting import until
 
@@ -38,8 +39,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "lb-config"
 
 
 async def _fleet(
-    tmp_path: Path, lb_config: Path, *router_flags: str
+    tmp_path: Path, lb_config: Path, *router_flags: str, cached: bool = False
 ) -> tuple[StargateAddrs, list[ManagedProcess[Any]]]:
+    """With ``cached`` the engines keep a KV cache per affinity key and the Pylons count a cached
+    prompt as no work, as docs/pylon.md recommends for engines with prefix caching."""
+    engine_cache = ["--kv-cache-mode", "affinity", "--kv-cache-capacity-tokens", "100000"] if cached else []
+    pylon_cache = ["--engine-prefix-caching", "true"] if cached else []
     procs: list[ManagedProcess[Any]] = []
 
     async def launch(proc: ManagedProcess[Any]) -> Any:
@@ -50,7 +55,8 @@ async def _fleet(
     def engine(name: str) -> ManagedProcess[str]:
         argv = [*command("stargate-mock-engine"), "--http-listen-addr", "127.0.0.1:0", "--model-name", MODEL,
                 "--max-concurrent-requests", str(SLOTS),
-                "--token-delay-ms", "20", "--num-tokens", "10"]  # fmt: skip
+                "--token-delay-ms", "20", "--num-tokens", "10",
+                *engine_cache]  # fmt: skip
         return ManagedProcess(f"engine-{name}", argv, tmp_path, parse_engine_ready)
 
     stargate_argv = [*command("stargate"), "--stargate-id", "sg-0", "--listen-addr", "127.0.0.1:0",
@@ -66,7 +72,7 @@ async def _fleet(
         )
         common = ["--stargate-address", stargate.grpc, "--http-listen-addr", "127.0.0.1:0",
                   "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--model-name", MODEL,
-                  "--initial-input-tps", "5000"]  # fmt: skip
+                  "--initial-input-tps", "5000", *pylon_cache]  # fmt: skip
         await asyncio.gather(
             launch(ManagedProcess("pylon-0", [*command("pylon"), "--upstream-http-base-url", engine_a,
                                               "--inference-server-id", "pylon-0", *common],
@@ -131,3 +137,41 @@ async def test_quickstart_fleet_at_seven_eighths_of_its_slots_answers_every_requ
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         await asyncio.gather(*(client(http) for _ in range(CONCURRENCY)))
     assert statuses == Counter({200: REQUESTS}), (statuses, backends)
+
+
+@pytest.mark.parametrize("spill", [True, False])
+async def test_one_key_past_a_backends_slots_spills_to_the_other(tmp_path: Path, spill: bool) -> None:
+    """Every request with one key, 14 at once against 8 slots per backend, its prompt cached after
+    the first: the recommended config (``cache_affinity_spill``) serves them from both backends;
+    without it they all queue on one (Pylon expects no prompt work and admits them all)."""
+    config = orjson.loads((EXAMPLES / "recommended.json").read_bytes())
+    config["models"] = {MODEL: {**next(iter(config["models"].values())), "cache_affinity_spill": spill}}
+    path = tmp_path / "lb-config.json"
+    path.write_bytes(orjson.dumps(config))
+    stargate, procs = await _fleet(tmp_path, path, "--default-max-wait-ms", "10000", cached=True)
+    statuses: Counter[int] = Counter()
+    backends: Counter[str] = Counter()
+    queue = iter(range(REQUESTS))
+
+    async def client(http: aiohttp.ClientSession) -> None:
+        for i in queue:
+            headers = {"x-request-id": f"r{i}", "x-model": MODEL, "x-input-tokens": "50",
+                       "x-cache-affinity-key": "one-account"}  # fmt: skip
+            body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+            url = f"http://{stargate.http}/v1/chat/completions"
+            async with http.post(url, json=body, headers=headers) as resp:
+                await resp.read()
+                statuses[resp.status] += 1
+                backends[resp.headers.get("x-inference-server-id", "")] += 1
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            await _wait_routable(http, stargate)
+            await asyncio.gather(*(client(http) for _ in range(CONCURRENCY)))
+    finally:
+        await stop_all(procs, grace_s=3.0)
+    assert statuses == Counter({200: REQUESTS}), (statuses, backends)
+    if spill:  # at most one request of the key waits at a full backend: 5 of 14 are always on the other
+        assert min(backends["pylon-0"], backends["pylon-1"]) >= REQUESTS // 8, backends
+    else:
+        assert sorted(backends.values()) == [REQUESTS], backends

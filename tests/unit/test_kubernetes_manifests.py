@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import orjson
 import pytest
 import yaml
 
 from stargate.pylon.config import parse_settings
 from stargate.router.cli import build_parser, settings_from_args
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30.0"
 FIELD_SAMPLES = {"metadata.name": "pod-0", "metadata.namespace": "default", "status.podIP": "10.1.2.3"}
 KUSTOMIZATIONS = sorted(DEPLOY.rglob("kustomization.yaml"))
@@ -126,3 +128,10 @@ def test_container_command_lines_are_accepted_by_the_clis(kustomization: Path, t
                 assert settings.upstream_base_url.startswith("http://127.0.0.1:")
                 checked += 1
     assert checked > 0
+
+
+def test_the_routers_lb_config_is_the_recommended_file() -> None:
+    rendered = render(DEPLOY / "kustomization.yaml")
+    (config_map,) = [d for d in rendered if d["metadata"]["name"] == "stargate-lb-config"]
+    recommended = orjson.loads((ROOT / "examples" / "lb-config" / "recommended.json").read_bytes())
+    assert orjson.loads(config_map["data"]["lb-config.json"]) == recommended

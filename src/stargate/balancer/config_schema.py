@@ -127,6 +127,7 @@ class WaitAndWidenFields(_WaitAndWidenFamilyFields):
     cache_affinity_placement: Literal["ring", "load"] | None = None
     cache_affinity_prefill: Literal["scale", "growth"] | None = None
     cache_affinity_await_prefill: bool = False
+    cache_affinity_spill: bool = False
 
 
 class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
@@ -245,4 +246,5 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any
         settings["cache_affinity_placement"] = Placement(fields.cache_affinity_placement or "ring")
         settings["cache_affinity_prefill"] = PrefillEstimate(fields.cache_affinity_prefill or "scale")
         settings["cache_affinity_await_prefill"] = fields.cache_affinity_await_prefill
+        settings["cache_affinity_spill"] = fields.cache_affinity_spill
     return settings

@@ -89,6 +89,7 @@ class AlgorithmDefinition:
     cache_affinity_placement: Placement = Placement.RING
     cache_affinity_prefill: PrefillEstimate = PrefillEstimate.SCALE
     cache_affinity_await_prefill: bool = False
+    cache_affinity_spill: bool = False
 
 
 class Policy(Protocol):

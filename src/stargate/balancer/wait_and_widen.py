@@ -24,7 +24,10 @@ from stargate.balancer.config_schema import WaitAndWidenFields
 from stargate.balancer.estimates import (
     INF,
     load_queue_running_rate,
+    load_running,
     load_tie_key,
+    load_tps,
+    prefill_at,
     queue_ms,
 )
 from stargate.balancer.settings import (
@@ -280,6 +283,32 @@ def _awaits_prefill(candidate: Candidate, request: LbRequest) -> bool:
     )
 
 
+def _spills(
+    candidates: tuple[Candidate, ...],
+    request: LbRequest,
+    group: tuple[int, ...],
+    scale: float,
+    hold_ms: float,
+    measured: bool,
+) -> bool:
+    """Every cluster of the group is at its slot limit, the key already has a request on one of
+    them still before its first byte (this one would wait for a slot there, behind its own key),
+    and prefilling again elsewhere what the group holds cached (``1 - scale`` of the prompt, at the
+    group's rate) takes no longer than X, the wait the configuration accepts for that cache: a
+    long conversation's history is worth more than a slot wait, a short shared prompt is not."""
+    key = request.cache_affinity_key
+    waiting = False
+    repeat = INF
+    for index in group:
+        candidate = candidates[index]
+        limit = candidate.stats.max_engine_concurrency
+        if limit == 0 or load_running(candidate) < limit:
+            return False
+        waiting = waiting or key in candidate.in_flight.prefilling_keys
+        repeat = min(repeat, prefill_at(load_tps(candidate, measured), request.input_tokens, 1.0 - scale))
+    return waiting and repeat <= hold_ms
+
+
 def as_decision(result: PhaseResult) -> Decision:
     if isinstance(result, Choice):
         return Selected(result)
@@ -330,7 +359,15 @@ class WaitAndWiden:
     beside it, the request would prefill the shared prefix again instead of finding it cached. The
     yield rule still moves it when the group loses by the margin.
 
-    Whenever keys are placed (either option above), ``learn_routes`` takes the routes Pylon
+    With ``cache_affinity_spill`` (not in the original) a key's requests spill past its group's
+    slots: when every cluster of the group is at its slot limit and the key already has a request
+    there waiting for its first byte (``_spills``), the request goes at once (``rank_depth`` 2) to
+    the best cluster with a free slot, as a yield does, and the key follows it, provided that
+    prefilling the cached part again there takes no longer than X. Requests of one key sent
+    together then share the free slots of the fleet instead of queueing for one replica's; a
+    conversation, one turn at a time, is not moved by it.
+
+    Whenever keys are placed (any option above), ``learn_routes`` takes the routes Pylon
     publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).
     """
 
@@ -351,8 +388,12 @@ class WaitAndWiden:
         margin = definition.cache_affinity_yield_margin_ms
         self._yield_margin = None if margin is None else float(margin)
         self._growth = definition.cache_affinity_prefill is PrefillEstimate.GROWTH
+        self._spill = definition.cache_affinity_spill
+        self._measured = definition.prefill_rate is PrefillRate.MEASURED
         self._learns = self._groups is not None and (
-            self._yield_margin is not None or definition.cache_affinity_placement is Placement.LOAD
+            self._yield_margin is not None
+            or self._spill
+            or definition.cache_affinity_placement is Placement.LOAD
         )
         self._records = self._learns or self._growth
         self._await_prefill = definition.cache_affinity_await_prefill
@@ -432,7 +473,12 @@ class WaitAndWiden:
         elapsed = request.elapsed_ms
         selector = self._selector
         loses = self._affinity_loses
-        if self._yield_margin is not None and loses(candidates, request, group, scale, queue_limit):
+        spills = self._spill and _spills(
+            candidates, request, group, scale, self._wait_ms, self._measured
+        )
+        if spills or (
+            self._yield_margin is not None and loses(candidates, request, group, scale, queue_limit)
+        ):
             slept = max(0.0, elapsed - self._wait_ms)
             public = selector.phase(
                 candidates, None, request, 1.0, slept, queue_limit, rng, free_slot_only=True
@@ -499,6 +545,12 @@ def _check(definition: AlgorithmDefinition) -> Problem | None:
         return (
             "cache_affinity_await_prefill",
             "cache_affinity_await_prefill holds a key's request for its affinity group: "
+            "set cache_affinity_backend_selection_count",
+        )
+    if definition.cache_affinity_spill and not definition.selection_count:
+        return (
+            "cache_affinity_spill",
+            "cache_affinity_spill lets a key's requests past its affinity group's slots: "
             "set cache_affinity_backend_selection_count",
         )
     if definition.cache_affinity_prefill is PrefillEstimate.GROWTH and definition.selection_count != 1:

@@ -197,18 +197,16 @@ def test_waw_load_aware_keeps_free_slot_rule_for_the_queue_slo_filter() -> None:
 
 
 def _affinity_policy(margin: int | None, **settings: Any) -> Any:
-    return build_policy(
-        waw(
-            selection_count=1,
-            virtual_nodes=8,
-            seed="seed-1",
-            cache_affinity_wait_ms=200,
-            cache_affinity_input_tokens_scale=0.2,
-            cache_affinity_yield_margin_ms=margin,
-            load_aware=True,
-            **settings,
-        )
-    )
+    defaults: dict[str, Any] = {
+        "selection_count": 1,
+        "virtual_nodes": 8,
+        "seed": "seed-1",
+        "cache_affinity_wait_ms": 200,
+        "cache_affinity_input_tokens_scale": 0.2,
+        "cache_affinity_yield_margin_ms": margin,
+        "load_aware": True,
+    }
+    return build_policy(waw(**{**defaults, **settings}))
 
 
 def _ring(c_queued: int) -> tuple[Candidate, ...]:
@@ -745,6 +743,82 @@ def test_await_prefill_needs_an_affinity_group() -> None:
         {"models": {"m": {**model, "cache_affinity_backend_selection_count": 1}}}
     ).resolve("m", None)
     assert definition.cache_affinity_await_prefill
+
+
+# ---- a key's requests spilling past its group's slots (``cache_affinity_spill``) ---------------
+
+
+def _spilling_policy(**settings: Any) -> Any:
+    settings.setdefault("cache_affinity_spill", True)
+    return _affinity_policy(margin=None, max_queued=8, **settings)
+
+
+def _full_group(*keys: str) -> tuple[Candidate, ...]:
+    """prefix-a's group, affinity-c, at its 8 slots (the router's own count); ``keys`` prefill there."""
+    ring = _ring(c_queued=0)
+    full = dataclasses.replace(ring[2], in_flight=InFlight(8, len(keys), 0, frozenset(keys)))
+    return (*ring[:2], full)
+
+
+def test_a_key_spills_past_its_full_group_while_its_own_request_waits_there() -> None:
+    candidates = _full_group("prefix-a")
+    policy = _spilling_policy()
+    decision = policy.decide(candidates, make_request(input_tokens=200, key="prefix-a"), rng())
+    spilled = chosen_id(candidates, decision)
+    assert spilled in {"affinity-a", "affinity-b"}
+    assert chosen(decision).rank_depth == 2
+    assert chosen(decision).prefill_tokens is None  # nothing cached there: the whole prompt
+    # The key follows it: its newest prompt is cached where that request went.
+    decision = policy.decide(_ring(c_queued=0), make_request(input_tokens=200, key="prefix-a"), rng())
+    assert chosen_id(candidates, decision) == spilled
+    assert chosen(decision).rank_depth == 1
+
+
+@pytest.mark.parametrize(
+    ("candidates", "settings"),
+    [
+        (_full_group("prefix-b"), {}),  # a turn of a conversation: nothing of its key waits there
+        (_full_group("prefix-a"), {"cache_affinity_spill": False}),
+        # A free slot in the group: the request starts there at once.
+        ((*_ring(c_queued=0)[:2], _prefilling(_ring(c_queued=0)[2], "prefix-a")), {}),
+    ],
+    ids=["other-key-waits", "option-off", "group-has-a-slot"],
+)
+def test_a_key_stays_with_its_group(candidates: tuple[Candidate, ...], settings: dict[str, Any]) -> None:
+    decision = _spilling_policy(**settings).decide(
+        candidates, make_request(input_tokens=200, key="prefix-a"), rng()
+    )
+    assert chosen_id(candidates, decision) == "affinity-c"
+    assert chosen(decision).rank_depth == 1
+
+
+def test_a_key_holds_its_group_when_prefilling_its_cache_again_takes_longer_than_x() -> None:
+    # 1000 tokens at 1000 tok/s, 80 % cached: 800 ms to prefill again elsewhere, X is 200 ms.
+    candidates = _full_group("prefix-a")
+    decision = _spilling_policy().decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert chosen_id(candidates, decision) == "affinity-c"
+    # With nothing cached (scale 1.0) a move repeats nothing.
+    policy = _spilling_policy(cache_affinity_input_tokens_scale=1.0)
+    decision = policy.decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert chosen_id(candidates, decision) in {"affinity-a", "affinity-b"}
+
+
+def test_a_key_holds_its_group_when_no_other_cluster_has_a_free_slot() -> None:
+    ring = _full_group("prefix-a")
+    busy = tuple(with_in_flight(candidate, 8, 0, 0) for candidate in ring[:2])
+    candidates = (*busy, ring[2])
+    decision = _spilling_policy().decide(candidates, make_request(input_tokens=200, key="prefix-a"), rng())
+    assert chosen_id(candidates, decision) == "affinity-c"
+
+
+def test_spill_needs_an_affinity_group() -> None:
+    model = {"algorithm": "wait-and-widen", "cache_affinity_spill": True}
+    with pytest.raises(ConfigError, match="cache_affinity_backend_selection_count"):
+        parse_lb_config({"models": {"m": model}})
+    definition = parse_lb_config(
+        {"models": {"m": {**model, "cache_affinity_backend_selection_count": 1}}}
+    ).resolve("m", None)
+    assert definition.cache_affinity_spill
 
 
 # ---- the measured prefill rate (``prefill_rate: measured``) --------------------------------------------

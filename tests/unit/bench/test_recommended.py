@@ -30,6 +30,7 @@ def test_recommended_file_loads_and_enables_the_load_aware_fields() -> None:
     definition = load_lb_config(str(RECOMMENDED_FILE)).resolve("llama", None)
     assert definition.load_aware
     assert definition.cache_affinity_placement.value == "load"
+    assert definition.cache_affinity_spill
     # Engines that start every prefill at once add these (docs/configuration.md).
     assert definition.cache_affinity_yield_margin_ms is None
     assert not definition.cache_affinity_await_prefill
