@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,27 +115,35 @@ async def _wait_routable(http: aiohttp.ClientSession, stargate: StargateAddrs) -
     await until("two routable clusters", two_clusters, timeout_s=READY_TIMEOUT_S, interval_s=0.05)
 
 
-async def test_quickstart_fleet_at_seven_eighths_of_its_slots_answers_every_request(
-    fleet: StargateAddrs,
-) -> None:
+async def _send_all(
+    http: aiohttp.ClientSession, stargate: StargateAddrs, key: Callable[[int], str]
+) -> tuple[Counter[int], Counter[str]]:
+    """``REQUESTS`` streaming requests, ``CONCURRENCY`` at a time, request ``i`` with key ``key(i)``:
+    the statuses and the backends that answered."""
     statuses: Counter[int] = Counter()
     backends: Counter[str] = Counter()
     queue = iter(range(REQUESTS))
 
-    async def client(http: aiohttp.ClientSession) -> None:
+    async def client() -> None:
         for i in queue:
             headers = {"x-request-id": f"r{i}", "x-model": MODEL, "x-input-tokens": "50",
-                       "x-cache-affinity-key": f"session-{i % 10}"}  # fmt: skip
+                       "x-cache-affinity-key": key(i)}  # fmt: skip
             body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hello"}]}
-            async with http.post(
-                f"http://{fleet.http}/v1/chat/completions", json=body, headers=headers
-            ) as resp:
+            url = f"http://{stargate.http}/v1/chat/completions"
+            async with http.post(url, json=body, headers=headers) as resp:
                 await resp.read()
                 statuses[resp.status] += 1
                 backends[resp.headers.get("x-inference-server-id", "")] += 1
 
+    await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
+    return statuses, backends
+
+
+async def test_quickstart_fleet_at_seven_eighths_of_its_slots_answers_every_request(
+    fleet: StargateAddrs,
+) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-        await asyncio.gather(*(client(http) for _ in range(CONCURRENCY)))
+        statuses, backends = await _send_all(http, fleet, lambda i: f"session-{i % 10}")
     assert statuses == Counter({200: REQUESTS}), (statuses, backends)
 
 
@@ -149,25 +157,10 @@ async def test_one_key_past_a_backends_slots_spills_to_the_other(tmp_path: Path,
     path = tmp_path / "lb-config.json"
     path.write_bytes(orjson.dumps(config))
     stargate, procs = await _fleet(tmp_path, path, "--default-max-wait-ms", "10000", cached=True)
-    statuses: Counter[int] = Counter()
-    backends: Counter[str] = Counter()
-    queue = iter(range(REQUESTS))
-
-    async def client(http: aiohttp.ClientSession) -> None:
-        for i in queue:
-            headers = {"x-request-id": f"r{i}", "x-model": MODEL, "x-input-tokens": "50",
-                       "x-cache-affinity-key": "one-account"}  # fmt: skip
-            body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hello"}]}
-            url = f"http://{stargate.http}/v1/chat/completions"
-            async with http.post(url, json=body, headers=headers) as resp:
-                await resp.read()
-                statuses[resp.status] += 1
-                backends[resp.headers.get("x-inference-server-id", "")] += 1
-
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             await _wait_routable(http, stargate)
-            await asyncio.gather(*(client(http) for _ in range(CONCURRENCY)))
+            statuses, backends = await _send_all(http, stargate, lambda _: "one-account")
     finally:
         await stop_all(procs, grace_s=3.0)
     assert statuses == Counter({200: REQUESTS}), (statuses, backends)
