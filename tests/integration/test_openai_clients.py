@@ -93,6 +93,16 @@ async def test_plain_client_mode_serves_the_openai_sdk_without_headers(plain: st
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("no-such-model")
 
+        # prompt_cache_key is the cache-affinity key, before user: the second request of the
+        # conversation, sent for another user, hits the KV cache the first left on its engine.
+        hits = []
+        for user in ("alice", "bob"):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=2, prompt_cache_key="conversation-1", user=user
+            )
+            hits.append(raw.headers["x-kv-cache-hit"])
+        assert hits == ["false", "true"]
+
         with pytest.raises(openai.BadRequestError) as missing:
             await client.chat.completions.create(model="", messages=MESSAGES)
         assert "names no model" in str(missing.value)  # the SDK's message says what was wrong

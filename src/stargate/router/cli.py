@@ -237,7 +237,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "--plain-client-session-header",
         default=_PLAIN.session_header,
         help="header whose value is the cache-affinity key when x-cache-affinity-key is absent; "
-        "empty disables (the body's user field is used when the body is read)",
+        "empty disables (the body's prompt_cache_key, then user, is used when the body is read)",
     )
     return p
 

@@ -4,9 +4,10 @@ A gateway normally sets ``x-request-id``, ``x-model`` and ``x-input-tokens`` (sp
 one, ``stargate --plain-clients`` completes a request whose headers are missing: a request id is
 generated, the model comes from the body's ``model``, the input tokens are counted from the prompt
 (with a configured tokenizer, else one token per ``bytes_per_token`` UTF-8 bytes, rounded up), and
-the ``--plain-client-session-header`` value (then the body's ``user``) becomes the cache-affinity
-key. The body is read, with a size cap, only when ``x-model`` or ``x-input-tokens`` is missing: a
-request carrying the headers is forwarded exactly as without the mode and its body is never parsed.
+the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``, then its
+``user``) becomes the cache-affinity key. The body is read, with a size cap, only when ``x-model``
+or ``x-input-tokens`` is missing: a request carrying the headers is forwarded exactly as without
+the mode and its body is never parsed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.wire import headers as h
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.headers import text_value
+
+KEY_FIELDS = ("prompt_cache_key", "user")
+"""Body fields that give the cache-affinity key, first set wins: OpenAI's ``prompt_cache_key`` names
+requests that share a prompt prefix (a conversation, an agent's session), which is what the key is
+for; it replaces ``user`` there, which clients still send and which may name an account."""
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BYTES_PER_TOKEN = 4
@@ -152,11 +158,13 @@ class PlainClients:
             headers[h.MODEL] = model.strip(" \t")
         if headers.get(h.INPUT_TOKENS) is None:
             headers[h.INPUT_TOKENS] = str(self.input_tokens(body))
-        user = body.get("user")
-        if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None and isinstance(user, str):
-            key = text_value(user)
-            if key is not None:
-                headers[h.CACHE_AFFINITY_KEY] = key
+        if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None:
+            for field in KEY_FIELDS:
+                value = body.get(field)
+                key = text_value(value) if isinstance(value, str) else None
+                if key is not None:
+                    headers[h.CACHE_AFFINITY_KEY] = key
+                    break
 
     def input_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of an OpenAI request body (at least 1)."""
