@@ -102,6 +102,15 @@ async def test_plain_client_mode_serves_the_openai_sdk_without_headers(plain: st
             )
             hits.append(raw.headers["x-kv-cache-hit"])
         assert hits == ["false", "true"]
+        # Keys no header can carry as they are (too long for a header line, not ASCII) still work.
+        for key in ("k" * 9000, "jos\u00e9"):
+            hits = []
+            for _ in range(2):
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=2, user=key
+                )
+                hits.append(raw.headers["x-kv-cache-hit"])
+            assert hits == ["false", "true"], key
 
         with pytest.raises(openai.BadRequestError) as missing:
             await client.chat.completions.create(model="", messages=MESSAGES)

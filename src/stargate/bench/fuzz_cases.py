@@ -120,7 +120,7 @@ def chat_body(model: str, max_tokens: object = 2) -> dict[str, object]:
 
 def fuzz_body(rng: random.Random, model: str) -> tuple[bytes, dict[str, str]]:
     """A request body and the headers it needs (content-encoding); valid bodies stay likely."""
-    kind = rng.randrange(10)
+    kind = rng.randrange(11)
     if kind == 0:
         return rng.randbytes(rng.choice((0, 1, 100, 5000))), {}
     if kind == 1:
@@ -144,7 +144,17 @@ def fuzz_body(rng: random.Random, model: str) -> tuple[bytes, dict[str, str]]:
         depth = rng.choice((100, 600, 1000, 1100))
         nested = b"[" * depth + b'"x"' + b"]" * depth
         return b'{"model":"%s","stream":true,"messages":%s}' % (model.encode(), nested), {}
+    if kind == 8:  # plain-client mode takes the cache-affinity key from these fields
+        keys = {field: rng.choice(KEY_VALUES) for field in ("prompt_cache_key", "user") if rng.random() < 0.7}
+        return orjson.dumps({**chat_body(model), **keys}), {}
     return orjson.dumps(chat_body(model, rng.choice((1, 2, 3)))), {}
+
+
+KEY_VALUES: tuple[object, ...] = (
+    "conversation-1", "", "  ", "a\r\nx-injected: 1", "caf\u00e9", "\x00\x7f", "k" * 100_000, 7, None,
+    ["k"], {"k": "v"}, True,
+)  # fmt: skip
+"""Cache-affinity key values: good, blank, header-splitting, non-ASCII, control bytes, huge, not strings."""
 
 
 @dataclass(frozen=True)

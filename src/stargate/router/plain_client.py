@@ -12,6 +12,7 @@ the mode and its body is never parsed.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,12 +27,16 @@ from stargate.body_coding import decoded
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.wire import headers as h
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
-from stargate.wire.headers import text_value
+from stargate.wire.headers import is_visible_ascii, text_value
 
 KEY_FIELDS = ("prompt_cache_key", "user")
 """Body fields that give the cache-affinity key, first set wins: OpenAI's ``prompt_cache_key`` names
 requests that share a prompt prefix (a conversation, an agent's session), which is what the key is
 for; it replaces ``user`` there, which clients still send and which may name an account."""
+
+MAX_BODY_KEY_CHARS = 1024
+"""Longer keys from a body are sent as their digest: Pylon publishes the routes of keys up to this
+length, and every hop limits a header line to 8 190 bytes."""
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BYTES_PER_TOKEN = 4
@@ -160,8 +165,7 @@ class PlainClients:
             headers[h.INPUT_TOKENS] = str(self.input_tokens(body))
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None:
             for field in KEY_FIELDS:
-                value = body.get(field)
-                key = text_value(value) if isinstance(value, str) else None
+                key = body_key(body.get(field))
                 if key is not None:
                     headers[h.CACHE_AFFINITY_KEY] = key
                     break
@@ -191,6 +195,20 @@ class PlainClients:
             return bytes(buffer)
 
         return await self._budget.read_whole(request, limit, capped)
+
+
+def body_key(value: object) -> str | None:
+    """The cache-affinity key a body field gives: a string, trimmed, as is when it is a short
+    visible-ASCII header value, else its SHA-256 digest, so a long or non-ASCII id (``"josé"``)
+    still keeps its requests together; None for a blank or non-string value."""
+    if not isinstance(value, str):
+        return None
+    trimmed = value.strip()
+    if not trimmed:
+        return None
+    if len(trimmed) <= MAX_BODY_KEY_CHARS and is_visible_ascii(trimmed):
+        return trimmed
+    return "sha256:" + hashlib.sha256(trimmed.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Plain-client mode: which requests it touches, and the input-token estimate of each OpenAI body."""
+"""Plain-client mode: which requests it touches, the input-token estimate of each OpenAI body, and
+the cache-affinity key a body field gives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 from stargate.bench.peers.tokenizer import write_tokenizer_dir
 from stargate.errors import ConfigError
 from stargate.router.cli import build_parser, settings_from_args
-from stargate.router.plain_client import BytesPerToken, PlainClients, PlainClientSettings
+from stargate.router.plain_client import (
+    MAX_BODY_KEY_CHARS,
+    BytesPerToken,
+    PlainClients,
+    PlainClientSettings,
+    body_key,
+)
+from stargate.wire.headers import text_value
 
 SPEC_HEADERS = {"x-request-id": "r", "x-model": "m", "x-input-tokens": "5"}
 
@@ -92,3 +100,21 @@ def test_cli_mode_flags() -> None:
     too_small = build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "999"])
     with pytest.raises(ConfigError, match="--proxy-max-buffered-body-bytes"):  # a body is read whole
         settings_from_args(too_small)
+
+
+def test_a_short_visible_ascii_key_is_sent_as_given() -> None:
+    assert body_key("  conversation-1 ") == "conversation-1"
+    assert body_key("k" * MAX_BODY_KEY_CHARS) == "k" * MAX_BODY_KEY_CHARS
+    for blank_or_not_text in ("", " \t\n", None, 7, ["k"], {"k": "v"}, True):
+        assert body_key(blank_or_not_text) is None
+
+
+@pytest.mark.parametrize(
+    "value", ["k" * (MAX_BODY_KEY_CHARS + 1), "jos\u00e9", "\u4f1a\u8bdd", "a\r\nx-injected: 1", "a\x00b"]
+)
+def test_a_long_or_non_ascii_key_is_sent_as_its_digest(value: str) -> None:
+    """Still one key per value (its requests stay together), and a header value every hop accepts."""
+    key = body_key(value)
+    assert key is not None and key.startswith("sha256:") and len(key) == 71
+    assert text_value(key) == key
+    assert body_key(f" {value} ") == key != body_key(value + "2")
