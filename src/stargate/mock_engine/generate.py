@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from stargate.wire import headers as h
+from stargate.wire import json_body
 
 from . import openai_format as fmt
 from . import tokens as tok
@@ -61,7 +62,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="expected content-type: application/json")
     try:
-        body = orjson.loads(await request.read())
+        body = json_body.loads(await request.read())
     except orjson.JSONDecodeError as exc:
         raise web.HTTPBadRequest(text=f"malformed JSON body: {exc}") from exc
     if not isinstance(body, dict):

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -47,6 +47,7 @@ from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
 from stargate.wire import headers as h
+from stargate.wire import json_body
 from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
@@ -357,12 +358,12 @@ class Relay:
             plain = decoded(body, request.headers.get("content-encoding"), MAX_BODY)
         except StargateError as exc:
             return _problem(exc)
-        error = _body_error(plain, endpoint, self.s.relay_non_streaming)
+        parsed, error = _checked_body(plain, endpoint, self.s.relay_non_streaming)
         if error is not None:
             hint = _RELAY_HINT if error.endswith("stream=true") else None
             return _problem(RequestError(error, hint=hint))
         if endpoint is Endpoint.EMBEDDINGS and observer is not None:
-            observer.embedding_items = embedding_item_count(orjson.loads(plain))
+            observer.embedding_items = embedding_item_count(parsed)
         decision = admission.decide(
             self.admission,
             request.headers.get(h.EXPECTED_QUEUE_MS),
@@ -584,13 +585,16 @@ def _problem(exc: StargateError) -> web.Response:
     return error_response(exc, problem=True)
 
 
-def _body_error(body: bytes, endpoint: Endpoint | None, relay_non_streaming: bool) -> str | None:
+def _checked_body(
+    body: bytes, endpoint: Endpoint | None, relay_non_streaming: bool
+) -> tuple[Any, str | None]:
+    """The parsed body and what breaks the body rules (pylon.md §7.1), if anything."""
     try:
-        obj = orjson.loads(body)
+        obj = json_body.loads(body)
     except orjson.JSONDecodeError:
-        return "request body must be valid JSON"
+        return None, "request body must be valid JSON"
     streaming = isinstance(obj, dict) and obj.get("stream") is True
     if endpoint in (Endpoint.CHAT, Endpoint.RESPONSES) and not streaming and not relay_non_streaming:
         path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/responses"
-        return f"{path} requests must set stream=true"
-    return None
+        return obj, f"{path} requests must set stream=true"
+    return obj, None

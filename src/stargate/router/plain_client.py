@@ -26,6 +26,7 @@ from multidict import CIMultiDict
 from stargate.body_coding import decoded
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.wire import headers as h
+from stargate.wire import json_body
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.headers import is_visible_ascii, text_value
 
@@ -213,7 +214,7 @@ def body_key(value: object) -> str | None:
 
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = orjson.loads(raw)
+        body = json_body.loads(raw)
     except orjson.JSONDecodeError:
         body = None
     if not isinstance(body, dict):
@@ -226,18 +227,25 @@ def _json_object(raw: bytes) -> dict[str, Any]:
 def _collect(value: Any, texts: list[str]) -> int:
     """Append prompt strings under ``value`` to ``texts`` in order; returns the count of literal
     token ids. Walked with a stack, not recursion: a body nests as deep as the JSON parser allows
-    (1 024 levels), past Python's recursion limit."""
+    (1 024 levels), past Python's recursion limit. Written flat (exact types, empty containers
+    skipped): a body of millions of tiny values is walked on the event loop."""
     token_ids = 0
     stack = [value]
+    pop, extend, add = stack.pop, stack.extend, texts.append
     while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            texts.append(item)
-        elif isinstance(item, list):
-            if item and all(isinstance(part, int) and not isinstance(part, bool) for part in item):
-                token_ids += len(item)  # a pre-tokenized prompt
+        item = pop()
+        kind = type(item)
+        if kind is str:
+            add(item)
+        elif not item:
+            continue
+        elif kind is list:
+            for part in item:
+                if type(part) is not int:  # bool is not a token id either
+                    extend(reversed(item))
+                    break
             else:
-                stack.extend(reversed(item))
-        elif isinstance(item, dict):
-            stack.extend(reversed([part for key, part in item.items() if key in TEXT_KEYS]))
+                token_ids += len(item)  # a pre-tokenized prompt
+        elif kind is dict:
+            extend(reversed([part for key, part in item.items() if key in TEXT_KEYS]))
     return token_ids
