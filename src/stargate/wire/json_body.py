@@ -2,8 +2,8 @@
 
 A body of many small containers (``[[],[],...]``: 22 million empty arrays in 64 MiB) allocates one
 collector-tracked object per container, and the collections those allocations trigger walk the
-growing set again and again: 12.7 s to parse such a body on the event loop, against 2.0 s with the
-collector paused (nothing the parse creates can be garbage before it returns, and no other code
+growing set again and again: 10-13 s to parse such a body on the event loop, against 1.2-2 s with
+the collector paused (nothing the parse creates can be garbage before it returns, and no other code
 runs meanwhile). Ordinary prompts, one long string each, parse the same either way.
 """
 
