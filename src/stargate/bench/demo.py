@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
-from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -29,7 +28,6 @@ from stargate.bench.console import (
 from stargate.bench.fleet import Fleet
 from stargate.bench.runner import run_suite
 from stargate.bench.schema import Scenario, load_scenario
-from stargate.bench.serve import PLAIN_PYLON_ARGS, PLAIN_STARGATE_ARGS
 from stargate.bench.workload import build_workload
 from stargate.errors import ConfigError
 
@@ -61,9 +59,7 @@ def curl_command(base_url: str, model: str) -> str:
 
 async def serve(console: Console, sc: Scenario, out_dir: Path) -> None:
     """Keep one fleet (the first algorithm's) up in plain-client mode until cancelled."""
-    run = plan.runs(sc)[0]
-    run = replace(run, pylon_args=[*run.pylon_args, *PLAIN_PYLON_ARGS],
-                  stargate_args=(*run.stargate_args, *PLAIN_STARGATE_ARGS))
+    run = plan.with_plain_clients(plan.runs(sc)[0])
     console.print(f"starting a fleet for [bold]{run.name}[/bold] ...", highlight=False)
     async with Fleet(sc, run, out_dir / "serve") as fleet:
         base_url = f"http://{fleet.stargates[0].http}/v1"

@@ -41,7 +41,6 @@ from stargate.bench.console import EXIT_FAILED, EXIT_OK, run_async
 from stargate.bench.faults import routable_ids
 from stargate.bench.fleet import Fleet, FleetTimeouts
 from stargate.bench.schema import parse_scenario
-from stargate.bench.serve import PLAIN_STARGATE_ARGS
 from stargate.bench.suite import markdown_table
 from stargate.flags import FlagSet, positive_int
 from stargate.proto import stargate_pb2_grpc
@@ -249,7 +248,7 @@ def count_tracebacks(log_dir: Path) -> dict[str, int]:
 
 async def run_fuzz(requests: int, pylons: int, concurrency: int, seed: int, out: Path) -> FuzzReport:
     scenario = fuzz_scenario(pylons)
-    spec = dataclasses.replace(plan.runs(scenario)[0], stargate_args=PLAIN_STARGATE_ARGS)
+    spec = dataclasses.replace(plan.runs(scenario)[0], stargate_args=plan.PLAIN_STARGATE_ARGS)
     fleet = Fleet(scenario, spec, out, FleetTimeouts(start_s=30.0, ready_s=60.0))
     async with fleet, aio.insecure_channel(fleet.stargates[0].grpc) as channel:
         run = FuzzRun(fleet, seed, channel)

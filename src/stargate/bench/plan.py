@@ -6,6 +6,7 @@ bench starts it. Addresses and URLs are left out: the fleet adds them once ports
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from stargate.bench.schema import QueueAdmission, Scenario
@@ -39,6 +40,20 @@ class RunSpec:
     lb_config: dict[str, object]
     pylon_args: list[str]
     stargate_args: tuple[str, ...] = ()
+
+
+PLAIN_STARGATE_ARGS = ("--plain-clients",)
+PLAIN_PYLON_ARGS = ("--pylon-relay-non-streaming", "true")
+
+
+def with_plain_clients(run: RunSpec) -> RunSpec:
+    """``run`` serving clients that send only OpenAI requests: Stargate fills the routing headers
+    from the body, Pylon relays non-streaming answers as JSON."""
+    return dataclasses.replace(
+        run,
+        pylon_args=[*run.pylon_args, *PLAIN_PYLON_ARGS],
+        stargate_args=(*run.stargate_args, *PLAIN_STARGATE_ARGS),
+    )
 
 
 def _num(value: float) -> str:

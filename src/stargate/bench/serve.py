@@ -22,15 +22,13 @@ import orjson
 from stargate.balancer.config import load_lb_config
 from stargate.bench.fleet import Fleet
 from stargate.bench.peers.compare import recommended_run
-from stargate.bench.plan import RunSpec
+from stargate.bench.plan import RunSpec, with_plain_clients
 from stargate.bench.schema import Scenario, parse_scenario
 from stargate.flags import FlagSet, parse_bool, positive_int
 
 EXIT_OK = 0
 DEFAULT_MODEL = "mock-model"
 CHECK_INTERVAL_S = 1.0
-PLAIN_STARGATE_ARGS = ("--plain-clients",)
-PLAIN_PYLON_ARGS = ("--pylon-relay-non-streaming", "true")
 
 
 def add_parser(sub: Any, env: Mapping[str, str]) -> None:
@@ -63,6 +61,7 @@ def serve_scenario(engines: int, model: str, slots: int) -> Scenario:
         "request_count": 1,
         "max_concurrency": 1,
         "backends": {"count": engines, "profile": profile},
+        "mock": {"kv_mode": "prefix"},  # cached by prompt text, as real engines do
         "traffic_pattern": {
             "kind": "uniform",
             "input_tokens": {"distribution": "constant", "value": 16},
@@ -83,8 +82,7 @@ def serve_run(scenario: Scenario, path: Path | None, plain: bool) -> RunSpec:
         run = RunSpec("serve", orjson.loads(path.read_bytes()), [])
     if not plain:
         return run
-    return RunSpec(run.name, run.lb_config, [*run.pylon_args, *PLAIN_PYLON_ARGS],
-                   (*run.stargate_args, *PLAIN_STARGATE_ARGS))
+    return with_plain_clients(run)
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> int:

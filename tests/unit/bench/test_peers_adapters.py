@@ -16,6 +16,7 @@ def test_parse_router_label() -> None:
     assert parse_router_label("stargate:wait-and-widen") == ("stargate", "wait-and-widen")
     assert parse_router_label("sglang:power_of_two") == ("sglang", "power_of_two")
     assert parse_router_label(" vllm:consistent_hash ") == ("vllm", "consistent_hash")
+    assert parse_router_label("stargate-plain:recommended") == ("stargate", "recommended")
     with pytest.raises(ConfigError, match="unknown sglang policy 'consistent_hash'"):
         parse_router_label("sglang:consistent_hash")
     with pytest.raises(ConfigError, match="unknown router 'nginx'"):
@@ -48,6 +49,25 @@ def test_a_peer_switches_the_mock_to_content_keyed_cache(tmp_path: Path) -> None
     )
     assert mixed.mock.kv_mode == "prefix"
     assert scenario.mock.kv_mode == "affinity"
+
+
+def test_a_plain_stargate_run_reads_the_body_and_is_sent_only_what_a_plain_client_sends(
+    tmp_path: Path,
+) -> None:
+    scenario = overhead_scenario()
+    options = PeerOptions(root=tmp_path)
+    keyed, plain = resolve_routers(scenario, "stargate:recommended,stargate-plain:recommended", options)
+    assert "--plain-clients" in plain.spec.stargate_args and "--plain-clients" not in keyed.spec.stargate_args
+    assert plain.spec.lb_config == keyed.spec.lb_config
+    req = _request(3)
+    assert "x-input-tokens" in keyed.make().request_headers(req)
+    assert plain.make().request_headers(req) == {
+        "content-type": "application/json",
+        "x-request-id": req.request_id,
+    }
+    # Its prompts are cached by their text, the ground truth a router that reads text is judged by.
+    assert comparable_scenario(scenario, [keyed]) is scenario
+    assert comparable_scenario(scenario, [keyed, plain]).mock.kv_mode == "prefix"
 
 
 def test_consistent_hash_gets_the_key_as_x_session_id(tmp_path: Path) -> None:

@@ -109,6 +109,7 @@ def test_a_turn_waits_and_yields_to_load_where_engines_start_every_prefill_at_on
 
 def test_serve_runs_the_recommended_deployment_unless_given_a_file(tmp_path: Path) -> None:
     scenario = serve_scenario(2, "my-model", 16)
+    assert scenario.mock.kv_mode == "prefix"  # any client: cached by prompt text, as engines do
     run = serve_run(scenario, None, plain=True)
     definition = parse_lb_config(run.lb_config).resolve("my-model", None)
     assert definition.load_aware and definition.cache_affinity_placement.value == "load"

@@ -6,6 +6,8 @@ headers that router can use (fairness rule: the strongest signal it consumes, §
 
 * ``stargate:<algorithm>`` — the workload's own headers (``x-cache-affinity-key``, ``x-routing-key``,
   ``x-input-tokens``, ``x-output-tokens``); Stargate and Pylons are the fleet's processes.
+* ``stargate-plain:<algorithm>`` — what a plain OpenAI client sends (``x-request-id`` and the body,
+  as sglang-router gets); Stargate runs in plain-client mode and reads the rest from the body.
 * ``sglang:<policy>`` (sglang-router 0.3.x) — prompt text only: it forwards ``x-request-id`` and the
   body and drops every other request header; ``cache_aware`` matches the prompt text in its radix
   tree, ``power_of_two`` polls the engines' ``/get_load``.
@@ -48,6 +50,7 @@ POLICIES: dict[str, tuple[str, ...]] = {
 }
 SIGNALS: dict[str, str] = {
     "stargate": "headers: x-cache-affinity-key, x-routing-key, x-input-tokens, x-output-tokens",
+    "stargate-plain": "prompt text only (plain-client mode): x-request-id and the body",
     "sglang:cache_aware": "prompt text (radix-tree prefix match); other request headers are dropped",
     "sglang:power_of_two": "engine load from /get_load",
     "sglang:round_robin": "none",
@@ -56,6 +59,11 @@ SIGNALS: dict[str, str] = {
     "vllm:round_robin": "none",
     "direct": "none (client-side round robin over the engines)",
 }
+
+
+PLAIN_CLIENT_HEADERS = frozenset({"content-type", h.REQUEST_ID})
+"""What a ``stargate-plain`` run's client sends: the request id only so the engines' ground truth
+can be matched to the client's records (sglang-router forwards it too)."""
 
 
 class RouterAdapter(Protocol):
@@ -86,10 +94,11 @@ def free_port() -> int:
 class StargateAdapter:
     kind: Kind = "stargate"
 
-    def __init__(self, label: str, *, pylons_in_path: bool = True) -> None:
+    def __init__(self, label: str, *, pylons_in_path: bool = True, plain: bool = False) -> None:
         self.label = label
-        self.signal = SIGNALS["stargate"]
+        self.signal = SIGNALS["stargate-plain" if plain else "stargate"]
         self.pylons_in_path = pylons_in_path  # False: Pylons only register, requests skip them
+        self.plain = plain  # send what a plain OpenAI client sends, not the workload's headers
         self._fleet: Fleet | None = None
 
     @property
@@ -100,6 +109,8 @@ class StargateAdapter:
         self._fleet = fleet
 
     def request_headers(self, req: PlannedRequest) -> dict[str, str]:
+        if self.plain:
+            return {k: v for k, v in req.headers.items() if k in PLAIN_CLIENT_HEADERS}
         return req.headers
 
     def router_pids(self) -> dict[str, int]:
@@ -247,9 +258,11 @@ class PeerRouterAdapter:
 
 
 def parse_router_label(text: str) -> tuple[Kind, str]:
-    """``stargate:<name>``, ``sglang:<policy>``, ``vllm:<policy>`` or ``direct``."""
+    """``stargate:<name>``, ``stargate-plain:<name>``, ``sglang:<policy>``, ``vllm:<policy>`` or
+    ``direct``."""
     head, _, rest = text.strip().partition(":")
-    kinds: dict[str, Kind] = {"stargate": "stargate", "sglang": "sglang", "vllm": "vllm", "direct": "direct"}
+    kinds: dict[str, Kind] = {"stargate": "stargate", "stargate-plain": "stargate", "sglang": "sglang",
+                              "vllm": "vllm", "direct": "direct"}
     kind = kinds.get(head)
     if kind == "direct" and rest in ("", "round_robin"):
         return "direct", "round_robin"
@@ -260,5 +273,11 @@ def parse_router_label(text: str) -> tuple[Kind, str]:
             return kind, rest
         raise ConfigError(f"unknown {kind} policy {rest!r}; expected one of: {', '.join(POLICIES[kind])}",
                           path="--routers")
-    raise ConfigError(f"unknown router {text!r}; expected stargate:<algorithm>, sglang:<policy>, "
-                      "vllm:<policy> or direct", path="--routers")
+    raise ConfigError(f"unknown router {text!r}; expected stargate:<algorithm>, "
+                      "stargate-plain:<algorithm>, sglang:<policy>, vllm:<policy> or direct",
+                      path="--routers")
+
+
+def is_plain_label(text: str) -> bool:
+    """A ``stargate-plain:`` label: Stargate in plain-client mode, sent what a plain client sends."""
+    return text.strip().partition(":")[0] == "stargate-plain"

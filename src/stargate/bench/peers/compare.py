@@ -36,6 +36,7 @@ from stargate.bench.peers.adapters import (
     PeerRouterAdapter,
     RouterAdapter,
     StargateAdapter,
+    is_plain_label,
     parse_router_label,
 )
 from stargate.bench.peers.ground_truth import GROUND_TRUTH_FILE, apply_ground_truth, read_ground_truth
@@ -176,7 +177,11 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])
             spec = RunSpec(label, spec.lb_config, spec.pylon_args, spec.stargate_args)
-            choices.append(RouterChoice(label, kind, spec, functools.partial(StargateAdapter, label)))
+            plain = is_plain_label(label)
+            if plain:
+                spec = plan.with_plain_clients(spec)
+            choices.append(RouterChoice(label, kind, spec,
+                                        functools.partial(StargateAdapter, label, plain=plain)))
         elif kind == "direct":
             choices.append(RouterChoice(label, kind, RunSpec(label, {}, []), DirectAdapter))
         else:
@@ -189,8 +194,11 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
 
 
 def comparable_scenario(scenario: Scenario, choices: Sequence[RouterChoice]) -> Scenario:
-    """The scenario with a content-keyed mock cache when a header-dropping peer is compared."""
-    if scenario.mock.kv_mode != "affinity" or all(c.kind in ("stargate", "direct") for c in choices):
+    """The scenario with a content-keyed mock cache when a router that reads prompt text, not the
+    workload's headers, is compared."""
+    if scenario.mock.kv_mode != "affinity" or all(
+        c.kind == "direct" or (c.kind == "stargate" and not is_plain_label(c.label)) for c in choices
+    ):
         return scenario
     base = scenario.base_dir
     copy = scenario.model_copy(update={"mock": scenario.mock.model_copy(update={"kv_mode": "prefix"})})
