@@ -31,7 +31,9 @@ def parse_base_url(line: str) -> str | None:
 
 
 async def start_fleet(tmp_path: Path, *extra: str) -> tuple[ManagedProcess[str], str]:
-    argv = [*command("stargate-bench"), "serve", "--engines", "1", "--out", str(tmp_path / "fleet"), *extra]
+    # The engine caches by the cache-affinity key a request reaches it with: a hit shows the key.
+    argv = [*command("stargate-bench"), "serve", "--engines", "1", "--kv-cache-mode", "affinity",
+            "--out", str(tmp_path / "fleet"), *extra]  # fmt: skip
     proc = ManagedProcess("serve", argv, tmp_path, parse_base_url)
     await proc.start()
     try:
@@ -115,6 +117,33 @@ async def test_plain_client_mode_serves_the_openai_sdk_without_headers(plain: st
         with pytest.raises(openai.BadRequestError) as missing:
             await client.chat.completions.create(model="", messages=MESSAGES)
         assert "names no model" in str(missing.value)  # the SDK's message says what was wrong
+
+
+async def test_a_conversation_sent_without_a_key_keeps_one_from_turn_to_turn(plain: str) -> None:
+    system: openai.types.chat.ChatCompletionMessageParam = {
+        "role": "system", "content": "You answer briefly and check your work. " * 30  # past one block
+    }
+
+    async with sdk(plain) as client:
+
+        async def turn(messages: list[openai.types.chat.ChatCompletionMessageParam]) -> tuple[str, str]:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=3
+            )
+            return raw.headers["x-kv-cache-hit"], raw.parse().choices[0].message.content or ""
+
+        messages = [system, {"role": "user", "content": "first question"}]
+        hits = []
+        for question in ("second question", "third question"):
+            hit, answer = await turn(messages)
+            hits.append(hit)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+        hits.append((await turn(messages))[0])
+        # Each turn reached the engine with the key of the turn before: its cache is there.
+        assert hits == ["false", "true", "true"]
+        # Another conversation with the same system prompt is not that one: a key of its own.
+        hit, _ = await turn([system, {"role": "user", "content": "an unrelated question"}])
+        assert hit == "false"
 
 
 async def test_plain_client_mode_fills_headers_and_keeps_sent_ones(plain: str) -> None:

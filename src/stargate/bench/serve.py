@@ -41,12 +41,15 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
            "docs/configuration.md recommends)")
     a("--model", default=DEFAULT_MODEL, help="model the engines serve")
     a("--max-concurrent-requests", type=positive_int, default=16, help="slots per mock engine")
+    a("--kv-cache-mode", choices=("prefix", "affinity"), default="prefix",
+      help="the engines' KV cache: prefix = by prompt text, as engines cache (default); affinity = by "
+           "the x-cache-affinity-key each request reaches the engine with")
     a("--plain-clients", type=parse_bool, default=True, metavar="BOOL",
       help="plain-client mode on Stargate and Pylon (false = the spec's header contract, for comparisons)")
     a("--out", type=Path, default=Path(".bench-out") / "serve", help="directory for the fleet's logs")
 
 
-def serve_scenario(engines: int, model: str, slots: int) -> Scenario:
+def serve_scenario(engines: int, model: str, slots: int, kv_mode: str = "prefix") -> Scenario:
     """A fleet of ``engines`` fast mock engines; the workload fields are unused (nothing is replayed)."""
     profile = {
         "name": "serve",
@@ -61,7 +64,7 @@ def serve_scenario(engines: int, model: str, slots: int) -> Scenario:
         "request_count": 1,
         "max_concurrency": 1,
         "backends": {"count": engines, "profile": profile},
-        "mock": {"kv_mode": "prefix"},  # cached by prompt text, as real engines do
+        "mock": {"kv_mode": kv_mode},
         "traffic_pattern": {
             "kind": "uniform",
             "input_tokens": {"distribution": "constant", "value": 16},
@@ -87,7 +90,7 @@ def serve_run(scenario: Scenario, path: Path | None, plain: bool) -> RunSpec:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> int:
     """Run the fleet until ``stop`` is set or SIGINT/SIGTERM arrives."""
-    scenario = serve_scenario(args.engines, args.model, args.max_concurrent_requests)
+    scenario = serve_scenario(args.engines, args.model, args.max_concurrent_requests, args.kv_cache_mode)
     run = serve_run(scenario, args.lb_config, bool(args.plain_clients))
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -239,6 +239,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         help="header whose value is the cache-affinity key when x-cache-affinity-key is absent; "
         "empty disables (the body's prompt_cache_key, then user, is used when the body is read)",
     )
+    add(
+        "--plain-client-prefix-keys",
+        type=parse_bool,
+        default=_PLAIN.prefix_keys,
+        metavar="BOOL",
+        help="a body read without any key: a prompt that starts with a whole earlier prompt (the next "
+        "turn of a conversation) gets that prompt's cache-affinity key, other prompts a new one",
+    )
     return p
 
 
@@ -324,6 +332,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
             bytes_per_token=options.plain_client_bytes_per_token,
             session_header=session_header or None,
             tokenizer_path=options.plain_client_tokenizer,
+            prefix_keys=options.plain_client_prefix_keys,
         )
         if options.plain_clients
         else None,

@@ -5,9 +5,10 @@ one, ``stargate --plain-clients`` completes a request whose headers are missing:
 generated, the model comes from the body's ``model``, the input tokens are counted from the prompt
 (with a configured tokenizer, else one token per ``bytes_per_token`` UTF-8 bytes, rounded up), and
 the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``, then its
-``user``) becomes the cache-affinity key. The body is read, with a size cap, only when ``x-model``
-or ``x-input-tokens`` is missing: a request carrying the headers is forwarded exactly as without
-the mode and its body is never parsed.
+``user``) becomes the cache-affinity key; without any, a prompt that starts with a whole earlier
+prompt gets that prompt's key (``prefix_keys``: the next turn of a conversation). The body is read,
+with a size cap, only when ``x-model`` or ``x-input-tokens`` is missing: a request carrying the
+headers is forwarded exactly as without the mode and its body is never parsed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from multidict import CIMultiDict
 
 from stargate.body_coding import decoded
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
+from stargate.router.prefix_keys import PrefixKeys
 from stargate.wire import headers as h
 from stargate.wire import json_body
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
@@ -42,8 +44,9 @@ length, and every hop limits a header line to 8 190 bytes."""
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BYTES_PER_TOKEN = 4
 REQUEST_ID_PREFIX = "sg-"
-# Body fields that hold the prompt, in the order OpenAI endpoints use them.
-PROMPT_FIELDS = ("messages", "prompt", "input", "instructions")
+# Body fields that hold the prompt, what stays the same from turn to turn first (the Responses API's
+# instructions): a conversation's prompt text then grows at its end.
+PROMPT_FIELDS = ("instructions", "messages", "prompt", "input")
 # Inside messages/parts, only these keys carry prompt text (roles, types and ids do not).
 TEXT_KEYS = frozenset({"content", "text", "input", "output", "arguments"})
 
@@ -91,6 +94,7 @@ class PlainClientSettings:
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
     session_header: str | None = h.SESSION_ID
     tokenizer_path: str | None = None
+    prefix_keys: bool = True
 
     def counter(self) -> TokenCounter:
         if self.tokenizer_path:
@@ -118,6 +122,7 @@ class PlainClients:
         self._budget = budget
         self._counter = counter or settings.counter()
         self._session_header = settings.session_header
+        self._prefixes = PrefixKeys() if settings.prefix_keys else None
 
     def incomplete(self, headers: Mapping[str, str]) -> bool:
         """True when a header this mode fills is missing (a few dictionary lookups)."""
@@ -162,23 +167,22 @@ class PlainClients:
                     "the request names no model: set the body's model field or an x-model header"
                 )
             headers[h.MODEL] = model.strip(" \t")
+        text, token_ids = _prompt(body)
         if headers.get(h.INPUT_TOKENS) is None:
-            headers[h.INPUT_TOKENS] = str(self.input_tokens(body))
+            headers[h.INPUT_TOKENS] = str(self._count(text, token_ids))
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None:
-            for field in KEY_FIELDS:
-                key = body_key(body.get(field))
-                if key is not None:
-                    headers[h.CACHE_AFFINITY_KEY] = key
-                    break
+            key = _field_key(body)
+            if key is None and self._prefixes is not None:
+                key = self._prefixes.key(text)
+            if key is not None:
+                headers[h.CACHE_AFFINITY_KEY] = key
 
     def input_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of an OpenAI request body (at least 1)."""
-        texts: list[str] = []
-        token_ids = 0
-        for name in PROMPT_FIELDS:
-            token_ids += _collect(body.get(name), texts)
-        counted = self._counter.count("\n".join(texts)) if texts else 0
-        return max(1, counted + token_ids)
+        return self._count(*_prompt(body))
+
+    def _count(self, text: str, token_ids: int) -> int:
+        return max(1, (self._counter.count(text) if text else 0) + token_ids)
 
     async def _read(self, request: web.Request) -> bytes:
         """The whole body, holding ``len(body)`` bytes of the budget (``BodyBudget.read_whole``)."""
@@ -196,6 +200,15 @@ class PlainClients:
             return bytes(buffer)
 
         return await self._budget.read_whole(request, limit, capped)
+
+
+def _field_key(body: Mapping[str, Any]) -> str | None:
+    """The key the first set ``KEY_FIELDS`` field gives."""
+    for field in KEY_FIELDS:
+        key = body_key(body.get(field))
+        if key is not None:
+            return key
+    return None
 
 
 def body_key(value: object) -> str | None:
@@ -222,6 +235,15 @@ def _json_object(raw: bytes) -> dict[str, Any]:
             "the request body must be a JSON object (read because x-model or x-input-tokens is missing)"
         )
     return body
+
+
+def _prompt(body: Mapping[str, Any]) -> tuple[str, int]:
+    """The prompt's text, its parts joined by newlines, and its count of literal token ids."""
+    texts: list[str] = []
+    token_ids = 0
+    for name in PROMPT_FIELDS:
+        token_ids += _collect(body.get(name), texts)
+    return "\n".join(texts), token_ids
 
 
 def _collect(value: Any, texts: list[str]) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from multidict import CIMultiDict
 
 from stargate.bench.peers.tokenizer import write_tokenizer_dir
 from stargate.errors import ConfigError
@@ -87,9 +88,9 @@ def test_cli_mode_flags() -> None:
     from_env = build_parser({"STARGATE_PLAIN_CLIENTS": "true"}).parse_args(base)
     assert settings_from_args(from_env).plain_clients is not None
     flags = ["--plain-clients", "true", "--plain-client-session-header", ""]
-    flags += ["--plain-client-bytes-per-token", "3"]
+    flags += ["--plain-client-bytes-per-token", "3", "--plain-client-prefix-keys", "false"]
     tuned = settings_from_args(build_parser({}).parse_args([*base, *flags])).plain_clients
-    assert tuned == PlainClientSettings(bytes_per_token=3, session_header=None)
+    assert tuned == PlainClientSettings(bytes_per_token=3, session_header=None, prefix_keys=False)
     bad = build_parser({}).parse_args([*base, "--plain-clients", "--plain-client-session-header", "a b"])
     with pytest.raises(ConfigError, match="--plain-client-session-header"):
         settings_from_args(bad)
@@ -118,3 +119,32 @@ def test_a_long_or_non_ascii_key_is_sent_as_its_digest(value: str) -> None:
     assert key is not None and key.startswith("sha256:") and len(key) == 71
     assert text_value(key) == key
     assert body_key(f" {value} ") == key != body_key(value + "2")
+
+
+def _key(clients: PlainClients, body: dict[str, object]) -> str | None:
+    headers = CIMultiDict({"x-request-id": "r"})
+    clients._fill(headers, orjson.dumps({"model": "m", **body}))
+    return headers.get("x-cache-affinity-key")
+
+
+def test_a_body_without_a_key_field_gets_the_key_of_the_turn_it_continues() -> None:
+    clients = plain()
+    history = [{"role": "system", "content": "s" * 600}, {"role": "user", "content": "first"}]
+    first = _key(clients, {"messages": history})
+    assert first is not None and first.startswith("prefix:")
+    history += [{"role": "assistant", "content": "answer"}, {"role": "user", "content": "second"}]
+    assert _key(clients, {"messages": history}) == first
+    # A key field wins and its request is not remembered as a turn.
+    assert _key(clients, {"messages": [*history, {"role": "user", "content": "x"}], "user": "u"}) == "u"
+    # Too short to be worth a key.
+    assert _key(clients, {"messages": [{"role": "user", "content": "hi"}]}) is None
+    assert _key(plain(prefix_keys=False), {"messages": history}) is None
+
+
+def test_responses_instructions_come_first_so_a_growing_input_continues() -> None:
+    clients = plain()
+    instructions = "be brief " * 100
+    first = _key(clients, {"instructions": instructions, "input": [{"role": "user", "content": "q1"}]})
+    grown = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+             {"role": "user", "content": "q2"}]  # fmt: skip
+    assert _key(clients, {"instructions": instructions, "input": grown}) == first

@@ -1,0 +1,93 @@
+"""Cache-affinity keys for plain clients that send none, from their prompt text.
+
+A conversation (a chat, an agent's session) re-sends its history: each turn's prompt starts with the
+whole prompt of the turn before. A request whose prompt starts with the whole prompt of a request
+seen before continues that request and gets its key, so it goes where that prompt is cached; any
+other request starts a key of its own. Only a whole earlier prompt counts: requests that share a
+long system prompt and differ after it are not one conversation, and one key for all of them would
+hold them all on one replica.
+
+Prompts are indexed by a chain of digests over fixed blocks of characters; an earlier prompt is
+found by the digest of its last whole block, then checked exactly (its length and the digest of its
+whole text). Memory is bounded: the least recently seen block is forgotten first.
+"""
+
+from __future__ import annotations
+
+from hashlib import blake2b
+
+KEY_PREFIX = "prefix:"
+BLOCK_CHARS = 512
+"""Prompts shorter than this get no key: there is little cache to keep."""
+CAPACITY = 65_536
+"""Blocks remembered, as many as the keys the balancer remembers (``PLACED_CAPACITY``)."""
+PER_BLOCK = 16
+"""Prompts remembered per last block: requests that differ only in a short tail share one."""
+_DIGEST_BYTES = 16
+
+
+class PrefixKeys:
+    """The prompts one router has seen, by the digest of their last whole block."""
+
+    def __init__(self, capacity: int = CAPACITY, block_chars: int = BLOCK_CHARS) -> None:
+        self._capacity = capacity
+        self._block = block_chars
+        self._ends: dict[bytes, list[tuple[int, bytes, str]]] = {}
+        """digest of a prompt's last whole block -> (length, digest of the whole prompt, key), newest last."""
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def key(self, text: str) -> str | None:
+        """The key of the longest prompt seen before that ``text`` starts with, else a new one
+        (None for a prompt shorter than a block); ``text`` is remembered either way."""
+        block = self._block
+        chain = _chain(text, block)
+        if not chain:
+            return None
+        ends = self._ends
+        key = None
+        for index in range(len(chain) - 1, -1, -1):
+            entries = ends.get(chain[index])
+            if entries is None:
+                continue
+            start = (index + 1) * block
+            for length, whole, known in reversed(entries):
+                if length <= len(text) and _digest(chain[index], text[start:length]) == whole:
+                    key = known
+                    break
+            if key is not None:
+                break
+        whole = _digest(chain[-1], text[len(chain) * block :])
+        if key is None:
+            key = KEY_PREFIX + whole.hex()
+        self._remember(chain[-1], (len(text), whole, key))
+        return key
+
+    def _remember(self, end: bytes, entry: tuple[int, bytes, str]) -> None:
+        ends = self._ends
+        entries = [e for e in ends.pop(end, ()) if e[1] != entry[1]]
+        entries.append(entry)
+        if len(entries) > PER_BLOCK:
+            del entries[0]
+        if len(ends) >= self._capacity:
+            del ends[next(iter(ends))]
+        ends[end] = entries
+
+
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _digest(prefix: bytes, tail: str) -> bytes:
+    return blake2b(prefix + _encode(tail), digest_size=_DIGEST_BYTES).digest()
+
+
+def _chain(text: str, block: int) -> list[bytes]:
+    """Digest ``i`` covers ``text[: (i + 1) * block]``: each chains the one before."""
+    digests: list[bytes] = []
+    previous = b""
+    for start in range(0, len(text) - block + 1, block):
+        previous = _digest(previous, text[start : start + block])
+        digests.append(previous)
+    return digests

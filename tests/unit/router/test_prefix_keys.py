@@ -1,0 +1,78 @@
+"""Keys from prompt text: a prompt that starts with a whole earlier prompt continues it; nothing else does."""
+
+from __future__ import annotations
+
+from stargate.router.prefix_keys import BLOCK_CHARS, KEY_PREFIX, PER_BLOCK, PrefixKeys
+
+SYSTEM = "You are a helpful assistant. " * 40  # 1 160 characters: two whole blocks
+
+
+def test_a_prompt_shorter_than_a_block_gets_no_key_and_is_not_remembered() -> None:
+    keys = PrefixKeys()
+    assert keys.key("") is None
+    assert keys.key("x" * (BLOCK_CHARS - 1)) is None
+    assert len(keys) == 0
+
+
+def test_each_turn_of_a_conversation_gets_the_key_of_the_turn_before() -> None:
+    keys = PrefixKeys()
+    turn = SYSTEM + "\nfirst question"
+    first = keys.key(turn)
+    assert first is not None and first.startswith(KEY_PREFIX)
+    assert keys.key(turn) == first  # the same prompt again
+    for n in range(5):
+        turn += f"\nan answer\nquestion {n} " + "context " * n * 30
+        assert keys.key(turn) == first
+
+
+def test_prompts_that_share_a_system_prompt_and_differ_after_it_are_not_one_conversation() -> None:
+    keys = PrefixKeys()
+    first = keys.key(SYSTEM + "\nwhat is the capital of France?")
+    second = keys.key(SYSTEM + "\nhow tall is Everest?")
+    assert first is not None and second is not None and first != second
+    # Differing only in a tail shorter than a block: still apart (the whole prompt is compared).
+    third = keys.key(SYSTEM + "\nhow tall is K2?")
+    assert third not in (first, second)
+    # Each continues on its own.
+    assert keys.key(SYSTEM + "\nhow tall is Everest?\n8849 m\nand K2?") == second
+
+
+def test_a_shorter_prompt_does_not_continue_a_longer_one() -> None:
+    keys = PrefixKeys()
+    long = keys.key(SYSTEM + "\nfirst question\nanswer\nsecond question")
+    assert keys.key(SYSTEM + "\nfirst question") != long
+
+
+def test_the_longest_earlier_prompt_wins() -> None:
+    keys = PrefixKeys()
+    opening = keys.key(SYSTEM)
+    assert keys.key(SYSTEM + "\nquestion") == opening
+    # A second conversation that started elsewhere, then one that continues it.
+    other = "another system prompt. " * 40
+    assert keys.key(other) != opening
+
+
+def test_memory_is_bounded_and_forgets_the_least_recent_first() -> None:
+    keys = PrefixKeys(capacity=2)
+    prompts = [f"{n} " + "words " * 120 for n in range(3)]
+    first, second, third = (keys.key(p) for p in prompts)
+    assert len(keys) == 2
+    assert keys.key(prompts[2] + " more") == third
+    assert keys.key(prompts[1] + " more") == second
+    assert keys.key(prompts[0] + " more") != first  # forgotten: a key of its own
+
+
+def test_a_block_keeps_its_newest_prompts() -> None:
+    keys = PrefixKeys()
+    prompts = [SYSTEM + f"\nq{n:02d}" for n in range(PER_BLOCK + 1)]  # one last block, tails differ
+    found = [keys.key(p) for p in prompts]
+    assert len(set(found)) == len(prompts)
+    assert keys.key(prompts[-1] + "\nmore") == found[-1]
+    assert keys.key(prompts[0] + "\nmore") != found[0]  # pushed out by newer ones
+
+
+def test_non_ascii_and_lone_surrogates_are_hashed() -> None:
+    keys = PrefixKeys()
+    text = "日本語のプロンプト。" * 60 + "\ud800"
+    key = keys.key(text)
+    assert key is not None and keys.key(text + "続き") == key
