@@ -7,8 +7,11 @@ may be partial.
 
 Prompts are rebuilt block by block: block ``h`` is the same deterministic text wherever it appears
 (:meth:`PromptBuilder.block`, ``4 x block_tokens`` bytes), so text-reading routers and the mock's
-prefix cache see exactly the reuse the trace describes. The conversation key (sent as
-``x-cache-affinity-key``) follows :func:`conversation_keys`.
+prefix cache see the reuse the trace describes. The conversation key (sent as
+``x-cache-affinity-key``) follows :func:`conversation_keys`. A turn's partial last block is the start
+of the block its conversation's next turn has there: the trace gives that block a new id because it
+grew, but the text it grew from is the same, so each turn's prompt starts with the whole prompt of
+the turn before, as a conversation's does.
 """
 
 from __future__ import annotations
@@ -61,10 +64,12 @@ def parse_row(line: bytes, where: str) -> MooncakeRow:
     return MooncakeRow(stamp, input_length, output_length, hash_ids)
 
 
-def prompt_text(builder: PromptBuilder, row: MooncakeRow, block_tokens: int, row_number: int) -> str:
+def prompt_text(builder: PromptBuilder, row: MooncakeRow, block_tokens: int, row_number: int,
+                tail: int | None = None) -> str:  # fmt: skip
     """User-message text whose canonical chat bytes are exactly ``4 x input_length`` long.
 
     Blocks the row's ``hash_ids`` do not cover (a trace listing too few) get text unique to the row.
+    ``tail`` is the id whose text starts a partial last block (default: the row's own id there).
     """
     length = max(1, row.input_length * BYTES_PER_TOKEN - USER_OVERHEAD)
     block_bytes = block_tokens * BYTES_PER_TOKEN
@@ -75,6 +80,8 @@ def prompt_text(builder: PromptBuilder, row: MooncakeRow, block_tokens: int, row
         known = position < len(row.hash_ids)
         key = f"b{row.hash_ids[position]}" if known else f"row{row_number}-{position}"
         take = min(block_bytes, length - size)
+        if tail is not None and take < block_bytes:
+            key = f"b{tail}"
         parts.append(builder.block(key, take))
         size += take
         position += 1
@@ -134,13 +141,30 @@ def replay_requests(rows: Sequence[MooncakeRow], builder: PromptBuilder, block_t
                     time_scale: float) -> list[TraceRequest]:  # fmt: skip
     """The rows as requests: prompts rebuilt, conversations keyed, turns numbered per conversation."""
     keys = conversation_keys(rows, block_tokens)
+    tails = _grown_tails(rows, keys, block_tokens)
     start = min((row.timestamp_ms for row in rows), default=0.0)
     turns: dict[str, int] = {}
     out = []
     for index, (row, key) in enumerate(zip(rows, keys, strict=True)):
         turn = turns.get(key, 0)
         turns[key] = turn + 1
-        text = prompt_text(builder, row, block_tokens, index)
+        text = prompt_text(builder, row, block_tokens, index, tails.get(index))
         out.append(TraceRequest((row.timestamp_ms - start) * time_scale, key, turn, row.input_length,
                                 row.output_length, text))  # fmt: skip
     return out
+
+
+def _grown_tails(rows: Sequence[MooncakeRow], keys: Sequence[str], block_tokens: int) -> dict[int, int]:
+    """Row index -> the id its partial last block grew into in its conversation's next row."""
+    tails: dict[int, int] = {}
+    last: dict[str, int] = {}
+    for index, (row, key) in enumerate(zip(rows, keys, strict=True)):
+        before = last.get(key)
+        last[key] = index
+        if before is None:
+            continue
+        earlier = rows[before]
+        position = earlier.input_length // block_tokens
+        if earlier.input_length % block_tokens and position < len(row.hash_ids):
+            tails[before] = row.hash_ids[position]
+    return tails

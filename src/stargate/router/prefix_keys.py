@@ -2,10 +2,12 @@
 
 A conversation (a chat, an agent's session) re-sends its history: each turn's prompt starts with the
 whole prompt of the turn before. A request whose prompt starts with the whole prompt of a request
-seen before continues that request and gets its key, so it goes where that prompt is cached; any
-other request starts a key of its own. Only a whole earlier prompt counts: requests that share a
-long system prompt and differ after it are not one conversation, and one key for all of them would
-hold them all on one replica.
+seen before, and goes on past it, continues that request and gets its key, so it goes where that
+prompt is cached; any other request starts a key of its own. Only a whole earlier prompt counts:
+requests that share a long system prompt and differ after it are not one conversation, and one key
+for all of them would hold them all on one replica. A prompt sent again as it is (a load test's, a
+canned question, a retry) gets no key: its copies are placed by load, each replica caching it once,
+rather than queued on one.
 
 Prompts are indexed by a chain of digests over fixed blocks of characters; an earlier prompt is
 found by the digest of its last whole block, then checked exactly (its length and the digest of its
@@ -39,30 +41,31 @@ class PrefixKeys:
         return len(self._ends)
 
     def key(self, text: str) -> str | None:
-        """The key of the longest prompt seen before that ``text`` starts with, else a new one
-        (None for a prompt shorter than a block); ``text`` is remembered either way."""
-        block = self._block
-        chain = _chain(text, block)
+        """The key of the longest earlier prompt ``text`` continues, else a new one; None for a
+        prompt shorter than a block and for one seen before as it is. ``text`` is remembered."""
+        chain = _chain(text, self._block)
         if not chain:
             return None
+        whole = _digest(chain[-1], text[len(chain) * self._block :])
+        earlier = self._earlier(text, chain)
+        key = KEY_PREFIX + whole.hex() if earlier is None else earlier[1]
+        self._remember(chain[-1], (len(text), whole, key))
+        if earlier is not None and earlier[0] == len(text):
+            return None  # a repeat, not a continuation: placed by load like a request without a key
+        return key
+
+    def _earlier(self, text: str, chain: list[bytes]) -> tuple[int, str] | None:
+        """Length and key of the longest remembered prompt that ``text`` starts with."""
         ends = self._ends
-        key = None
         for index in range(len(chain) - 1, -1, -1):
             entries = ends.get(chain[index])
             if entries is None:
                 continue
-            start = (index + 1) * block
-            for length, whole, known in reversed(entries):
+            start = (index + 1) * self._block
+            for length, whole, key in reversed(entries):
                 if length <= len(text) and _digest(chain[index], text[start:length]) == whole:
-                    key = known
-                    break
-            if key is not None:
-                break
-        whole = _digest(chain[-1], text[len(chain) * block :])
-        if key is None:
-            key = KEY_PREFIX + whole.hex()
-        self._remember(chain[-1], (len(text), whole, key))
-        return key
+                    return length, key
+        return None
 
     def _remember(self, end: bytes, entry: tuple[int, bytes, str]) -> None:
         ends = self._ends

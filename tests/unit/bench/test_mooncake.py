@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stargate.bench.mooncake import MooncakeRow, conversation_keys, parse_row, prompt_text
+from stargate.bench.mooncake import MooncakeRow, conversation_keys, parse_row, prompt_text, replay_requests
 from stargate.bench.prompts import PromptBuilder, prompt_bytes_length
 from stargate.errors import ConfigError
 
@@ -58,3 +58,14 @@ def test_conversation_keys_follow_turns_and_skip_shared_prefixes() -> None:
         row(300, (1,)),  # no full block: always its own key
     ]
     assert conversation_keys(rows, 512) == ["mc-0", "mc-0", "mc-2", "mc-3", "mc-0", "mc-5"]
+
+
+def test_each_turn_starts_with_the_whole_prompt_of_the_turn_before() -> None:
+    # A's partial second block [2] grew into [3] in its next turn: the text it grew from is [3]'s start.
+    rows = [row(600, (1, 2)), row(1100, (1, 3, 4)), row(1700, (1, 3, 4, 5)), row(650, (1, 7))]
+    first, second, third, other = replay_requests(rows, PromptBuilder(seed=1), 512, 1.0)
+    assert first.conversation == second.conversation == third.conversation != other.conversation
+    assert second.prompt.startswith(first.prompt) and third.prompt.startswith(second.prompt)
+    assert not other.prompt.startswith(first.prompt[: 512 * 4 + 8])  # [7], not [3]: its own text
+    # The last turn's partial block is its own: nothing follows it.
+    assert third.prompt == prompt_text(PromptBuilder(seed=1), rows[2], 512, 2)

@@ -19,7 +19,7 @@ def test_each_turn_of_a_conversation_gets_the_key_of_the_turn_before() -> None:
     turn = SYSTEM + "\nfirst question"
     first = keys.key(turn)
     assert first is not None and first.startswith(KEY_PREFIX)
-    assert keys.key(turn) == first  # the same prompt again
+    assert keys.key(turn) is None  # the same prompt again: a repeat, placed by load
     for n in range(5):
         turn += f"\nan answer\nquestion {n} " + "context " * n * 30
         assert keys.key(turn) == first
@@ -35,6 +35,14 @@ def test_prompts_that_share_a_system_prompt_and_differ_after_it_are_not_one_conv
     assert third not in (first, second)
     # Each continues on its own.
     assert keys.key(SYSTEM + "\nhow tall is Everest?\n8849 m\nand K2?") == second
+
+
+def test_copies_of_one_prompt_get_no_key_and_its_continuation_the_first_ones() -> None:
+    keys = PrefixKeys()
+    first = keys.key(SYSTEM)
+    assert first is not None
+    assert [keys.key(SYSTEM) for _ in range(3)] == [None, None, None]
+    assert keys.key(SYSTEM + "\nnext") == first
 
 
 def test_a_shorter_prompt_does_not_continue_a_longer_one() -> None:
