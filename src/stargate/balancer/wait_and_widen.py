@@ -29,6 +29,7 @@ from stargate.balancer.estimates import (
     load_tps,
     prefill_at,
     queue_ms,
+    slot_wait_ms,
 )
 from stargate.balancer.settings import (
     Algorithm,
@@ -294,19 +295,22 @@ def _spills(
     """Every cluster of the group is at its slot limit, the key already has a request on one of
     them still before its first byte (this one would wait for a slot there, behind its own key),
     and prefilling again elsewhere what the group holds cached (``1 - scale`` of the prompt, at the
-    group's rate) takes no longer than X, the wait the configuration accepts for that cache: a
-    long conversation's history is worth more than a slot wait, a short shared prompt is not."""
+    group's rate) takes no longer than the wait for a slot there or X, the wait the configuration
+    accepts for that cache, whichever is longer: a long conversation's history is worth more than a
+    short wait, not more than a long one."""
     key = request.cache_affinity_key
     waiting = False
-    repeat = INF
+    repeat = slot = INF
     for index in group:
         candidate = candidates[index]
         limit = candidate.stats.max_engine_concurrency
-        if limit == 0 or load_running(candidate) < limit:
+        running = load_running(candidate)
+        if limit == 0 or running < limit:
             return False
         waiting = waiting or key in candidate.in_flight.prefilling_keys
         repeat = min(repeat, prefill_at(load_tps(candidate, measured), request.input_tokens, 1.0 - scale))
-    return waiting and repeat <= hold_ms
+        slot = min(slot, slot_wait_ms(candidate, running, limit))
+    return waiting and repeat <= max(hold_ms, slot)
 
 
 def as_decision(result: PhaseResult) -> Decision:

@@ -56,6 +56,7 @@ class Reservation:
     prefilling: bool = True
     counted: bool = False  # running when its backend last published: part of that heartbeat's counts
     counted_prefilling: bool = False  # ... and still waiting for its first byte then
+    decoding_since: float = 0.0  # when its first byte arrived (clock seconds; 0: not yet)
 
 
 @dataclass(slots=True)
@@ -133,6 +134,23 @@ class PrefillMeter:
         if sample <= MAX_PLAUSIBLE_TPS:
             self.samples.append(sample)
             self.rate = statistics.median_low(self.samples)
+
+
+DECODE_SAMPLES = 32
+"""The measured decode time is the mean of this many latest requests' (first byte to end)."""
+
+
+@dataclass(slots=True)
+class DecodeMeter:
+    """How long a request of this router holds its slot on the cluster after its first byte, on
+    average: the wait for a slot at a full engine is a share of it per request ahead."""
+
+    mean_s: float = 0.0
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=DECODE_SAMPLES))
+
+    def ended(self, decode_s: float) -> None:
+        self.samples.append(decode_s)
+        self.mean_s = statistics.fmean(self.samples)
 
 
 def _measured(reservation: Reservation) -> bool:
@@ -220,6 +238,7 @@ class ClusterState:
         "_candidate",
         "_clock",
         "_counter",
+        "_decode",
         "_departed",
         "_in_flight",
         "_meter",
@@ -239,6 +258,7 @@ class ClusterState:
         self.generation = generation
         self._clock = clock
         self._meter = PrefillMeter()
+        self._decode = DecodeMeter()
         self.members: dict[str, Member] = {}
         self.reservations: dict[Reservation, None] = {}
         self.running: dict[Reservation, None] = {}
@@ -267,6 +287,7 @@ class ClusterState:
                 active_backend_count=base.active_backend_count,
                 in_flight=self._in_flight,
                 measured_input_tps=self._meter.rate,
+                measured_decode_s=self._decode.mean_s,
             )
             self._candidate = candidate
         return candidate
@@ -335,10 +356,12 @@ class ClusterState:
         """The attempt's first response byte arrived: its prefill is over, it is decoding now."""
         if reservation not in self.running or not reservation.prefilling:
             return False
+        now = self._clock()
         if _measured(reservation):
-            self._meter.prefilled(reservation.input_tokens, self._clock())
+            self._meter.prefilled(reservation.input_tokens, now)
         self._count(reservation, -1)
         reservation.prefilling = False
+        reservation.decoding_since = now
         self._count(reservation, +1)
         if reservation.counted and reservation.counted_prefilling:
             reservation.counted_prefilling = False
@@ -362,6 +385,8 @@ class ClusterState:
             return False
         del self.running[reservation]
         self._count(reservation, -1)
+        if not reservation.prefilling:
+            self._decode.ended(max(0.0, self._clock() - reservation.decoding_since))
         if reservation.counted and reservation.backend_id in self.members:
             reservation.counted = False
             departed = self._departed.setdefault(reservation.backend_id, Departures())

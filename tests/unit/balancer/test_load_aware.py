@@ -27,6 +27,7 @@ from stargate.balancer.estimates import (
     load_running,
     load_tie_key,
     load_ttft_ms,
+    slot_wait_ms,
 )
 from stargate.balancer.settings import Placement, PrefillEstimate, PrefillRate
 from stargate.balancer.types import AffinityRoute, InFlight, Wait
@@ -801,6 +802,32 @@ def test_a_key_holds_its_group_when_prefilling_its_cache_again_takes_longer_than
     policy = _spilling_policy(cache_affinity_input_tokens_scale=1.0)
     decision = policy.decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
     assert chosen_id(candidates, decision) in {"affinity-a", "affinity-b"}
+
+
+def test_a_key_spills_when_the_wait_for_a_slot_is_longer_than_prefilling_its_cache_again() -> None:
+    # 800 ms to prefill again elsewhere (above); a slot of the 8 frees every decode / 8.
+    full = _full_group("prefix-a")
+    request = make_request(input_tokens=1000, key="prefix-a")
+
+    def decide(decode_s: float, running: int) -> str:
+        group = dataclasses.replace(
+            full[2], measured_decode_s=decode_s, in_flight=InFlight(running, 1, 0, frozenset({"prefix-a"}))
+        )
+        candidates = (*full[:2], group)
+        return chosen_id(candidates, _spilling_policy().decide(candidates, request, rng()))
+
+    assert decide(4.0, 8) == "affinity-c"  # first in line: 500 ms
+    assert decide(8.0, 8) in {"affinity-a", "affinity-b"}  # 1 000 ms
+    assert decide(2.0, 12) in {"affinity-a", "affinity-b"}  # five in line: 1 250 ms
+    assert decide(0.0, 12) == "affinity-c"  # not measured yet: X alone
+
+
+def test_slot_wait_is_one_slot_time_per_request_in_line() -> None:
+    candidate = dataclasses.replace(_ring(c_queued=0)[0], measured_decode_s=1.6)
+    assert slot_wait_ms(candidate, 7, 8) == 0.0  # a free slot
+    assert slot_wait_ms(candidate, 8, 8) == pytest.approx(200.0)
+    assert slot_wait_ms(candidate, 11, 8) == pytest.approx(800.0)
+    assert slot_wait_ms(candidate, 11, 0) == 0.0  # no known limit
 
 
 def test_a_key_holds_its_group_when_no_other_cluster_has_a_free_slot() -> None:

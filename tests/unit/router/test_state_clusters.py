@@ -382,6 +382,26 @@ def test_one_absurd_claim_does_not_move_the_measured_rate() -> None:
     assert only_candidate(state).measured_input_tps == 2000.0
 
 
+def test_measured_decode_time_is_the_mean_from_first_byte_to_end() -> None:
+    state, clock = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    assert only_candidate(state).measured_decode_s == 0.0
+    first = state.reserve(T, "a", 100, 0)
+    second = state.reserve(T, "a", 100, 0)
+    failed = state.reserve(T, "a", 100, 0)
+    clock.now += 1.0
+    state.first_byte(first)
+    state.first_byte(second)
+    state.finish(failed)  # ended before its first byte: it held no slot decoding
+    clock.now += 2.0
+    state.finish(first)
+    assert only_candidate(state).measured_decode_s == 2.0
+    clock.now += 4.0
+    state.finish(second)
+    assert only_candidate(state).measured_decode_s == 4.0  # the mean of 2 s and 6 s
+
+
 def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:
     state, _ = make_state()
     a = join(state, "a")
