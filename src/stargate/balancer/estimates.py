@@ -220,12 +220,12 @@ def load_ttft_ms(
 
 def slot_wait_ms(candidate: Candidate, running: int, limit: int) -> float:
     """Expected wait for a slot on a cluster whose ``limit`` slots hold ``running`` requests (those
-    past the limit queue there): a slot frees every ``measured_decode_s / limit`` on average, and a
+    past the limit queue there): a slot frees every ``measured_slot_s / limit`` on average, and a
     new request waits for one per request queued ahead of it and one for itself. 0 with a free
     slot or before the router has measured the cluster."""
     if limit <= 0 or running < limit:
         return 0.0
-    return (running - limit + 1) * candidate.measured_decode_s * 1000.0 / limit
+    return (running - limit + 1) * candidate.measured_slot_s * 1000.0 / limit
 
 
 def load_tie_key(score_ms: float, running: int, resolution_ms: float) -> tuple[float, int, float]:

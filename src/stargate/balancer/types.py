@@ -105,9 +105,10 @@ class Candidate:
     measured_input_tps: float = 0.0
     """The cluster's prefill rate as this router measured it (0: not yet), from its requests expected
     to prefill their whole prompt (``router.clusters.PrefillMeter``)."""
-    measured_decode_s: float = 0.0
-    """How long this router's requests ran there after their first byte, on average (0: none has
-    ended yet; ``router.clusters.DecodeMeter``): what a request waiting for a slot waits for."""
+    measured_slot_s: float = 0.0
+    """How long this router's requests held an engine slot there, on average (0: none has ended
+    yet; ``router.clusters.SlotMeter``): what a request waiting for a slot waits for, shared by the
+    slots."""
 
 
 @dataclass(frozen=True, slots=True)

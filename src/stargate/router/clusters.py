@@ -56,7 +56,7 @@ class Reservation:
     prefilling: bool = True
     counted: bool = False  # running when its backend last published: part of that heartbeat's counts
     counted_prefilling: bool = False  # ... and still waiting for its first byte then
-    decoding_since: float = 0.0  # when its first byte arrived (clock seconds; 0: not yet)
+    slot_since: float | None = None  # dispatched to a free slot at this clock time (None: no free slot)
 
 
 @dataclass(slots=True)
@@ -136,20 +136,22 @@ class PrefillMeter:
             self.rate = statistics.median_low(self.samples)
 
 
-DECODE_SAMPLES = 32
-"""The measured decode time is the mean of this many latest requests' (first byte to end)."""
+SLOT_SAMPLES = 32
+"""The measured slot time is the mean of this many latest requests'."""
 
 
 @dataclass(slots=True)
-class DecodeMeter:
-    """How long a request of this router holds its slot on the cluster after its first byte, on
-    average: the wait for a slot at a full engine is a share of it per request ahead."""
+class SlotMeter:
+    """How long a request of this router holds an engine slot on the cluster, on average: from
+    dispatch to its end, for requests sent while a slot was free (their time is service, not a
+    wait) that had an answer. The wait for a slot at a full engine is a share of it per request
+    ahead. Streamed or not, the whole answer counts: a slot is held until the last token."""
 
     mean_s: float = 0.0
-    samples: deque[float] = field(default_factory=lambda: deque(maxlen=DECODE_SAMPLES))
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=SLOT_SAMPLES))
 
-    def ended(self, decode_s: float) -> None:
-        self.samples.append(decode_s)
+    def ended(self, held_s: float) -> None:
+        self.samples.append(held_s)
         self.mean_s = statistics.fmean(self.samples)
 
 
@@ -238,11 +240,11 @@ class ClusterState:
         "_candidate",
         "_clock",
         "_counter",
-        "_decode",
         "_departed",
         "_in_flight",
         "_meter",
         "_prefilling_keys",
+        "_slots",
         "_stats",
         "cluster_id",
         "generation",
@@ -258,7 +260,7 @@ class ClusterState:
         self.generation = generation
         self._clock = clock
         self._meter = PrefillMeter()
-        self._decode = DecodeMeter()
+        self._slots = SlotMeter()
         self.members: dict[str, Member] = {}
         self.reservations: dict[Reservation, None] = {}
         self.running: dict[Reservation, None] = {}
@@ -287,7 +289,7 @@ class ClusterState:
                 active_backend_count=base.active_backend_count,
                 in_flight=self._in_flight,
                 measured_input_tps=self._meter.rate,
-                measured_decode_s=self._decode.mean_s,
+                measured_slot_s=self._slots.mean_s,
             )
             self._candidate = candidate
         return candidate
@@ -349,6 +351,11 @@ class ClusterState:
         """Count a dispatched attempt in flight (prefilling) until ``finish``."""
         if len(self.running) >= MAX_RESERVATIONS_PER_CLUSTER:
             self._end(next(iter(self.running)))
+        limit = self._stats.max_engine_concurrency
+        # The stats count this attempt's reservation already; the in-flight count does not yet.
+        running = max(self._stats.num_running_queries - 1, self._in_flight.requests)
+        if limit > 0 and running < limit:
+            reservation.slot_since = self._clock()
         self.running[reservation] = None
         self._count(reservation, +1)
 
@@ -356,12 +363,10 @@ class ClusterState:
         """The attempt's first response byte arrived: its prefill is over, it is decoding now."""
         if reservation not in self.running or not reservation.prefilling:
             return False
-        now = self._clock()
         if _measured(reservation):
-            self._meter.prefilled(reservation.input_tokens, now)
+            self._meter.prefilled(reservation.input_tokens, self._clock())
         self._count(reservation, -1)
         reservation.prefilling = False
-        reservation.decoding_since = now
         self._count(reservation, +1)
         if reservation.counted and reservation.counted_prefilling:
             reservation.counted_prefilling = False
@@ -385,8 +390,8 @@ class ClusterState:
             return False
         del self.running[reservation]
         self._count(reservation, -1)
-        if not reservation.prefilling:
-            self._decode.ended(max(0.0, self._clock() - reservation.decoding_since))
+        if reservation.slot_since is not None and not reservation.prefilling:
+            self._slots.ended(max(0.0, self._clock() - reservation.slot_since))
         if reservation.counted and reservation.backend_id in self.members:
             reservation.counted = False
             departed = self._departed.setdefault(reservation.backend_id, Departures())

@@ -222,7 +222,7 @@ class RoutingState:
                         "rtt_ms": round(cluster.candidate.rtt_s * 1000.0, 3),
                         "pending_reservations": len(cluster.reservations),
                         "measured_input_tps": round(cluster.candidate.measured_input_tps, 1),
-                        "measured_decode_ms": round(cluster.candidate.measured_decode_s * 1000.0, 1),
+                        "measured_slot_ms": round(cluster.candidate.measured_slot_s * 1000.0, 1),
                         "in_flight": {
                             "requests": cluster.candidate.in_flight.requests,
                             "prefilling": cluster.candidate.in_flight.prefilling,

@@ -805,13 +805,13 @@ def test_a_key_holds_its_group_when_prefilling_its_cache_again_takes_longer_than
 
 
 def test_a_key_spills_when_the_wait_for_a_slot_is_longer_than_prefilling_its_cache_again() -> None:
-    # 800 ms to prefill again elsewhere (above); a slot of the 8 frees every decode / 8.
+    # 800 ms to prefill again elsewhere (above); one of the 8 slots frees every slot time / 8.
     full = _full_group("prefix-a")
     request = make_request(input_tokens=1000, key="prefix-a")
 
-    def decide(decode_s: float, running: int) -> str:
+    def decide(slot_s: float, running: int) -> str:
         group = dataclasses.replace(
-            full[2], measured_decode_s=decode_s, in_flight=InFlight(running, 1, 0, frozenset({"prefix-a"}))
+            full[2], measured_slot_s=slot_s, in_flight=InFlight(running, 1, 0, frozenset({"prefix-a"}))
         )
         candidates = (*full[:2], group)
         return chosen_id(candidates, _spilling_policy().decide(candidates, request, rng()))
@@ -823,7 +823,7 @@ def test_a_key_spills_when_the_wait_for_a_slot_is_longer_than_prefilling_its_cac
 
 
 def test_slot_wait_is_one_slot_time_per_request_in_line() -> None:
-    candidate = dataclasses.replace(_ring(c_queued=0)[0], measured_decode_s=1.6)
+    candidate = dataclasses.replace(_ring(c_queued=0)[0], measured_slot_s=1.6)
     assert slot_wait_ms(candidate, 7, 8) == 0.0  # a free slot
     assert slot_wait_ms(candidate, 8, 8) == pytest.approx(200.0)
     assert slot_wait_ms(candidate, 11, 8) == pytest.approx(800.0)

@@ -382,24 +382,28 @@ def test_one_absurd_claim_does_not_move_the_measured_rate() -> None:
     assert only_candidate(state).measured_input_tps == 2000.0
 
 
-def test_measured_decode_time_is_the_mean_from_first_byte_to_end() -> None:
+def test_measured_slot_time_is_the_mean_from_dispatch_to_end_of_requests_sent_to_a_free_slot() -> None:
     state, clock = make_state()
     a = join(state, "a")
-    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
-    assert only_candidate(state).measured_decode_s == 0.0
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=2))
+    assert only_candidate(state).measured_slot_s == 0.0
     first = state.reserve(T, "a", 100, 0)
     second = state.reserve(T, "a", 100, 0)
-    failed = state.reserve(T, "a", 100, 0)
+    queued = state.reserve(T, "a", 100, 0)  # both slots taken: its time includes a wait
     clock.now += 1.0
     state.first_byte(first)
     state.first_byte(second)
-    state.finish(failed)  # ended before its first byte: it held no slot decoding
+    state.first_byte(queued)
     clock.now += 2.0
     state.finish(first)
-    assert only_candidate(state).measured_decode_s == 2.0
-    clock.now += 4.0
+    assert only_candidate(state).measured_slot_s == 3.0
+    failed = state.reserve(T, "a", 100, 0)
+    clock.now += 1.0
+    state.finish(failed)  # no answer: not a slot's time
+    state.finish(queued)
+    clock.now += 2.0
     state.finish(second)
-    assert only_candidate(state).measured_decode_s == 4.0  # the mean of 2 s and 6 s
+    assert only_candidate(state).measured_slot_s == 4.5  # the mean of 3 s and 6 s
 
 
 def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:
