@@ -367,7 +367,8 @@ class WaitAndWiden:
     slots: when every cluster of the group is at its slot limit and the key already has a request
     there waiting for its first byte (``_spills``), the request goes at once (``rank_depth`` 2) to
     the best cluster with a free slot, as a yield does, and the key follows it, provided that
-    prefilling the cached part again there takes no longer than X. Requests of one key sent
+    prefilling the cached part again there takes no longer than X or the wait for a slot in the
+    group (``estimates.slot_wait_ms``), whichever is longer. Requests of one key sent
     together then share the free slots of the fleet instead of queueing for one replica's; a
     conversation, one turn at a time, is not moved by it.
 

@@ -167,13 +167,14 @@ class PlainClients:
                     "the request names no model: set the body's model field or an x-model header"
                 )
             headers[h.MODEL] = model.strip(" \t")
-        text, token_ids = _prompt(body)
+        text: str | None = None  # the prompt is walked only when a header needs it, and once
         if headers.get(h.INPUT_TOKENS) is None:
+            text, token_ids = _prompt(body)
             headers[h.INPUT_TOKENS] = str(self._count(text, token_ids))
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None:
             key = _field_key(body)
             if key is None and self._prefixes is not None:
-                key = self._prefixes.key(text)
+                key = self._prefixes.key(_prompt(body)[0] if text is None else text)
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
 
