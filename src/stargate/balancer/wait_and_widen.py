@@ -54,6 +54,10 @@ from stargate.balancer.wait_and_widen_affinity import AffinityGroups
 
 PhaseResult = Choice | float | None
 
+Scale = float | dict[int, float]
+"""The share of a prompt left to prefill: one for every candidate, or one per candidate index (a
+spread key's group, whose members hold different parts of its prompts)."""
+
 MAX_VIRTUAL_NODES = 1000
 """Ring points per cluster: 64 clusters x 1000 points take most of a second to hash (default 150)."""
 
@@ -115,7 +119,7 @@ class WawSelector:
         candidates: tuple[Candidate, ...],
         indices: Sequence[int] | None,
         request: LbRequest,
-        scale: float,
+        scale: Scale,
         slept_ms: float,
         queue_limit: float | None,
         rng: random.Random,
@@ -130,7 +134,7 @@ class WawSelector:
         max_queued = 0 if free_slot_only else self._max_queued
         rank_ttft = self._ranking is Ranking.TTFT
         rank_plain = self._ranking is Ranking.PLAIN
-        ms_per_token = scale * 1000.0
+        per_index, ms_per_token = (scale, 0.0) if isinstance(scale, dict) else (None, scale * 1000.0)
         ignore_queue, ignore_prefill = self._ignore_queue, self._ignore_prefill
         entries: list[_Entry] = []
         low, high, all_finite = INF, -INF, True
@@ -141,6 +145,8 @@ class WawSelector:
             if excluded and cluster_id in excluded:
                 continue
             stats = candidate.stats
+            if per_index is not None:
+                ms_per_token = per_index[index] * 1000.0
             if load_aware:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
@@ -218,7 +224,7 @@ class WawSelector:
         candidates: tuple[Candidate, ...],
         indices: Sequence[int] | None,
         request: LbRequest,
-        scale: float,
+        scale: Scale,
         queue_limit: float | None,
         *,
         free_slot_only: bool,
@@ -228,13 +234,15 @@ class WawSelector:
         yield check runs this per candidate of every keyed decision."""
         priority, tokens, excluded = request.priority, request.input_tokens, request.excluded
         load_aware, measured = self._load_aware, self._measured
-        ms_per_token = scale * 1000.0
+        per_index, ms_per_token = (scale, 0.0) if isinstance(scale, dict) else (None, scale * 1000.0)
         best = INF
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
-        for _, candidate in pairs:
+        for index, candidate in pairs:
             if excluded and candidate.cluster_id in excluded:
                 continue
             stats = candidate.stats
+            if per_index is not None:
+                ms_per_token = per_index[index] * 1000.0
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
             if load_aware:
@@ -288,16 +296,16 @@ def _spills(
     candidates: tuple[Candidate, ...],
     request: LbRequest,
     group: tuple[int, ...],
-    scale: float,
+    scale: Scale,
     hold_ms: float,
     measured: bool,
 ) -> bool:
     """Every cluster of the group is at its slot limit, the key already has a request on one of
     them still before its first byte (this one would wait for a slot there, behind its own key),
-    and prefilling again elsewhere what the group holds cached (``1 - scale`` of the prompt, at the
-    group's rate) takes no longer than the wait for a slot there or X, the wait the configuration
-    accepts for that cache, whichever is longer: a long conversation's history is worth more than a
-    short wait, not more than a long one."""
+    and prefilling again elsewhere what the group holds cached (``1 - scale`` of the prompt, at its
+    rate) takes no longer than the wait for a slot there or X, the wait the configuration accepts
+    for that cache, whichever is longer: a long conversation's history is worth more than a short
+    wait, not more than a long one."""
     key = request.cache_affinity_key
     waiting = False
     repeat = slot = INF
@@ -308,9 +316,14 @@ def _spills(
         if limit == 0 or running < limit:
             return False
         waiting = waiting or key in candidate.in_flight.prefilling_keys
-        repeat = min(repeat, prefill_at(load_tps(candidate, measured), request.input_tokens, 1.0 - scale))
+        cached = 1.0 - _scale_at(scale, index)
+        repeat = min(repeat, prefill_at(load_tps(candidate, measured), request.input_tokens, cached))
         slot = min(slot, slot_wait_ms(candidate, running, limit))
     return waiting and repeat <= max(hold_ms, slot)
+
+
+def _scale_at(scale: Scale, index: int) -> float:
+    return scale[index] if isinstance(scale, dict) else scale
 
 
 def as_decision(result: PhaseResult) -> Decision:
@@ -366,11 +379,12 @@ class WaitAndWiden:
     With ``cache_affinity_spill`` (not in the original) a key's requests spill past its group's
     slots: when every cluster of the group is at its slot limit and the key already has a request
     there waiting for its first byte (``_spills``), the request goes at once (``rank_depth`` 2) to
-    the best cluster with a free slot, as a yield does, and the key follows it, provided that
-    prefilling the cached part again there takes no longer than X or the wait for a slot in the
-    group (``estimates.slot_wait_ms``), whichever is longer. Requests of one key sent
-    together then share the free slots of the fleet instead of queueing for one replica's; a
-    conversation, one turn at a time, is not moved by it.
+    the best cluster with a free slot, provided that prefilling the cached part again there takes
+    no longer than X or the wait for a slot in the group (``estimates.slot_wait_ms``), whichever is
+    longer. That cluster joins the key's group (``AffinityGroups.spread``): the clusters it leaves
+    still hold the key's cache, and the key's next requests fill their slots again. Requests of one
+    key sent together then share as many replicas as their load needs instead of queueing for
+    one's; a conversation, one turn at a time, is not spread by it.
 
     Whenever keys are placed (any option above), ``learn_routes`` takes the routes Pylon
     publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).
@@ -424,10 +438,14 @@ class WaitAndWiden:
             group = groups.group(candidates, request.target, key)
             if group:
                 scale = self._group_scale(groups, candidates, request, group, key)
-                decision = self._decide_with_affinity(candidates, request, group, scale, queue_limit, rng)
+                decision, spilled = self._decide_with_affinity(
+                    candidates, request, group, scale, queue_limit, rng
+                )
                 if isinstance(decision, Selected):
                     cluster_id = candidates[decision.choice.index].cluster_id
-                    if self._learns and decision.choice.rank_depth == GLOBAL_RANK_DEPTH:
+                    if spilled:
+                        groups.spread(key, tuple(candidates[i].cluster_id for i in group), cluster_id)
+                    elif self._learns and decision.choice.rank_depth == GLOBAL_RANK_DEPTH:
                         groups.place(key, cluster_id)
                     if self._records:
                         groups.routed(key, cluster_id, request.input_tokens, request.now)
@@ -453,28 +471,32 @@ class WaitAndWiden:
         request: LbRequest,
         group: tuple[int, ...],
         key: str,
-    ) -> float:
-        """Share of the input the group still has to prefill: the growth since the key's last
-        request there (``growth``, a group of one), else ``cache_affinity_input_tokens_scale``."""
+    ) -> Scale:
+        """Share of the input each member of the group still has to prefill: with ``growth`` what
+        the prompt grew by since the key's last request there, else (or when that is unknown)
+        ``cache_affinity_input_tokens_scale``."""
         tokens = request.input_tokens
-        if self._growth and tokens and len(group) == 1:
-            uncached = groups.uncached_tokens(key, candidates[group[0]].cluster_id, tokens)
-            if uncached is not None:
-                return uncached / tokens
-        return self._scale
+        if not (self._growth and tokens):
+            return self._scale
+        scales: dict[int, float] = {}
+        for index in group:
+            uncached = groups.uncached_tokens(key, candidates[index].cluster_id, tokens)
+            scales[index] = self._scale if uncached is None else uncached / tokens
+        return scales[group[0]] if len(group) == 1 else scales
 
     def _decide_with_affinity(
         self,
         candidates: tuple[Candidate, ...],
         request: LbRequest,
         group: tuple[int, ...],
-        scale: float,
+        scale: Scale,
         queue_limit: float | None,
         rng: random.Random,
-    ) -> Decision:
+    ) -> tuple[Decision, bool]:
+        """The decision, and whether it spilled past the full group (the key then spreads)."""
         excluded = request.excluded
         if excluded and all(candidate.cluster_id in excluded for candidate in candidates):
-            return UNAVAILABLE
+            return UNAVAILABLE, False
         elapsed = request.elapsed_ms
         selector = self._selector
         loses = self._affinity_loses
@@ -489,31 +511,32 @@ class WaitAndWiden:
                 candidates, None, request, 1.0, slept, queue_limit, rng, free_slot_only=True
             )
             if isinstance(public, Choice):
-                return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
+                return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH)), spills
         affine = selector.phase(candidates, group, request, scale, elapsed, queue_limit, rng)
         if isinstance(affine, Choice):
             if self._await_prefill and _awaits_prefill(candidates[affine.index], request):
-                return Wait(min(AWAIT_PREFILL_POLL_MS, (request.wait_deadline - request.now) * 1000.0))
+                wait_ms = min(AWAIT_PREFILL_POLL_MS, (request.wait_deadline - request.now) * 1000.0)
+                return Wait(wait_ms), False
             if self.definition.load_aware:
                 # Work in flight there is the uncached part, as the estimate assumed.
-                expected = round(request.input_tokens * scale)
-                return Selected(Choice(affine.index, prefill_tokens=expected))
-            return Selected(affine)
+                expected = round(request.input_tokens * _scale_at(scale, affine.index))
+                return Selected(Choice(affine.index, prefill_tokens=expected)), False
+            return Selected(affine), False
         if elapsed < self._wait_ms:
             remaining = self._wait_ms - elapsed
-            return Wait(remaining if affine is None else min(affine, remaining))
+            return Wait(remaining if affine is None else min(affine, remaining)), False
         public = selector.phase(candidates, None, request, 1.0, elapsed - self._wait_ms, queue_limit, rng)
         if isinstance(public, Choice):
-            return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH))
+            return Selected(Choice(public.index, rank_depth=GLOBAL_RANK_DEPTH)), False
         hints = [hint for hint in (affine, public) if hint is not None]
-        return Wait(min(hints)) if hints else UNAVAILABLE
+        return (Wait(min(hints)) if hints else UNAVAILABLE), False
 
     def _affinity_loses(
         self,
         candidates: tuple[Candidate, ...],
         request: LbRequest,
         group: tuple[int, ...],
-        scale: float,
+        scale: Scale,
         queue_limit: float | None,
     ) -> bool:
         """The group's best estimate (cache discount applied, full members included: their queue
@@ -526,7 +549,8 @@ class WaitAndWiden:
         would only trade one queue for another: the group holds."""
         best, margin = self._selector.best_ttft, self._yield_margin
         affine = best(candidates, group, request, scale, queue_limit, free_slot_only=False)
-        public = best(candidates, None, request, 2.0 - scale, queue_limit, free_slot_only=True)
+        cached = 1.0 - (min(scale.values()) if isinstance(scale, dict) else scale)
+        public = best(candidates, None, request, 1.0 + cached, queue_limit, free_slot_only=True)
         return margin is not None and public < INF and affine > public + margin
 
 

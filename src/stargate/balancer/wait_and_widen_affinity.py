@@ -5,13 +5,16 @@ candidate cluster-id sequence and can be cached per key. The ring and its cache 
 that sequence (or the target) changes, so a cached index never outlives its candidate.
 
 A key can also be *placed*: its KV cache is on the cluster one of its requests went to, outside the
-ring (a yield to load, or the first request under ``cache_affinity_placement: load``). Placements
-are kept by cluster id, survive membership changes of other clusters, and end when their cluster
-leaves; the least recently used is forgotten first.
+ring (a yield to load, or the first request under ``cache_affinity_placement: load``). A key whose
+requests outgrow its clusters' slots *spreads*: the cluster a request spilled to joins its group
+instead of replacing it, since the clusters it leaves still hold its cache and the key's next
+requests fill their slots again (``spread``, at most ``RESIDENCY`` clusters). Placements are kept
+by cluster id, survive membership changes of other clusters, and a cluster leaves a key's group
+when it leaves; the least recently used key is forgotten first.
 
-With ``cache_affinity_prefill: growth`` the groups also remember, per key, the cluster and input
-tokens of its last routed request: a conversation's next turn re-sends that prompt and adds to it,
-so there only the growth is left to prefill.
+With ``cache_affinity_prefill: growth`` the groups also remember, per key and cluster, the input
+tokens of the key's last request routed there: a conversation's next turn re-sends that prompt and
+adds to it, so there only the growth is left to prefill.
 
 Router replicas each remember their own placements. ``learn`` takes the routes Pylon publishes (its
 admitted requests with a key, whichever router sent them): a route newer than this router's last
@@ -34,6 +37,12 @@ _V = TypeVar("_V")
 
 PLACED_CAPACITY = 65_536
 """Placed (and routed) keys remembered; the least recently used is forgotten first."""
+
+RESIDENCY = 16
+"""Clusters a key's group spreads over, and its routes remembered; past it the oldest goes."""
+
+_Route = tuple[str, int, float]
+"""A key's last request routed to a cluster: (cluster id, input tokens, monotonic s)."""
 
 
 class AffinityGroups:
@@ -61,36 +70,45 @@ class AffinityGroups:
         self._ring: AffinityRing | None = None
         self._last: tuple[Candidate, ...] = ()
         self._cache: KeyCache[tuple[int, ...]] = KeyCache()
-        self._placed: dict[str, str] = {}
-        self._routed: dict[str, tuple[str, int, float]] = {}
+        self._placed: dict[str, tuple[str, ...]] = {}  # the key's group, the newest member last
+        self._routed: dict[str, tuple[_Route, ...]] = {}  # per cluster, the newest route last
         self._index: dict[str, int] = {}
         self._ring_placement = definition.cache_affinity_placement is Placement.RING
 
     def place(self, key: str, cluster_id: str) -> None:
         """The key's request went to ``cluster_id``: its KV cache is there now, so that cluster is
         the key's group from now on."""
-        _remember(self._placed, key, cluster_id)
+        _remember(self._placed, key, (cluster_id,))
+
+    def spread(self, key: str, group: tuple[str, ...], cluster_id: str) -> None:
+        """The key's request spilled to ``cluster_id`` past its full ``group`` (cluster ids, from
+        the ring or placed): that cluster joins it (the oldest member leaves past ``RESIDENCY``)."""
+        _remember(self._placed, key, _joined(group, cluster_id))
 
     def routed(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
         """The key's request of ``input_tokens`` went to ``cluster_id`` at ``at`` (monotonic s)."""
-        _remember(self._routed, key, (cluster_id, input_tokens, at))
+        kept = (route for route in self._routed.get(key, ()) if route[0] != cluster_id)
+        _remember(self._routed, key, (*kept, (cluster_id, input_tokens, at))[-RESIDENCY:])
 
     def learn(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
         """A backend of ``cluster_id`` admitted the key's request at ``at``, maybe from another
-        router: newer than the last route known here to another cluster, it places the key there."""
-        last = self._routed.get(key)
-        if last is not None and (last[2] >= at or last[0] == cluster_id):
+        router: newer than the last route known here, it is remembered, and a cluster outside the
+        key's group becomes its group."""
+        routes = self._routed.get(key)
+        if routes and routes[-1][2] >= at:
             return
-        _remember(self._routed, key, (cluster_id, input_tokens, at))
-        _remember(self._placed, key, cluster_id)
+        self.routed(key, cluster_id, input_tokens, at)
+        if cluster_id not in self._placed.get(key, ()):
+            self.place(key, cluster_id)
 
     def uncached_tokens(self, key: str, cluster_id: str, input_tokens: int) -> int | None:
         """Tokens left to prefill on ``cluster_id`` if it holds the prompt of the key's last request
-        and this one extends it; None when that is unknown (another cluster, or a shorter prompt)."""
-        last = self._routed.get(key)
-        if last is None or last[0] != cluster_id or not 0 < last[1] <= input_tokens:
-            return None
-        return input_tokens - last[1]
+        there and this one extends it; None when that is unknown (no route there, or a shorter
+        prompt)."""
+        for route in self._routed.get(key, ()):
+            if route[0] == cluster_id:
+                return input_tokens - route[1] if 0 < route[1] <= input_tokens else None
+        return None
 
     def group(self, candidates: tuple[Candidate, ...], target: Target, key: str) -> tuple[int, ...]:
         """Candidate indices of the key's affinity group (exclusions not applied); empty when the
@@ -102,12 +120,15 @@ class AffinityGroups:
             self._last = candidates
         placed = self._placed
         if placed:
-            cluster_id = placed.pop(key, None)
-            if cluster_id is not None:
-                index = self._index.get(cluster_id)
-                if index is not None:
-                    placed[key] = cluster_id  # most recently used last
-                    return (index,)
+            members = placed.pop(key, None)
+            if members is not None:
+                index = self._index
+                present = tuple(index[cluster_id] for cluster_id in members if cluster_id in index)
+                if len(present) < len(members):
+                    members = tuple(cluster_id for cluster_id in members if cluster_id in index)
+                if present:
+                    placed[key] = members  # most recently used last
+                    return present
         if not self._ring_placement:
             return ()
         cached = self._cache.get(key)
@@ -130,6 +151,11 @@ class AffinityGroups:
         self._ring = AffinityRing(hash_prefix(self._seed, target), self._ids, self._virtual_nodes)
         self._cache.clear()
         return self._ring
+
+
+def _joined(members: tuple[str, ...], cluster_id: str) -> tuple[str, ...]:
+    """``members`` with ``cluster_id`` as the newest, at most ``RESIDENCY`` of them."""
+    return (*(member for member in members if member != cluster_id), cluster_id)[-RESIDENCY:]
 
 
 def _remember(memory: dict[str, _V], key: str, value: _V) -> None:

@@ -32,7 +32,7 @@ from stargate.balancer.estimates import (
 from stargate.balancer.settings import Placement, PrefillEstimate, PrefillRate
 from stargate.balancer.types import AffinityRoute, InFlight, Wait
 from stargate.balancer.wait_and_widen import Ranking, WawSelector
-from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, AffinityGroups
+from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, RESIDENCY, AffinityGroups
 from stargate.errors import ConfigError
 
 
@@ -500,6 +500,46 @@ def test_placements_are_bounded_and_the_least_recently_used_is_forgotten() -> No
     assert groups.group(candidates, target, "key-0") == ()  # the least recently used went
 
 
+def test_a_spread_group_keeps_its_newest_members_and_loses_those_that_left() -> None:
+    groups = AffinityGroups(waw(selection_count=1, cache_affinity_placement=Placement.LOAD), 1)
+    ids = [f"c{index}" for index in range(RESIDENCY + 2)]
+    candidates = tuple(make_candidate(cluster_id) for cluster_id in ids)
+    target = make_request().target
+    groups.place("k", "c0")
+    for cluster_id in ids[1:]:
+        members = groups.group(candidates, target, "k")
+        groups.spread("k", tuple(ids[i] for i in members), cluster_id)
+    assert groups.group(candidates, target, "k") == tuple(range(2, RESIDENCY + 2))  # the oldest went
+    groups.spread("k", ("c3",), "c2")  # the group a spill left, and where it went
+    assert groups.group(candidates, target, "k") == (3, 2)
+    groups.spread("k", tuple(ids[2:]), "c2")  # a member spilled to again becomes the newest
+    assert groups.group(candidates, target, "k")[-1] == 2
+    without_c5 = tuple(c for c in candidates if c.cluster_id != "c5")
+    assert len(groups.group(without_c5, target, "k")) == RESIDENCY - 1
+    assert "c5" not in {without_c5[i].cluster_id for i in groups.group(without_c5, target, "k")}
+    groups.place("k", "c1")  # a move (a yield, a pick after X) replaces the group
+    assert groups.group(candidates, target, "k") == (1,)
+
+
+def test_a_route_to_a_member_keeps_a_spread_group_and_one_elsewhere_moves_it() -> None:
+    groups = AffinityGroups(waw(selection_count=1, cache_affinity_placement=Placement.LOAD), 1)
+    candidates = (make_candidate("a"), make_candidate("b"), make_candidate("c"))
+    target = make_request().target
+    groups.place("k", "a")
+    groups.routed("k", "a", 1000, 1.0)
+    groups.spread("k", ("a",), "b")
+    groups.routed("k", "b", 1100, 2.0)
+    groups.learn("k", "a", 1200, 3.0)  # another router's request on a member
+    assert groups.group(candidates, target, "k") == (0, 1)
+    assert groups.uncached_tokens("k", "a", 1300) == 100  # the learned route is remembered
+    assert groups.uncached_tokens("k", "b", 1300) == 200
+    assert groups.uncached_tokens("k", "c", 1300) is None
+    groups.learn("k", "c", 1300, 2.5)  # older than the newest route known here: ignored
+    assert groups.group(candidates, target, "k") == (0, 1)
+    groups.learn("k", "c", 1300, 4.0)
+    assert groups.group(candidates, target, "k") == (2,)
+
+
 def test_load_placement_needs_a_group_of_one() -> None:
     with pytest.raises(ConfigError, match="cache_affinity_backend_selection_count"):
         parse_lb_config(
@@ -769,10 +809,36 @@ def test_a_key_spills_past_its_full_group_while_its_own_request_waits_there() ->
     assert spilled in {"affinity-a", "affinity-b"}
     assert chosen(decision).rank_depth == 2
     assert chosen(decision).prefill_tokens is None  # nothing cached there: the whole prompt
-    # The key follows it: its newest prompt is cached where that request went.
-    decision = policy.decide(_ring(c_queued=0), make_request(input_tokens=200, key="prefix-a"), rng())
-    assert chosen_id(candidates, decision) == spilled
-    assert chosen(decision).rank_depth == 1
+    # The key spreads: its group is affinity-c and the cluster it spilled to, both holding its cache.
+    idle_c = (
+        *(with_in_flight(c, 5, 0, 0) for c in _ring(c_queued=0)[:2]),
+        with_in_flight(_ring(0)[2], 1, 0, 0),
+    )
+    for seed in range(5):
+        decision = policy.decide(idle_c, make_request(input_tokens=200, key="prefix-a"), rng(seed))
+        assert chosen_id(idle_c, decision) == "affinity-c" and chosen(decision).rank_depth == 1
+    # affinity-c full, nothing of the key waiting there: the other member takes it, as a cache hit.
+    full_c = (*_ring(c_queued=0)[:2], with_in_flight(_ring(0)[2], 8, 0, 0))
+    for seed in range(5):
+        decision = policy.decide(full_c, make_request(input_tokens=200, key="prefix-a"), rng(seed))
+        assert chosen_id(full_c, decision) == spilled and chosen(decision).rank_depth == 1
+        assert chosen(decision).prefill_tokens == 40  # 0.2 x 200, cached there too
+
+
+def test_a_spread_key_places_a_turn_on_the_member_holding_its_newest_prompt() -> None:
+    # Growth per member: affinity-c holds the key's 1000-token prompt, the member it spilled to
+    # the 1100-token one; the next turn (1200 tokens) has 200 left on c and 100 there.
+    policy = _spilling_policy(cache_affinity_prefill=PrefillEstimate.GROWTH, cache_affinity_wait_ms=2000)
+    first = policy.decide(_ring(0), make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert chosen_id(_ring(0), first) == "affinity-c"
+    # Prefilling the cached 1000 tokens again takes 1 s, within X: the 1100-token request spills.
+    full = _full_group("prefix-a")
+    spilled = chosen_id(full, policy.decide(full, make_request(input_tokens=1100, key="prefix-a"), rng()))
+    assert spilled in {"affinity-a", "affinity-b"}
+    equal = tuple(with_in_flight(c, 2, 0, 0) for c in _ring(c_queued=0))
+    decision = policy.decide(equal, make_request(input_tokens=1200, key="prefix-a"), rng())
+    assert chosen_id(equal, decision) == spilled
+    assert chosen(decision).prefill_tokens == 100
 
 
 @pytest.mark.parametrize(
