@@ -482,7 +482,9 @@ class WaitAndWiden:
         for index in group:
             uncached = groups.uncached_tokens(key, candidates[index].cluster_id, tokens)
             scales[index] = self._scale if uncached is None else uncached / tokens
-        return scales[group[0]] if len(group) == 1 else scales
+            if len(group) == 1:
+                return scales[index]
+        return scales
 
     def _decide_with_affinity(
         self,

@@ -87,8 +87,13 @@ class AffinityGroups:
 
     def routed(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
         """The key's request of ``input_tokens`` went to ``cluster_id`` at ``at`` (monotonic s)."""
-        kept = (route for route in self._routed.get(key, ()) if route[0] != cluster_id)
-        _remember(self._routed, key, (*kept, (cluster_id, input_tokens, at))[-RESIDENCY:])
+        route = (cluster_id, input_tokens, at)
+        routes = self._routed.get(key)
+        if routes is None or (len(routes) == 1 and routes[0][0] == cluster_id):
+            _remember(self._routed, key, (route,))
+            return
+        kept = (known for known in routes if known[0] != cluster_id)
+        _remember(self._routed, key, (*kept, route)[-RESIDENCY:])
 
     def learn(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
         """A backend of ``cluster_id`` admitted the key's request at ``at``, maybe from another
@@ -123,9 +128,13 @@ class AffinityGroups:
             members = placed.pop(key, None)
             if members is not None:
                 index = self._index
-                present = tuple(index[cluster_id] for cluster_id in members if cluster_id in index)
-                if len(present) < len(members):
-                    members = tuple(cluster_id for cluster_id in members if cluster_id in index)
+                if len(members) == 1:
+                    only = index.get(members[0])
+                    present: tuple[int, ...] = () if only is None else (only,)
+                else:
+                    present = tuple(index[cluster_id] for cluster_id in members if cluster_id in index)
+                    if len(present) < len(members):
+                        members = tuple(cluster_id for cluster_id in members if cluster_id in index)
                 if present:
                     placed[key] = members  # most recently used last
                     return present
