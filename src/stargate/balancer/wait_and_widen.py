@@ -152,6 +152,7 @@ class WawSelector:
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
+                queue = _with_slot_wait(candidate, queue, running)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
@@ -247,6 +248,7 @@ class WawSelector:
                 continue
             if load_aware:
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
+                queue = _with_slot_wait(candidate, queue, running)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
                 tps = stats.last_mean_input_tps
@@ -280,6 +282,17 @@ class WawSelector:
             ):
                 best = entry
         return best[2]
+
+
+def _with_slot_wait(candidate: Candidate, queue: float, running: int) -> float:
+    """A load-aware queue estimate that, at the slot limit (a pick ``max_queued`` allows), is at
+    least the wait for a slot there: the prompt work ahead does not say when a slot frees."""
+    limit = candidate.stats.max_engine_concurrency
+    if 0 < limit <= running:
+        wait = slot_wait_ms(candidate, running, limit)
+        if wait > queue:
+            return wait
+    return queue
 
 
 def _awaits_prefill(candidate: Candidate, request: LbRequest) -> bool:

@@ -896,6 +896,22 @@ def test_slot_wait_is_one_slot_time_per_request_in_line() -> None:
     assert slot_wait_ms(candidate, 11, 0) == 0.0  # no known limit
 
 
+@pytest.mark.parametrize(("slot_s", "expected"), [(4.0, "b"), (0.0, "a")])
+def test_a_full_backend_that_max_queued_allows_is_ranked_with_the_wait_for_a_slot(
+    slot_s: float, expected: str
+) -> None:
+    # a: all 8 slots taken, no prompt work waiting; one of 8 slots frees every 4 s / 8 = 500 ms.
+    # b: a free slot behind 300 ms of prompt work. Before a slot time is measured, a looks free.
+    full = dataclasses.replace(
+        make_candidate("a", tps=1000.0, running=8, max_concurrency=8), measured_slot_s=slot_s
+    )
+    candidates = (full, make_candidate("b", tps=1000.0, queued=300, running=2, max_concurrency=8))
+    policy = build_policy(waw(load_aware=True, max_queued=8))
+    for seed in range(5):
+        decision = policy.decide(candidates, make_request(input_tokens=100), rng(seed))
+        assert chosen_id(candidates, decision) == expected
+
+
 def test_a_key_holds_its_group_when_no_other_cluster_has_a_free_slot() -> None:
     ring = _full_group("prefix-a")
     busy = tuple(with_in_flight(candidate, 8, 0, 0) for candidate in ring[:2])
