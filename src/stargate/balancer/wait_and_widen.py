@@ -152,7 +152,8 @@ class WawSelector:
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                queue = _with_slot_wait(candidate, queue, running)
+                if 0 < stats.max_engine_concurrency <= running:
+                    queue = _with_slot_wait(candidate, queue, running)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
