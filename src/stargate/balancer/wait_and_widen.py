@@ -492,13 +492,12 @@ class WaitAndWiden:
         tokens = request.input_tokens
         if not (self._growth and tokens):
             return self._scale
-        scales: dict[int, float] = {}
-        for index in group:
+
+        def share(index: int) -> float:
             uncached = groups.uncached_tokens(key, candidates[index].cluster_id, tokens)
-            scales[index] = self._scale if uncached is None else uncached / tokens
-            if len(group) == 1:
-                return scales[index]
-        return scales
+            return self._scale if uncached is None else uncached / tokens
+
+        return share(group[0]) if len(group) == 1 else {index: share(index) for index in group}
 
     def _decide_with_affinity(
         self,
