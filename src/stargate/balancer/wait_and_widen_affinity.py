@@ -39,7 +39,7 @@ PLACED_CAPACITY = 65_536
 """Placed (and routed) keys remembered; the least recently used is forgotten first."""
 
 RESIDENCY = 16
-"""Clusters a key's group spreads over, and its routes remembered; past it the oldest goes."""
+"""Clusters a key's group spreads over (one route remembered per member); past it the oldest goes."""
 
 _Route = tuple[str, int, float]
 """A key's last request routed to a cluster: (cluster id, input tokens, monotonic s)."""
@@ -86,13 +86,15 @@ class AffinityGroups:
         _remember(self._placed, key, _joined(group, cluster_id))
 
     def routed(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
-        """The key's request of ``input_tokens`` went to ``cluster_id`` at ``at`` (monotonic s)."""
+        """The key's request of ``input_tokens`` went to ``cluster_id`` at ``at`` (monotonic s).
+        Routes to clusters that left the key's group are dropped: a key keeps one per member."""
         route = (cluster_id, input_tokens, at)
         routes = self._routed.get(key)
         if routes is None or (len(routes) == 1 and routes[0][0] == cluster_id):
             _remember(self._routed, key, (route,))
             return
-        kept = (known for known in routes if known[0] != cluster_id)
+        members = self._placed.get(key, ())
+        kept = (known for known in routes if known[0] != cluster_id and known[0] in members)
         _remember(self._routed, key, (*kept, route)[-RESIDENCY:])
 
     def learn(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
@@ -102,9 +104,9 @@ class AffinityGroups:
         routes = self._routed.get(key)
         if routes and routes[-1][2] >= at:
             return
-        self.routed(key, cluster_id, input_tokens, at)
         if cluster_id not in self._placed.get(key, ()):
             self.place(key, cluster_id)
+        self.routed(key, cluster_id, input_tokens, at)
 
     def uncached_tokens(self, key: str, cluster_id: str, input_tokens: int) -> int | None:
         """Tokens left to prefill on ``cluster_id`` if it holds the prompt of the key's last request

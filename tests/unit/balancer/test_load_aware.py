@@ -538,6 +538,8 @@ def test_a_route_to_a_member_keeps_a_spread_group_and_one_elsewhere_moves_it() -
     assert groups.group(candidates, target, "k") == (0, 1)
     groups.learn("k", "c", 1300, 4.0)
     assert groups.group(candidates, target, "k") == (2,)
+    groups.routed("k", "c", 1400, 5.0)
+    assert groups.uncached_tokens("k", "a", 1500) is None  # a left the group: its route went
 
 
 def test_load_placement_needs_a_group_of_one() -> None:
