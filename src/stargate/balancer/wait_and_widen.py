@@ -288,12 +288,7 @@ class WawSelector:
 def _with_slot_wait(candidate: Candidate, queue: float, running: int) -> float:
     """A load-aware queue estimate that, at the slot limit (a pick ``max_queued`` allows), is at
     least the wait for a slot there: the prompt work ahead does not say when a slot frees."""
-    limit = candidate.stats.max_engine_concurrency
-    if 0 < limit <= running:
-        wait = slot_wait_ms(candidate, running, limit)
-        if wait > queue:
-            return wait
-    return queue
+    return max(queue, slot_wait_ms(candidate, running, candidate.stats.max_engine_concurrency))
 
 
 def _awaits_prefill(candidate: Candidate, request: LbRequest) -> bool:
