@@ -1,7 +1,8 @@
 """Immutable values the decision core works on: stats, candidates, requests and decisions.
 
 Everything here is a frozen value: routing state builds new snapshots on every update and hands
-the same objects to every request (no per-request copies).
+the same objects to every request (no per-request copies). One exception, read-only:
+``InFlight.keys`` views the router's live count.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 EMPTY_PRIORITY_MAP: Mapping[int, int] = MappingProxyType({})
+NO_KEYS: Mapping[str, int] = MappingProxyType({})
 
 
 def _empty_priority_map() -> Mapping[int, int]:
@@ -79,6 +81,9 @@ class InFlight:
     prefill_tokens: int = 0
     prefilling_keys: frozenset[str] = frozenset()
     """Cache-affinity keys of the requests still prefilling: their prefix is not cached there yet."""
+    keys: Mapping[str, int] = field(default_factory=lambda: NO_KEYS)
+    """Requests in flight there per cache-affinity key. A read-only view of the router's live count,
+    for use within one decision: a copy per change would cost one per request start and end."""
 
     @property
     def decoding(self) -> int:

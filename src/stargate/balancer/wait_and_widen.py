@@ -309,25 +309,36 @@ def _spills(
     hold_ms: float,
     measured: bool,
 ) -> bool:
-    """Every cluster of the group is at its slot limit, the key already has a request on one of
-    them still before its first byte (this one would wait for a slot there, behind its own key),
-    and prefilling again elsewhere what the group holds cached (``1 - scale`` of the prompt, at its
-    rate) takes no longer than the wait for a slot there or X, the wait the configuration accepts
-    for that cache, whichever is longer: a long conversation's history is worth more than a short
-    wait, not more than a long one."""
-    key = request.cache_affinity_key
+    """Every cluster of the group is at its slot limit and prefilling again elsewhere what the
+    group holds cached (``1 - scale`` of the prompt, at its rate) is worth the wait it saves.
+
+    When the key's own requests hold most of the group's slots, the key is what fills it: its next
+    requests will find it full too, so the cost is weighed against how long a request holds a slot
+    there (a burst's requests free theirs together) and paid once for all of them. Otherwise the
+    request is weighed alone, and only when the key already has a request there still before its
+    first byte (this one would wait for a slot behind its own key): against the wait for a slot or
+    X, the wait the configuration accepts for that cache, whichever is longer: a long conversation's
+    history is worth more than a short wait, not more than a long one."""
+    key = request.cache_affinity_key or ""
     waiting = False
-    repeat = slot = INF
+    repeat = slot = slot_time = INF
+    own = slots = 0
     for index in group:
         candidate = candidates[index]
         limit = candidate.stats.max_engine_concurrency
         running = load_running(candidate)
         if limit == 0 or running < limit:
             return False
-        waiting = waiting or key in candidate.in_flight.prefilling_keys
+        in_flight = candidate.in_flight
+        waiting = waiting or key in in_flight.prefilling_keys
+        own += in_flight.keys.get(key, 0)
+        slots += limit
         cached = 1.0 - _scale_at(scale, index)
         repeat = min(repeat, prefill_at(load_tps(candidate, measured), request.input_tokens, cached))
         slot = min(slot, slot_wait_ms(candidate, running, limit))
+        slot_time = min(slot_time, candidate.measured_slot_s * 1000.0)
+    if 2 * own > slots:
+        return repeat <= max(hold_ms, slot_time)
     return waiting and repeat <= max(hold_ms, slot)
 
 
@@ -388,12 +399,14 @@ class WaitAndWiden:
     With ``cache_affinity_spill`` (not in the original) a key's requests spill past its group's
     slots: when every cluster of the group is at its slot limit and the key already has a request
     there waiting for its first byte (``_spills``), the request goes at once (``rank_depth`` 2) to
-    the best cluster with a free slot, provided that prefilling the cached part again there takes
-    no longer than X or the wait for a slot in the group (``estimates.slot_wait_ms``), whichever is
-    longer. That cluster joins the key's group (``AffinityGroups.spread``): the clusters it leaves
-    still hold the key's cache, and the key's next requests fill their slots again. Requests of one
-    key sent together then share as many replicas as their load needs instead of queueing for
-    one's; a conversation, one turn at a time, is not spread by it.
+    the best cluster with a free slot, provided that prefilling the cached part again there takes no
+    longer than X or the wait for a slot in the group (``estimates.slot_wait_ms``), whichever is
+    longer; when the key's own requests hold most of the group's slots, none of them need wait there
+    and the bound is how long a request holds a slot. That cluster joins the key's group
+    (``AffinityGroups.spread``): the clusters it leaves still hold the key's cache, and the key's
+    next requests fill their slots again. Requests of one key sent together then share as many
+    replicas as their load needs instead of queueing for one's; a conversation, one turn at a time,
+    is not spread by it.
 
     Whenever keys are placed (any option above), ``learn_routes`` takes the routes Pylon
     publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Set
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from stargate.balancer import with_reservation, with_reservations
 from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
@@ -155,6 +156,16 @@ class SlotMeter:
         self.mean_s = statistics.fmean(self.samples)
 
 
+def _add(counts: dict[str, int], key: str, change: int) -> int:
+    """Change ``key``'s count, dropping it at zero (the maps hold only what is in flight)."""
+    count = counts.get(key, 0) + change
+    if count > 0:
+        counts[key] = count
+    else:
+        counts.pop(key, None)
+    return count
+
+
 def _measured(reservation: Reservation) -> bool:
     """The prefill meter's requests: a prompt the decision expected prefilled whole."""
     return 0 < reservation.input_tokens == reservation.prefill_tokens
@@ -242,6 +253,8 @@ class ClusterState:
         "_counter",
         "_departed",
         "_in_flight",
+        "_keys",
+        "_keys_view",
         "_meter",
         "_prefilling_keys",
         "_slots",
@@ -267,6 +280,8 @@ class ClusterState:
         self._departed: dict[str, Departures] = {}
         self._in_flight = NO_IN_FLIGHT
         self._prefilling_keys: dict[str, int] = {}
+        self._keys: dict[str, int] = {}
+        self._keys_view = MappingProxyType(self._keys)
         self.source_id: str | None = None
         self._counter = RoundRobin()
         self._base = Candidate(cluster_id=cluster_id, stats=ModelStats(), rtt_s=0.0, active_backend_count=0)
@@ -409,20 +424,18 @@ class ClusterState:
         prefill = sign if reservation.prefilling else 0
         keys = current.prefilling_keys
         key = reservation.key
+        if key:
+            _add(self._keys, key, sign)
         if prefill and key:
             counts = self._prefilling_keys
-            count = counts.get(key, 0) + prefill
-            if count > 0:
-                counts[key] = count
-            else:
-                counts.pop(key, None)
-            if (count > 0) != (key in keys):
+            if (_add(counts, key, prefill) > 0) != (key in keys):
                 keys = frozenset(counts)
         self._in_flight = InFlight(
             current.requests + sign,
             current.prefilling + prefill,
             current.prefill_tokens + prefill * reservation.prefill_tokens,
             keys,
+            self._keys_view,
         )
         if prefill and _measured(reservation):
             if prefill > 0:

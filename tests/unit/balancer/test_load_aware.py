@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -888,6 +889,32 @@ def test_a_key_spills_when_the_wait_for_a_slot_is_longer_than_prefilling_its_cac
     assert decide(8.0, 8) in {"affinity-a", "affinity-b"}  # 1 000 ms
     assert decide(2.0, 12) in {"affinity-a", "affinity-b"}  # five in line: 1 250 ms
     assert decide(0.0, 12) == "affinity-c"  # not measured yet: X alone
+
+
+@pytest.mark.parametrize(
+    ("own", "slot_s", "expected"),
+    [
+        (5, 1.0, "spills"),  # most of the 8 slots: 800 ms again elsewhere within a 1 s slot time
+        (5, 0.5, "holds"),  # a slot time shorter than prefilling the cache again
+        (4, 1.0, "holds"),  # half: the other keys fill it too, and nothing of prefix-a waits there
+        (8, 0.0, "holds"),  # no slot time measured yet: X alone (200 ms)
+    ],
+)
+def test_a_key_that_fills_its_group_spreads_without_a_request_waiting_there(
+    own: int, slot_s: float, expected: str
+) -> None:
+    # 1000 tokens at 1000 tok/s, 80 % cached: 800 ms to prefill again elsewhere. All requests on
+    # affinity-c decode: the even-rate wait for a slot (slot time / 8) is not what decides.
+    ring = _ring(c_queued=0)
+    keys = MappingProxyType({"prefix-a": own, "prefix-b": 8 - own})
+    group = dataclasses.replace(ring[2], measured_slot_s=slot_s, in_flight=InFlight(8, 0, 0, keys=keys))
+    candidates = (*ring[:2], group)
+    decision = _spilling_policy().decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
+    if expected == "spills":
+        assert chosen_id(candidates, decision) in {"affinity-a", "affinity-b"}
+        assert chosen(decision).rank_depth == 2
+    else:
+        assert chosen_id(candidates, decision) == "affinity-c"
 
 
 def test_slot_wait_is_one_slot_time_per_request_in_line() -> None:

@@ -315,7 +315,7 @@ def test_in_flight_counts_prefill_until_first_byte_and_requests_until_finish() -
     assert (flight.requests, flight.prefilling, flight.prefill_tokens) == (0, 0, 0)
 
 
-def test_in_flight_names_the_keys_still_prefilling_until_their_last_first_byte() -> None:
+def test_in_flight_names_the_keys_still_prefilling_and_counts_each_keys_requests() -> None:
     state, _ = make_state()
     a = join(state, "a")
     publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
@@ -324,15 +324,19 @@ def test_in_flight_names_the_keys_still_prefilling_until_their_last_first_byte()
     other = state.reserve(T, "a", 100, 0, key="j")
     state.reserve(T, "a", 100, 0)
     assert only_candidate(state).in_flight.prefilling_keys == {"k", "j"}
+    assert only_candidate(state).in_flight.keys == {"k": 2, "j": 1}
     state.first_byte(first)
     assert only_candidate(state).in_flight.prefilling_keys == {"k", "j"}  # the second still prefills
+    assert only_candidate(state).in_flight.keys == {"k": 2, "j": 1}  # decoding is in flight too
     state.finish(second)  # ended before its first byte (an error, a cancel)
     state.first_byte(other)
     state.first_byte(other)
     assert only_candidate(state).in_flight.prefilling_keys == frozenset()
+    assert only_candidate(state).in_flight.keys == {"k": 1, "j": 1}
     state.finish(first)
     state.finish(other)
     assert only_candidate(state).in_flight.prefilling_keys == frozenset()
+    assert only_candidate(state).in_flight.keys == {}
 
 
 def test_measured_prefill_rate_is_tokens_per_second_of_time_a_whole_prompt_prefilled() -> None:
