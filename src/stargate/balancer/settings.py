@@ -9,7 +9,7 @@ instances (round-robin counters, caches).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -109,5 +109,11 @@ class Policy(Protocol):
 class RouteLearner(Protocol):
     """A policy that remembers where keys went and learns where other routers sent them."""
 
-    def learn_routes(self, cluster_id: str, routes: Sequence[AffinityRoute], offset_s: float) -> None:
+    def learn_routes(
+        self,
+        cluster_id: str,
+        routes: Sequence[AffinityRoute],
+        offset_s: float,
+        in_flight: Callable[[str], bool],
+    ) -> None:
         ...

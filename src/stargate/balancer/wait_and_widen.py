@@ -15,7 +15,7 @@ as the general path they shortcut.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 from stargate.balancer.algorithm_spec import AlgorithmSpec, Problem, check_prefill_rate
@@ -312,9 +312,10 @@ def _spills(
     """Every cluster of the group is at its slot limit and prefilling again elsewhere what the
     group holds cached (``1 - scale`` of the prompt, at its rate) is worth the wait it saves.
 
-    When the key's own requests hold most of the group's slots, the key is what fills it: its next
-    requests will find it full too, so the cost is weighed against how long a request holds a slot
-    there (a burst's requests free theirs together) and paid once for all of them. Otherwise the
+    When the key's requests are most of this router's in the group (at least two: each router
+    replica sees its share of the traffic), the key is what fills it: its next requests will find
+    it full too, so the cost is weighed against how long a request holds a slot there (a burst's
+    requests free theirs together) and paid once for all of them. Otherwise the
     request is weighed alone, and only when the key already has a request there still before its
     first byte (this one would wait for a slot behind its own key): against the wait for a slot or
     X, the wait the configuration accepts for that cache, whichever is longer: a long conversation's
@@ -322,7 +323,7 @@ def _spills(
     key = request.cache_affinity_key or ""
     waiting = False
     repeat = slot = slot_time = INF
-    own = slots = 0
+    own = mine = 0
     for index in group:
         candidate = candidates[index]
         limit = candidate.stats.max_engine_concurrency
@@ -332,12 +333,12 @@ def _spills(
         in_flight = candidate.in_flight
         waiting = waiting or key in in_flight.prefilling_keys
         own += in_flight.keys.get(key, 0)
-        slots += limit
+        mine += in_flight.requests
         cached = 1.0 - _scale_at(scale, index)
         repeat = min(repeat, prefill_at(load_tps(candidate, measured), request.input_tokens, cached))
         slot = min(slot, slot_wait_ms(candidate, running, limit))
         slot_time = min(slot_time, candidate.measured_slot_s * 1000.0)
-    if 2 * own > slots:
+    if own >= 2 and 2 * own > mine:
         return repeat <= max(hold_ms, slot_time)
     return waiting and repeat <= max(hold_ms, slot)
 
@@ -401,7 +402,7 @@ class WaitAndWiden:
     there waiting for its first byte (``_spills``), the request goes at once (``rank_depth`` 2) to
     the best cluster with a free slot, provided that prefilling the cached part again there takes no
     longer than X or the wait for a slot in the group (``estimates.slot_wait_ms``), whichever is
-    longer; when the key's own requests hold most of the group's slots, none of them need wait there
+    longer; when the key's requests are most of this router's there, none of them need wait there
     and the bound is how long a request holds a slot. That cluster joins the key's group
     (``AffinityGroups.spread``): the clusters it leaves still hold the key's cache, and the key's
     next requests fill their slots again. Requests of one key sent together then share as many
@@ -409,7 +410,9 @@ class WaitAndWiden:
     is not spread by it.
 
     Whenever keys are placed (any option above), ``learn_routes`` takes the routes Pylon
-    publishes, so router replicas follow each other's placements (``AffinityGroups.learn``).
+    publishes, so router replicas follow each other's placements (``AffinityGroups.learn``); with
+    the spill, a route elsewhere of a key this router has a request of in flight spreads it there
+    (another replica spilled it) instead of moving it.
     """
 
     def __init__(self, definition: AlgorithmDefinition) -> None:
@@ -439,15 +442,25 @@ class WaitAndWiden:
         self._records = self._learns or self._growth
         self._await_prefill = definition.cache_affinity_await_prefill
 
-    def learn_routes(self, cluster_id: str, routes: Sequence[AffinityRoute], offset_s: float) -> None:
+    def learn_routes(
+        self,
+        cluster_id: str,
+        routes: Sequence[AffinityRoute],
+        offset_s: float,
+        in_flight: Callable[[str], bool],
+    ) -> None:
         """Routes a backend of ``cluster_id`` published; ``offset_s`` turns their wall-clock
-        milliseconds into the requests' monotonic seconds."""
+        milliseconds into the requests' monotonic seconds; ``in_flight`` says whether this router
+        has a request of a key in flight (its requests run in parallel, so a route elsewhere is a
+        spread, not a move)."""
         groups = self._groups
         if groups is None or not self._learns:
             return
+        spreads = self._spill
         for route in routes:
             at = route.admitted_at_unix_ms / 1000.0 + offset_s
-            groups.learn(route.key, cluster_id, route.input_tokens, at)
+            key = route.key
+            groups.learn(key, cluster_id, route.input_tokens, at, spreads and in_flight(key))
 
     def decide(self, candidates: tuple[Candidate, ...], request: LbRequest, rng: random.Random) -> Decision:
         if not candidates:

@@ -19,7 +19,8 @@ adds to it, so there only the growth is left to prefill.
 Router replicas each remember their own placements. ``learn`` takes the routes Pylon publishes (its
 admitted requests with a key, whichever router sent them): a route newer than this router's last
 one for the key places the key there, so every replica follows the newest route of a key and they
-agree on where its KV cache is within one Pylon message.
+agree on where its KV cache is within one Pylon message. A key whose requests run in parallel
+(one in flight on this router) is spread instead: another replica's route elsewhere is its spill.
 """
 
 from __future__ import annotations
@@ -97,14 +98,22 @@ class AffinityGroups:
         kept = (known for known in routes if known[0] != cluster_id and known[0] in members)
         _remember(self._routed, key, (*kept, route)[-RESIDENCY:])
 
-    def learn(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
+    def learn(self, key: str, cluster_id: str, input_tokens: int, at: float, parallel: bool = False) -> None:
         """A backend of ``cluster_id`` admitted the key's request at ``at``, maybe from another
-        router: newer than the last route known here, it is remembered, and a cluster outside the
-        key's group becomes its group."""
+        router. When the key's requests run in ``parallel`` (this router has one in flight), a
+        cluster outside its group joins the group, however old the route: another router spread
+        the key there, and its cache is there. Otherwise only a route newer than the last one known
+        here counts: it is remembered, and a cluster outside the group becomes the group (the key
+        moved, as a conversation's next turn sent elsewhere does)."""
+        members = self._placed.get(key, ())
+        if parallel and members and cluster_id not in members:
+            self.spread(key, members, cluster_id)
+            self.routed(key, cluster_id, input_tokens, at)
+            return
         routes = self._routed.get(key)
         if routes and routes[-1][2] >= at:
             return
-        if cluster_id not in self._placed.get(key, ()):
+        if cluster_id not in members:
             self.place(key, cluster_id)
         self.routed(key, cluster_id, input_tokens, at)
 

@@ -309,6 +309,10 @@ class ClusterState:
             self._candidate = candidate
         return candidate
 
+    def has_in_flight(self, key: str) -> bool:
+        """This router has a request of ``key`` in flight here."""
+        return key in self._keys
+
     def upsert(self, member: Member) -> None:
         """The member just published: it becomes the source and its own reservations end.
 

@@ -134,6 +134,10 @@ class _TargetState:
     def active_count(self) -> int:
         return sum(len(c.members) for c in self.clusters.values())
 
+    def in_flight(self, key: str) -> bool:
+        """This router has a request of ``key`` in flight to one of the target's clusters."""
+        return any(cluster.has_in_flight(key) for cluster in self.clusters.values())
+
 
 class RoutingState:
     """Every live registration and routing target of this process.
@@ -466,22 +470,28 @@ class RoutingState:
         while start and routes[start - 1].admitted_at_unix_ms >= mark:
             start -= 1
         state.route_marks[backend_id] = routes[-1].admitted_at_unix_ms
-        self._hand(state.policies.values(), cluster_id, routes[start:])
+        self._hand(state, state.policies.values(), cluster_id, routes[start:])
 
     def _catch_up(self, state: _TargetState, policy: Policy) -> None:
         """A new policy learns the routes the backends published last (a key's newest route wins
         in whatever order they come)."""
         for cluster_id, cluster in state.clusters.items():
             for member in cluster.members.values():
-                self._hand((policy,), cluster_id, member.stats.recent_cache_affinity_routes)
+                self._hand(state, (policy,), cluster_id, member.stats.recent_cache_affinity_routes)
 
-    def _hand(self, policies: Iterable[Policy], cluster_id: str, routes: Sequence[AffinityRoute]) -> None:
+    def _hand(
+        self,
+        state: _TargetState,
+        policies: Iterable[Policy],
+        cluster_id: str,
+        routes: Sequence[AffinityRoute],
+    ) -> None:
         if not routes:
             return
         offset_s = self._clock() - self._wall_clock()
         for policy in policies:
             if isinstance(policy, RouteLearner):
-                policy.learn_routes(cluster_id, routes, offset_s)
+                policy.learn_routes(cluster_id, routes, offset_s, state.in_flight)
 
     def _remove_member(self, target: Target, handle: RegistrationHandle) -> None:
         state = self._targets.get(target)

@@ -543,6 +543,20 @@ def test_a_route_to_a_member_keeps_a_spread_group_and_one_elsewhere_moves_it() -
     assert groups.uncached_tokens("k", "a", 1500) is None  # a left the group: its route went
 
 
+def test_a_route_elsewhere_of_a_key_in_flight_here_spreads_it() -> None:
+    # The key's requests run in parallel: another router spilled it, and its cache is there too.
+    groups = AffinityGroups(waw(selection_count=1, cache_affinity_placement=Placement.LOAD), 1)
+    candidates = (make_candidate("a"), make_candidate("b"), make_candidate("c"))
+    target = make_request().target
+    groups.place("k", "a")
+    groups.routed("k", "a", 1000, 2.0)
+    groups.learn("k", "b", 1000, 1.0, parallel=True)  # older than this router's own: still joins
+    assert groups.group(candidates, target, "k") == (0, 1)
+    assert groups.uncached_tokens("k", "b", 1100) == 100
+    groups.learn("k", "c", 1000, 3.0)  # nothing in flight here: the key moved
+    assert groups.group(candidates, target, "k") == (2,)
+
+
 def test_load_placement_needs_a_group_of_one() -> None:
     with pytest.raises(ConfigError, match="cache_affinity_backend_selection_count"):
         parse_lb_config(
@@ -685,22 +699,45 @@ def _request_at(key: str, now_s: float) -> Any:
     return dataclasses.replace(make_request(input_tokens=1000, key=key), received_at=now_s, now=now_s)
 
 
+def _idle(key: str) -> bool:
+    """No request of ``key`` in flight on this router."""
+    return False
+
+
 def test_a_newer_route_from_another_router_places_the_key_there() -> None:
     policy, candidates = _placing_policy(), _even()
     first = chosen_id(candidates, policy.decide(candidates, _request_at("k", 1.0), rng()))
     other = next(c.cluster_id for c in candidates if c.cluster_id != first)
-    policy.learn_routes(other, [_route("k", 2.0)], 0.0)  # another replica sent k there later
+    policy.learn_routes(other, [_route("k", 2.0)], 0.0, _idle)  # another replica sent k there later
     for seed in range(5):
         decision = policy.decide(candidates, _request_at("k", 3.0), rng(seed))
         assert chosen_id(candidates, decision) == other
         assert chosen(decision).rank_depth == 1
 
 
+def test_another_routers_spill_of_a_key_in_flight_here_spreads_it_without_the_spill_it_moves() -> None:
+    # The key has a request in flight here, so its requests run in parallel: the other replica's
+    # route elsewhere (older than this router's own) is its spill, and the key now has two members.
+    candidates = _even()
+    for spill, expected in ((True, 2), (False, 1)):
+        policy = _affinity_policy(
+            margin=None, cache_affinity_placement=Placement.LOAD, cache_affinity_spill=spill
+        )
+        first = chosen_id(candidates, policy.decide(candidates, _request_at("k", 5.0), rng()))
+        other = next(c.cluster_id for c in candidates if c.cluster_id != first)
+        policy.learn_routes(other, [_route("k", 4.0)], 0.0, lambda key: key == "k")
+        seen = {
+            chosen_id(candidates, policy.decide(candidates, _request_at("k", 6.0), rng(seed)))
+            for seed in range(16)
+        }
+        assert len(seen) == expected and first in seen
+
+
 def test_a_route_older_than_this_routers_own_is_ignored() -> None:
     policy, candidates = _placing_policy(), _even()
     first = chosen_id(candidates, policy.decide(candidates, _request_at("k", 5.0), rng()))
     other = next(c.cluster_id for c in candidates if c.cluster_id != first)
-    policy.learn_routes(other, [_route("k", 4.0)], 0.0)
+    policy.learn_routes(other, [_route("k", 4.0)], 0.0, _idle)
     assert chosen_id(candidates, policy.decide(candidates, _request_at("k", 6.0), rng())) == first
 
 
@@ -709,7 +746,7 @@ def test_routes_convert_wall_clock_by_the_offset() -> None:
     first = chosen_id(candidates, policy.decide(candidates, _request_at("k", 5.0), rng()))
     other = next(c.cluster_id for c in candidates if c.cluster_id != first)
     # Admitted at wall 1000.5 s = monotonic 5.5 s: after this router's own route at 5.0 s.
-    policy.learn_routes(other, [_route("k", 1000.5)], -995.0)
+    policy.learn_routes(other, [_route("k", 1000.5)], -995.0, _idle)
     assert chosen_id(candidates, policy.decide(candidates, _request_at("k", 6.0), rng())) == other
 
 
@@ -718,7 +755,7 @@ def test_a_learnt_route_of_an_unknown_key_places_it_and_gives_the_growth() -> No
         margin=250, cache_affinity_placement=Placement.LOAD, cache_affinity_prefill=PrefillEstimate.GROWTH
     )
     candidates = _even()
-    policy.learn_routes("affinity-a", [_route("k", 1.0, tokens=900)], 0.0)
+    policy.learn_routes("affinity-a", [_route("k", 1.0, tokens=900)], 0.0, _idle)
     decision = policy.decide(candidates, _request_at("k", 2.0), rng())
     assert chosen_id(candidates, decision) == "affinity-a"
     assert chosen(decision).prefill_tokens == 100  # only what the prompt grew by is left to prefill
@@ -727,7 +764,7 @@ def test_a_learnt_route_of_an_unknown_key_places_it_and_gives_the_growth() -> No
 def test_the_seed_ring_does_not_learn_routes() -> None:
     # Without a margin or placement by load the group is the ring's, exactly as the spec says.
     policy, candidates = _affinity_policy(margin=None), _ring(c_queued=0)
-    policy.learn_routes("affinity-a", [_route("prefix-a", 1.0)], 0.0)
+    policy.learn_routes("affinity-a", [_route("prefix-a", 1.0)], 0.0, _idle)
     decision = policy.decide(candidates, _request_at("prefix-a", 2.0), rng())
     assert chosen_id(candidates, decision) == "affinity-c"
 
@@ -892,22 +929,26 @@ def test_a_key_spills_when_the_wait_for_a_slot_is_longer_than_prefilling_its_cac
 
 
 @pytest.mark.parametrize(
-    ("own", "slot_s", "expected"),
+    ("own", "mine", "slot_s", "expected"),
     [
-        (5, 1.0, "spills"),  # most of the 8 slots: 800 ms again elsewhere within a 1 s slot time
-        (5, 0.5, "holds"),  # a slot time shorter than prefilling the cache again
-        (4, 1.0, "holds"),  # half: the other keys fill it too, and nothing of prefix-a waits there
-        (8, 0.0, "holds"),  # no slot time measured yet: X alone (200 ms)
+        (5, 8, 1.0, "spills"),  # most of the 8: 800 ms again elsewhere within a 1 s slot time
+        (5, 8, 0.5, "holds"),  # a slot time shorter than prefilling the cache again
+        (4, 8, 1.0, "holds"),  # half: the other keys fill it too, and nothing of prefix-a waits there
+        (8, 8, 0.0, "holds"),  # no slot time measured yet: X alone (200 ms)
+        (4, 4, 1.0, "spills"),  # another router's requests hold the other 4 slots: its share
+        (1, 1, 1.0, "holds"),  # one request is not a key running in parallel
     ],
 )
 def test_a_key_that_fills_its_group_spreads_without_a_request_waiting_there(
-    own: int, slot_s: float, expected: str
+    own: int, mine: int, slot_s: float, expected: str
 ) -> None:
-    # 1000 tokens at 1000 tok/s, 80 % cached: 800 ms to prefill again elsewhere. All requests on
-    # affinity-c decode: the even-rate wait for a slot (slot time / 8) is not what decides.
+    # 1000 tokens at 1000 tok/s, 80 % cached: 800 ms to prefill again elsewhere. affinity-c runs 8
+    # (published), ``mine`` of them this router's, ``own`` of those prefix-a's; all decode, so the
+    # even-rate wait for a slot (slot time / 8) is not what decides.
     ring = _ring(c_queued=0)
-    keys = MappingProxyType({"prefix-a": own, "prefix-b": 8 - own})
-    group = dataclasses.replace(ring[2], measured_slot_s=slot_s, in_flight=InFlight(8, 0, 0, keys=keys))
+    keys = MappingProxyType({"prefix-a": own, "prefix-b": mine - own})
+    full = dataclasses.replace(ring[2], stats=dataclasses.replace(ring[2].stats, num_running_queries=8))
+    group = dataclasses.replace(full, measured_slot_s=slot_s, in_flight=InFlight(mine, 0, 0, keys=keys))
     candidates = (*ring[:2], group)
     decision = _spilling_policy().decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
     if expected == "spills":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -219,14 +219,22 @@ class Learner:
     def __init__(self, definition: AlgorithmDefinition) -> None:
         self.definition = definition
         self.learnt: list[tuple[str, str, float]] = []
+        self.in_flight: list[bool] = []
 
     def decide(self, *_: object) -> None:
         raise AssertionError("not decided here")
 
-    def learn_routes(self, cluster_id: str, routes: Sequence[AffinityRoute], offset_s: float) -> None:
+    def learn_routes(
+        self,
+        cluster_id: str,
+        routes: Sequence[AffinityRoute],
+        offset_s: float,
+        in_flight: Callable[[str], bool],
+    ) -> None:
         for route in routes:
             at = round(route.admitted_at_unix_ms / 1000.0 + offset_s, 6)
             self.learnt.append((cluster_id, route.key, at))
+            self.in_flight.append(in_flight(route.key))
 
 
 def test_published_routes_reach_the_targets_policies_once_each_on_the_monotonic_clock() -> None:
@@ -238,8 +246,10 @@ def test_published_routes_reach_the_targets_policies_once_each_on_the_monotonic_
     definition = AlgorithmDefinition(Algorithm.WAIT_AND_WIDEN)
     learner = Learner(definition)
     view._policies[definition] = learner  # type: ignore[assignment]  # as a decision would have built
+    reservation = state.reserve(T, "a", 10, 0, key="k2")  # this router's own request of k2
     first = (AffinityRoute("k1", 10, 999_000), AffinityRoute("k2", 10, 999_500))
     state.apply_update(a, {"model-a": ModelStats(recent_cache_affinity_routes=first)}, MS)
+    state.finish(reservation)
     # The next heartbeat repeats the routes of the window: only the new one is handed on (the
     # newest known is handed again: routes of one millisecond may span two heartbeats).
     later = (*first, AffinityRoute("k3", 10, 999_900))
@@ -250,6 +260,7 @@ def test_published_routes_reach_the_targets_policies_once_each_on_the_monotonic_
         ("c1", "k2", 4.5),
         ("c1", "k3", 4.9),
     ]
+    assert learner.in_flight == [False, True, False, False]  # k2 in flight here until it finished
 
 
 def test_a_policy_built_after_routes_were_published_learns_them_at_once() -> None:
