@@ -313,13 +313,13 @@ def _spills(
     group holds cached (``1 - scale`` of the prompt, at its rate) is worth the wait it saves.
 
     When the key's requests are most of this router's in the group (at least two: each router
-    replica sees its share of the traffic), the key is what fills it: its next requests will find
-    it full too, so the cost is weighed against how long a request holds a slot there (a burst's
-    requests free theirs together) and paid once for all of them. Otherwise the
-    request is weighed alone, and only when the key already has a request there still before its
-    first byte (this one would wait for a slot behind its own key): against the wait for a slot or
-    X, the wait the configuration accepts for that cache, whichever is longer: a long conversation's
-    history is worth more than a short wait, not more than a long one."""
+    replica sees its share of the traffic), the key is what fills it: its next requests will find it
+    full too, so the cost is weighed against how long a request holds a slot there (a burst's
+    requests free theirs together) and paid once for all of them. Otherwise the request is weighed
+    alone, and only when the key already has a request there still before its first byte (this one
+    would wait for a slot behind its own key): against the wait for a slot or X, the wait the
+    configuration accepts for that cache, whichever is longer: a long conversation's history is
+    worth more than a short wait, not more than a long one."""
     key = request.cache_affinity_key or ""
     waiting = False
     repeat = slot = slot_time = INF
