@@ -376,6 +376,8 @@ class ClusterState:
         if limit > 0 and running < limit:
             reservation.slot_since = self._clock()
         self.running[reservation] = None
+        if reservation.key:
+            _add(self._keys, reservation.key, +1)
         self._count(reservation, +1)
 
     def first_byte(self, reservation: Reservation) -> bool:
@@ -408,6 +410,8 @@ class ClusterState:
         if reservation not in self.running:
             return False
         del self.running[reservation]
+        if reservation.key:
+            _add(self._keys, reservation.key, -1)
         self._count(reservation, -1)
         if reservation.slot_since is not None and not reservation.prefilling:
             self._slots.ended(max(0.0, self._clock() - reservation.slot_since))
@@ -428,8 +432,6 @@ class ClusterState:
         prefill = sign if reservation.prefilling else 0
         keys = current.prefilling_keys
         key = reservation.key
-        if key:
-            _add(self._keys, key, sign)
         if prefill and key:
             counts = self._prefilling_keys
             if (_add(counts, key, prefill) > 0) != (key in keys):
