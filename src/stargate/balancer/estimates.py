@@ -218,14 +218,26 @@ def load_ttft_ms(
     )
 
 
-def slot_wait_ms(candidate: Candidate, running: int, limit: int) -> float:
+def slot_hold_s(candidate: Candidate, now: float) -> float:
+    """How long a request holds a slot on the cluster: the router's measure, or before any of its
+    requests there has ended, how long the oldest still running has held one. That bound grows
+    while a burst that filled the engine runs: taking it for unknown (0) made a full engine look
+    free until its first request ended. 0 when nothing is known."""
+    measured = candidate.measured_slot_s
+    if measured > 0.0:
+        return measured
+    since = candidate.slot_held_since
+    return now - since if since < now else 0.0
+
+
+def slot_wait_ms(hold_s: float, running: int, limit: int) -> float:
     """Expected wait for a slot on a cluster whose ``limit`` slots hold ``running`` requests (those
-    past the limit queue there): a slot frees every ``measured_slot_s / limit`` on average, and a
-    new request waits for one per request queued ahead of it and one for itself. 0 with a free
-    slot or before the router has measured the cluster."""
+    past the limit queue there) for ``hold_s`` each (``slot_hold_s``): a slot frees every
+    ``hold_s / limit`` on average, and a new request waits for one per request queued ahead of it
+    and one for itself. 0 with a free slot."""
     if limit <= 0 or running < limit:
         return 0.0
-    return (running - limit + 1) * candidate.measured_slot_s * 1000.0 / limit
+    return (running - limit + 1) * hold_s * 1000.0 / limit
 
 
 def load_tie_key(score_ms: float, running: int, resolution_ms: float) -> tuple[float, int, float]:

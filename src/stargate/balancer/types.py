@@ -114,6 +114,9 @@ class Candidate:
     """How long this router's requests held an engine slot there, on average (0: none has ended
     yet; ``router.clusters.SlotMeter``): what a request waiting for a slot waits for, shared by the
     slots."""
+    slot_held_since: float = math.inf
+    """Until one has ended there (``measured_slot_s`` 0): when the oldest of this router's requests
+    still holding a slot took it, on the requests' clock (inf: none). ``estimates.slot_hold_s``."""
 
 
 @dataclass(frozen=True, slots=True)

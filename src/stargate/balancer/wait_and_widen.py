@@ -29,6 +29,7 @@ from stargate.balancer.estimates import (
     load_tps,
     prefill_at,
     queue_ms,
+    slot_hold_s,
     slot_wait_ms,
 )
 from stargate.balancer.settings import (
@@ -153,7 +154,7 @@ class WawSelector:
                     continue
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
                 if 0 < stats.max_engine_concurrency <= running:
-                    queue = _with_slot_wait(candidate, queue, running)
+                    queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
@@ -249,7 +250,7 @@ class WawSelector:
                 continue
             if load_aware:
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                queue = _with_slot_wait(candidate, queue, running)
+                queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
                 tps = stats.last_mean_input_tps
@@ -285,10 +286,11 @@ class WawSelector:
         return best[2]
 
 
-def _with_slot_wait(candidate: Candidate, queue: float, running: int) -> float:
+def _with_slot_wait(candidate: Candidate, queue: float, running: int, now: float) -> float:
     """A load-aware queue estimate that, at the slot limit (a pick ``max_queued`` allows), is at
     least the wait for a slot there: the prompt work ahead does not say when a slot frees."""
-    return max(queue, slot_wait_ms(candidate, running, candidate.stats.max_engine_concurrency))
+    limit = candidate.stats.max_engine_concurrency
+    return max(queue, slot_wait_ms(slot_hold_s(candidate, now), running, limit))
 
 
 def _awaits_prefill(candidate: Candidate, request: LbRequest) -> bool:
@@ -336,8 +338,9 @@ def _spills(
         mine += in_flight.requests
         cached = 1.0 - _scale_at(scale, index)
         repeat = min(repeat, prefill_at(load_tps(candidate, measured), request.input_tokens, cached))
-        slot = min(slot, slot_wait_ms(candidate, running, limit))
-        slot_time = min(slot_time, candidate.measured_slot_s * 1000.0)
+        hold_s = slot_hold_s(candidate, request.now)
+        slot = min(slot, slot_wait_ms(hold_s, running, limit))
+        slot_time = min(slot_time, hold_s * 1000.0)
     if own >= 2 and 2 * own > mine:
         return repeat <= max(hold_ms, slot_time)
     return waiting and repeat <= max(hold_ms, slot)

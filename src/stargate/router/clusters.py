@@ -9,6 +9,7 @@ by one (``with_reservations``).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -305,9 +306,20 @@ class ClusterState:
                 in_flight=self._in_flight,
                 measured_input_tps=self._meter.rate,
                 measured_slot_s=self._slots.mean_s,
+                slot_held_since=self._slot_held_since(),
             )
             self._candidate = candidate
         return candidate
+
+    def _slot_held_since(self) -> float:
+        """Until a request has ended here, when the oldest running one took its slot (``running``
+        is in dispatch order: the scan stops at the first that found a slot free)."""
+        if self._slots.mean_s > 0.0:
+            return math.inf
+        for attempt in self.running:
+            if attempt.slot_since is not None:
+                return attempt.slot_since
+        return math.inf
 
     def has_in_flight(self, key: str) -> bool:
         """This router has a request of ``key`` in flight here."""

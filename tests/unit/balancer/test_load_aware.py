@@ -9,6 +9,7 @@ published stats with the router's own in-flight count without double counting.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from types import MappingProxyType
 from typing import Any
@@ -28,6 +29,7 @@ from stargate.balancer.estimates import (
     load_running,
     load_tie_key,
     load_ttft_ms,
+    slot_hold_s,
     slot_wait_ms,
 )
 from stargate.balancer.settings import Placement, PrefillEstimate, PrefillRate
@@ -934,13 +936,14 @@ def test_a_key_spills_when_the_wait_for_a_slot_is_longer_than_prefilling_its_cac
         (5, 8, 1.0, "spills"),  # most of the 8: 800 ms again elsewhere within a 1 s slot time
         (5, 8, 0.5, "holds"),  # a slot time shorter than prefilling the cache again
         (4, 8, 1.0, "holds"),  # half: the other keys fill it too, and nothing of prefix-a waits there
-        (8, 8, 0.0, "holds"),  # no slot time measured yet: X alone (200 ms)
+        (8, 8, 0.0, "holds"),  # no slot time known yet: X alone (200 ms)
+        (8, 8, None, "spills"),  # none ended yet, the oldest has held its slot for 1 s
         (4, 4, 1.0, "spills"),  # another router's requests hold the other 4 slots: its share
         (1, 1, 1.0, "holds"),  # one request is not a key running in parallel
     ],
 )
 def test_a_key_that_fills_its_group_spreads_without_a_request_waiting_there(
-    own: int, mine: int, slot_s: float, expected: str
+    own: int, mine: int, slot_s: float | None, expected: str
 ) -> None:
     # 1000 tokens at 1000 tok/s, 80 % cached: 800 ms to prefill again elsewhere. affinity-c runs 8
     # (published), ``mine`` of them this router's, ``own`` of those prefix-a's; all decode, so the
@@ -948,7 +951,11 @@ def test_a_key_that_fills_its_group_spreads_without_a_request_waiting_there(
     ring = _ring(c_queued=0)
     keys = MappingProxyType({"prefix-a": own, "prefix-b": mine - own})
     full = dataclasses.replace(ring[2], stats=dataclasses.replace(ring[2].stats, num_running_queries=8))
-    group = dataclasses.replace(full, measured_slot_s=slot_s, in_flight=InFlight(mine, 0, 0, keys=keys))
+    in_flight = InFlight(mine, 0, 0, keys=keys)
+    if slot_s is None:  # the request is decided at time 0
+        group = dataclasses.replace(full, slot_held_since=-1.0, in_flight=in_flight)
+    else:
+        group = dataclasses.replace(full, measured_slot_s=slot_s, in_flight=in_flight)
     candidates = (*ring[:2], group)
     decision = _spilling_policy().decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
     if expected == "spills":
@@ -959,21 +966,35 @@ def test_a_key_that_fills_its_group_spreads_without_a_request_waiting_there(
 
 
 def test_slot_wait_is_one_slot_time_per_request_in_line() -> None:
-    candidate = dataclasses.replace(_ring(c_queued=0)[0], measured_slot_s=1.6)
-    assert slot_wait_ms(candidate, 7, 8) == 0.0  # a free slot
-    assert slot_wait_ms(candidate, 8, 8) == pytest.approx(200.0)
-    assert slot_wait_ms(candidate, 11, 8) == pytest.approx(800.0)
-    assert slot_wait_ms(candidate, 11, 0) == 0.0  # no known limit
+    assert slot_wait_ms(1.6, 7, 8) == 0.0  # a free slot
+    assert slot_wait_ms(1.6, 8, 8) == pytest.approx(200.0)
+    assert slot_wait_ms(1.6, 11, 8) == pytest.approx(800.0)
+    assert slot_wait_ms(1.6, 11, 0) == 0.0  # no known limit
 
 
-@pytest.mark.parametrize(("slot_s", "expected"), [(4.0, "b"), (0.0, "a")])
+def test_slot_hold_is_the_measure_or_until_one_exists_the_oldest_running_requests_age() -> None:
+    candidate = _ring(c_queued=0)[0]
+    assert slot_hold_s(candidate, 10.0) == 0.0  # nothing known
+    running = dataclasses.replace(candidate, slot_held_since=7.5)
+    assert slot_hold_s(running, 10.0) == 2.5  # a lower bound that grows while it runs
+    assert slot_hold_s(running, 11.0) == 3.5
+    assert slot_hold_s(dataclasses.replace(running, measured_slot_s=1.2), 10.0) == 1.2
+
+
+@pytest.mark.parametrize(
+    ("slot_s", "held_since", "expected"),
+    [(4.0, math.inf, "b"), (0.0, math.inf, "a"), (0.0, -4.0, "b"), (0.0, -2.0, "a")],
+)
 def test_a_full_backend_that_max_queued_allows_is_ranked_with_the_wait_for_a_slot(
-    slot_s: float, expected: str
+    slot_s: float, held_since: float, expected: str
 ) -> None:
     # a: all 8 slots taken, no prompt work waiting; one of 8 slots frees every 4 s / 8 = 500 ms.
-    # b: a free slot behind 300 ms of prompt work. Before a slot time is measured, a looks free.
+    # b: a free slot behind 300 ms of prompt work. With nothing known of a slot's time, a looks
+    # free; before one has ended, the oldest request's 4 s (2 s) there bound it.
     full = dataclasses.replace(
-        make_candidate("a", tps=1000.0, running=8, max_concurrency=8), measured_slot_s=slot_s
+        make_candidate("a", tps=1000.0, running=8, max_concurrency=8),
+        measured_slot_s=slot_s,
+        slot_held_since=held_since,
     )
     candidates = (full, make_candidate("b", tps=1000.0, queued=300, running=2, max_concurrency=8))
     policy = build_policy(waw(load_aware=True, max_queued=8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 from stargate.balancer.types import Candidate, ModelStats, Target
@@ -408,6 +409,23 @@ def test_measured_slot_time_is_the_mean_from_dispatch_to_end_of_requests_sent_to
     clock.now += 2.0
     state.finish(second)
     assert only_candidate(state).measured_slot_s == 4.5  # the mean of 3 s and 6 s
+
+
+def test_until_a_request_ends_the_oldest_one_holding_a_slot_says_since_when() -> None:
+    state, clock = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=1))
+    assert only_candidate(state).slot_held_since == math.inf
+    start = clock.now
+    first = state.reserve(T, "a", 100, 0)
+    clock.now += 1.0
+    queued = state.reserve(T, "a", 100, 0)  # no free slot: not known when it got one
+    assert only_candidate(state).slot_held_since == start
+    state.first_byte(first)
+    state.finish(first)  # now measured: the measure speaks instead
+    assert only_candidate(state).measured_slot_s == 1.0
+    assert only_candidate(state).slot_held_since == math.inf
+    state.finish(queued)
 
 
 def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:
