@@ -58,6 +58,9 @@ class ModelStats:
     recent_cache_affinity_routes: tuple[AffinityRoute, ...] = ()
     """Not a load figure: what the backend admitted with a cache-affinity key in its last two
     heartbeat periods (``AffinityGroups.learn``)."""
+    prefilling_cache_affinity_keys: frozenset[str] = frozenset()
+    """Keys of the requests the backend is prefilling, whichever router sent them: their prefix is
+    not cached there yet."""
 
     @property
     def has_kv_metrics(self) -> bool:

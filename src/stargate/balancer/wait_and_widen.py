@@ -298,9 +298,14 @@ def _awaits_prefill(candidate: Candidate, request: LbRequest) -> bool:
     allows a wait. Not bounded by an estimate: with processor sharing the predecessor shares the
     engine with everything else, and any bound from published throughput released most waits
     just before the prefix was cached (docs/benchmarks.md)."""
-    return request.now < request.wait_deadline and request.cache_affinity_key in (
-        candidate.in_flight.prefilling_keys
-    )
+    key = request.cache_affinity_key
+    return request.now < request.wait_deadline and key is not None and _prefilling(candidate, key)
+
+
+def _prefilling(candidate: Candidate, key: str) -> bool:
+    """The key has a request before its first byte on the cluster: this router's (exact), or any
+    router's as the backend last published (another replica's request prefilling it)."""
+    return key in candidate.in_flight.prefilling_keys or key in candidate.stats.prefilling_cache_affinity_keys
 
 
 def _spills(
@@ -333,7 +338,7 @@ def _spills(
         if limit == 0 or running < limit:
             return False
         in_flight = candidate.in_flight
-        waiting = waiting or key in in_flight.prefilling_keys
+        waiting = waiting or _prefilling(candidate, key)
         own += in_flight.keys.get(key, 0)
         mine += in_flight.requests
         cached = 1.0 - _scale_at(scale, index)

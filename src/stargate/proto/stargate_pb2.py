@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstargate/proto/stargate.proto\x12\x08stargate\"\x17\n\x15WatchStargatesRequest\"v\n\x0cStargateInfo\x12\x13\n\x0bstargate_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64vertise_addr\x18\x02 \x01(\t\x12\x1b\n\x13http_advertise_addr\x18\x03 \x01(\t\x12\x1c\n\x14grpc_pylon_dial_addr\x18\x04 \x01(\t\"`\n\x16WatchStargatesResponse\x12)\n\tstargates\x18\x01 \x03(\x0b\x32\x16.stargate.StargateInfo\x12\x1b\n\x13watch_stargate_urls\x18\x02 \x03(\t\"P\n\x11ListModelsRequest\x12\x11\n\tmodel_ids\x18\x01 \x03(\t\x12\x18\n\x0brouting_key\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_routing_key\"\'\n\x12ListModelsResponse\x12\x11\n\tmodel_ids\x18\x01 \x03(\t\"c\n\x12\x43\x61\x63heAffinityRoute\x12\x1a\n\x12\x63\x61\x63he_affinity_key\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13\x61\x64mitted_at_unix_ms\x18\x03 \x01(\x04\"\xc9\x05\n\nModelStats\x12\x1b\n\x13last_mean_input_tps\x18\x01 \x01(\x01\x12\x12\n\noutput_tps\x18\x02 \x01(\x01\x12\x12\n\nqueue_size\x18\x03 \x01(\x04\x12\x19\n\x11queued_input_size\x18\x04 \x01(\x04\x12\x16\n\x0emax_output_tps\x18\x05 \x01(\x01\x12 \n\x18kv_cache_capacity_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14kv_cache_used_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14kv_cache_free_tokens\x18\x08 \x01(\x04\x12\x1b\n\x13num_running_queries\x18\t \x01(\x04\x12\x1e\n\x16max_engine_concurrency\x18\n \x01(\x04\x12\x1e\n\x16total_query_input_size\x18\x0b \x01(\x04\x12\x63\n\"queue_time_estimate_ms_by_priority\x18\x0c \x03(\x0b\x32\x37.stargate.ModelStats.QueueTimeEstimateMsByPriorityEntry\x12 \n\x18input_processing_queries\x18\r \x01(\x04\x12!\n\x19output_generation_queries\x18\x0e \x01(\x04\x12!\n\x19stats_observed_at_unix_ms\x18\x0f \x01(\x04\x12\x1a\n\x12stats_capabilities\x18\x10 \x03(\t\x12\x15\n\rstats_sources\x18\x11 \x03(\t\x12\x42\n\x1crecent_cache_affinity_routes\x18\x12 \x03(\x0b\x32\x1c.stargate.CacheAffinityRoute\x1a\x44\n\"QueueTimeEstimateMsByPriorityEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xc1\x02\n\x1bInferenceServerRegistration\x12\x1b\n\x13inference_server_id\x18\x01 \x01(\t\x12\x1c\n\x14inference_server_url\x18\x02 \x01(\t\x12\x41\n\x06models\x18\x03 \x03(\x0b\x32\x31.stargate.InferenceServerRegistration.ModelsEntry\x12\x16\n\x0ereverse_tunnel\x18\x04 \x01(\x08\x12\x12\n\ncluster_id\x18\x05 \x01(\t\x1aY\n\x0bModelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.stargate.InferenceServerModelRegistration:\x02\x38\x01J\x04\x08\x06\x10\x07R\x17\x63oordinated_calibration\"\x8b\x01\n InferenceServerModelRegistration\x12#\n\x05stats\x18\x01 \x01(\x0b\x32\x14.stargate.ModelStats\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.stargate.InferenceServerStatusJ\x04\x08\x03\x10\x04R\x0b\x63\x61libration\"\x7f\n\x12InferenceServerAck\x12\x1d\n\x15reverse_tunnel_target\x18\x01 \x01(\t\x12&\n\x1ereverse_tunnel_pylon_dial_addr\x18\x03 \x01(\tJ\x04\x08\x02\x10\x03R\x1cmodel_calibration_directives*\x86\x01\n\x15InferenceServerStatus\x12#\n\x1fINFERENCE_SERVER_STATUS_UNKNOWN\x10\x00\x12\"\n\x1eINFERENCE_SERVER_STATUS_ACTIVE\x10\x01\x12$\n INFERENCE_SERVER_STATUS_INACTIVE\x10\x02\x32\xd1\x01\n\x14StargateControlPlane\x12U\n\x0eWatchStargates\x12\x1f.stargate.WatchStargatesRequest\x1a .stargate.WatchStargatesResponse0\x01\x12\x62\n\x17RegisterInferenceServer\x12%.stargate.InferenceServerRegistration\x1a\x1c.stargate.InferenceServerAck(\x01\x30\x01\x32\x61\n\x16StargateModelDiscovery\x12G\n\nListModels\x12\x1b.stargate.ListModelsRequest\x1a\x1c.stargate.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstargate/proto/stargate.proto\x12\x08stargate\"\x17\n\x15WatchStargatesRequest\"v\n\x0cStargateInfo\x12\x13\n\x0bstargate_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64vertise_addr\x18\x02 \x01(\t\x12\x1b\n\x13http_advertise_addr\x18\x03 \x01(\t\x12\x1c\n\x14grpc_pylon_dial_addr\x18\x04 \x01(\t\"`\n\x16WatchStargatesResponse\x12)\n\tstargates\x18\x01 \x03(\x0b\x32\x16.stargate.StargateInfo\x12\x1b\n\x13watch_stargate_urls\x18\x02 \x03(\t\"P\n\x11ListModelsRequest\x12\x11\n\tmodel_ids\x18\x01 \x03(\t\x12\x18\n\x0brouting_key\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_routing_key\"\'\n\x12ListModelsResponse\x12\x11\n\tmodel_ids\x18\x01 \x03(\t\"c\n\x12\x43\x61\x63heAffinityRoute\x12\x1a\n\x12\x63\x61\x63he_affinity_key\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13\x61\x64mitted_at_unix_ms\x18\x03 \x01(\x04\"\xf1\x05\n\nModelStats\x12\x1b\n\x13last_mean_input_tps\x18\x01 \x01(\x01\x12\x12\n\noutput_tps\x18\x02 \x01(\x01\x12\x12\n\nqueue_size\x18\x03 \x01(\x04\x12\x19\n\x11queued_input_size\x18\x04 \x01(\x04\x12\x16\n\x0emax_output_tps\x18\x05 \x01(\x01\x12 \n\x18kv_cache_capacity_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14kv_cache_used_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14kv_cache_free_tokens\x18\x08 \x01(\x04\x12\x1b\n\x13num_running_queries\x18\t \x01(\x04\x12\x1e\n\x16max_engine_concurrency\x18\n \x01(\x04\x12\x1e\n\x16total_query_input_size\x18\x0b \x01(\x04\x12\x63\n\"queue_time_estimate_ms_by_priority\x18\x0c \x03(\x0b\x32\x37.stargate.ModelStats.QueueTimeEstimateMsByPriorityEntry\x12 \n\x18input_processing_queries\x18\r \x01(\x04\x12!\n\x19output_generation_queries\x18\x0e \x01(\x04\x12!\n\x19stats_observed_at_unix_ms\x18\x0f \x01(\x04\x12\x1a\n\x12stats_capabilities\x18\x10 \x03(\t\x12\x15\n\rstats_sources\x18\x11 \x03(\t\x12\x42\n\x1crecent_cache_affinity_routes\x18\x12 \x03(\x0b\x32\x1c.stargate.CacheAffinityRoute\x12&\n\x1eprefilling_cache_affinity_keys\x18\x13 \x03(\t\x1a\x44\n\"QueueTimeEstimateMsByPriorityEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xc1\x02\n\x1bInferenceServerRegistration\x12\x1b\n\x13inference_server_id\x18\x01 \x01(\t\x12\x1c\n\x14inference_server_url\x18\x02 \x01(\t\x12\x41\n\x06models\x18\x03 \x03(\x0b\x32\x31.stargate.InferenceServerRegistration.ModelsEntry\x12\x16\n\x0ereverse_tunnel\x18\x04 \x01(\x08\x12\x12\n\ncluster_id\x18\x05 \x01(\t\x1aY\n\x0bModelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.stargate.InferenceServerModelRegistration:\x02\x38\x01J\x04\x08\x06\x10\x07R\x17\x63oordinated_calibration\"\x8b\x01\n InferenceServerModelRegistration\x12#\n\x05stats\x18\x01 \x01(\x0b\x32\x14.stargate.ModelStats\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.stargate.InferenceServerStatusJ\x04\x08\x03\x10\x04R\x0b\x63\x61libration\"\x7f\n\x12InferenceServerAck\x12\x1d\n\x15reverse_tunnel_target\x18\x01 \x01(\t\x12&\n\x1ereverse_tunnel_pylon_dial_addr\x18\x03 \x01(\tJ\x04\x08\x02\x10\x03R\x1cmodel_calibration_directives*\x86\x01\n\x15InferenceServerStatus\x12#\n\x1fINFERENCE_SERVER_STATUS_UNKNOWN\x10\x00\x12\"\n\x1eINFERENCE_SERVER_STATUS_ACTIVE\x10\x01\x12$\n INFERENCE_SERVER_STATUS_INACTIVE\x10\x02\x32\xd1\x01\n\x14StargateControlPlane\x12U\n\x0eWatchStargates\x12\x1f.stargate.WatchStargatesRequest\x1a .stargate.WatchStargatesResponse0\x01\x12\x62\n\x17RegisterInferenceServer\x12%.stargate.InferenceServerRegistration\x1a\x1c.stargate.InferenceServerAck(\x01\x30\x01\x32\x61\n\x16StargateModelDiscovery\x12G\n\nListModels\x12\x1b.stargate.ListModelsRequest\x1a\x1c.stargate.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELSTATS_QUEUETIMEESTIMATEMSBYPRIORITYENTRY']._serialized_options = b'8\001'
   _globals['_INFERENCESERVERREGISTRATION_MODELSENTRY']._loaded_options = None
   _globals['_INFERENCESERVERREGISTRATION_MODELSENTRY']._serialized_options = b'8\001'
-  _globals['_INFERENCESERVERSTATUS']._serialized_start=1822
-  _globals['_INFERENCESERVERSTATUS']._serialized_end=1956
+  _globals['_INFERENCESERVERSTATUS']._serialized_start=1862
+  _globals['_INFERENCESERVERSTATUS']._serialized_end=1996
   _globals['_WATCHSTARGATESREQUEST']._serialized_start=43
   _globals['_WATCHSTARGATESREQUEST']._serialized_end=66
   _globals['_STARGATEINFO']._serialized_start=68
@@ -50,19 +50,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHEAFFINITYROUTE']._serialized_start=409
   _globals['_CACHEAFFINITYROUTE']._serialized_end=508
   _globals['_MODELSTATS']._serialized_start=511
-  _globals['_MODELSTATS']._serialized_end=1224
-  _globals['_MODELSTATS_QUEUETIMEESTIMATEMSBYPRIORITYENTRY']._serialized_start=1156
-  _globals['_MODELSTATS_QUEUETIMEESTIMATEMSBYPRIORITYENTRY']._serialized_end=1224
-  _globals['_INFERENCESERVERREGISTRATION']._serialized_start=1227
-  _globals['_INFERENCESERVERREGISTRATION']._serialized_end=1548
-  _globals['_INFERENCESERVERREGISTRATION_MODELSENTRY']._serialized_start=1428
-  _globals['_INFERENCESERVERREGISTRATION_MODELSENTRY']._serialized_end=1517
-  _globals['_INFERENCESERVERMODELREGISTRATION']._serialized_start=1551
-  _globals['_INFERENCESERVERMODELREGISTRATION']._serialized_end=1690
-  _globals['_INFERENCESERVERACK']._serialized_start=1692
-  _globals['_INFERENCESERVERACK']._serialized_end=1819
-  _globals['_STARGATECONTROLPLANE']._serialized_start=1959
-  _globals['_STARGATECONTROLPLANE']._serialized_end=2168
-  _globals['_STARGATEMODELDISCOVERY']._serialized_start=2170
-  _globals['_STARGATEMODELDISCOVERY']._serialized_end=2267
+  _globals['_MODELSTATS']._serialized_end=1264
+  _globals['_MODELSTATS_QUEUETIMEESTIMATEMSBYPRIORITYENTRY']._serialized_start=1196
+  _globals['_MODELSTATS_QUEUETIMEESTIMATEMSBYPRIORITYENTRY']._serialized_end=1264
+  _globals['_INFERENCESERVERREGISTRATION']._serialized_start=1267
+  _globals['_INFERENCESERVERREGISTRATION']._serialized_end=1588
+  _globals['_INFERENCESERVERREGISTRATION_MODELSENTRY']._serialized_start=1468
+  _globals['_INFERENCESERVERREGISTRATION_MODELSENTRY']._serialized_end=1557
+  _globals['_INFERENCESERVERMODELREGISTRATION']._serialized_start=1591
+  _globals['_INFERENCESERVERMODELREGISTRATION']._serialized_end=1730
+  _globals['_INFERENCESERVERACK']._serialized_start=1732
+  _globals['_INFERENCESERVERACK']._serialized_end=1859
+  _globals['_STARGATECONTROLPLANE']._serialized_start=1999
+  _globals['_STARGATECONTROLPLANE']._serialized_end=2208
+  _globals['_STARGATEMODELDISCOVERY']._serialized_start=2210
+  _globals['_STARGATEMODELDISCOVERY']._serialized_end=2307
 # @@protoc_insertion_point(module_scope)

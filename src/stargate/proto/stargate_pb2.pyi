@@ -65,7 +65,7 @@ class CacheAffinityRoute(_message.Message):
     def __init__(self, cache_affinity_key: _Optional[str] = ..., input_tokens: _Optional[int] = ..., admitted_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ModelStats(_message.Message):
-    __slots__ = ("last_mean_input_tps", "output_tps", "queue_size", "queued_input_size", "max_output_tps", "kv_cache_capacity_tokens", "kv_cache_used_tokens", "kv_cache_free_tokens", "num_running_queries", "max_engine_concurrency", "total_query_input_size", "queue_time_estimate_ms_by_priority", "input_processing_queries", "output_generation_queries", "stats_observed_at_unix_ms", "stats_capabilities", "stats_sources", "recent_cache_affinity_routes")
+    __slots__ = ("last_mean_input_tps", "output_tps", "queue_size", "queued_input_size", "max_output_tps", "kv_cache_capacity_tokens", "kv_cache_used_tokens", "kv_cache_free_tokens", "num_running_queries", "max_engine_concurrency", "total_query_input_size", "queue_time_estimate_ms_by_priority", "input_processing_queries", "output_generation_queries", "stats_observed_at_unix_ms", "stats_capabilities", "stats_sources", "recent_cache_affinity_routes", "prefilling_cache_affinity_keys")
     class QueueTimeEstimateMsByPriorityEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class ModelStats(_message.Message):
     STATS_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     STATS_SOURCES_FIELD_NUMBER: _ClassVar[int]
     RECENT_CACHE_AFFINITY_ROUTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILLING_CACHE_AFFINITY_KEYS_FIELD_NUMBER: _ClassVar[int]
     last_mean_input_tps: float
     output_tps: float
     queue_size: int
@@ -109,7 +110,8 @@ class ModelStats(_message.Message):
     stats_capabilities: _containers.RepeatedScalarFieldContainer[str]
     stats_sources: _containers.RepeatedScalarFieldContainer[str]
     recent_cache_affinity_routes: _containers.RepeatedCompositeFieldContainer[CacheAffinityRoute]
-    def __init__(self, last_mean_input_tps: _Optional[float] = ..., output_tps: _Optional[float] = ..., queue_size: _Optional[int] = ..., queued_input_size: _Optional[int] = ..., max_output_tps: _Optional[float] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., kv_cache_used_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., num_running_queries: _Optional[int] = ..., max_engine_concurrency: _Optional[int] = ..., total_query_input_size: _Optional[int] = ..., queue_time_estimate_ms_by_priority: _Optional[_Mapping[int, int]] = ..., input_processing_queries: _Optional[int] = ..., output_generation_queries: _Optional[int] = ..., stats_observed_at_unix_ms: _Optional[int] = ..., stats_capabilities: _Optional[_Iterable[str]] = ..., stats_sources: _Optional[_Iterable[str]] = ..., recent_cache_affinity_routes: _Optional[_Iterable[_Union[CacheAffinityRoute, _Mapping]]] = ...) -> None: ...
+    prefilling_cache_affinity_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, last_mean_input_tps: _Optional[float] = ..., output_tps: _Optional[float] = ..., queue_size: _Optional[int] = ..., queued_input_size: _Optional[int] = ..., max_output_tps: _Optional[float] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., kv_cache_used_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., num_running_queries: _Optional[int] = ..., max_engine_concurrency: _Optional[int] = ..., total_query_input_size: _Optional[int] = ..., queue_time_estimate_ms_by_priority: _Optional[_Mapping[int, int]] = ..., input_processing_queries: _Optional[int] = ..., output_generation_queries: _Optional[int] = ..., stats_observed_at_unix_ms: _Optional[int] = ..., stats_capabilities: _Optional[_Iterable[str]] = ..., stats_sources: _Optional[_Iterable[str]] = ..., recent_cache_affinity_routes: _Optional[_Iterable[_Union[CacheAffinityRoute, _Mapping]]] = ..., prefilling_cache_affinity_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InferenceServerRegistration(_message.Message):
     __slots__ = ("inference_server_id", "inference_server_url", "models", "reverse_tunnel", "cluster_id")

@@ -12,6 +12,9 @@ last prompt was sent to this engine only adds its growth. That holds from when t
 is sent, not from when its prefill ends: an engine schedules a turn queued behind its predecessor
 after that prefix is cached. Without this a replica serving long conversations looks loaded with
 work it will never do, and routers move conversations away from their cache.
+
+The keys of the requests before their first byte are published too (not in the original): a router
+holds another request of such a key for that prefill, whichever router sent the first.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from enum import IntEnum
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
 from stargate.wire.limits import U64_MAX, sat_u64
-from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS
+from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES
 
 PROMPT_MEMORY = 65_536
 """Cache-affinity keys whose last sent prompt is remembered; the least recently used goes."""
@@ -59,11 +62,20 @@ class _GenerationLoad:
     phase_input: list[int] = field(default_factory=lambda: [0, 0, 0])
     total_input: int = 0
     work_by_priority: dict[int, int] = field(default_factory=dict)
+    prefilling_keys: dict[str, int] = field(default_factory=dict)  # key -> requests before first byte
 
     def add(self, t: _Tracked, sign: int) -> None:
         self.phase_counts[t.phase] += sign
         self.phase_input[t.phase] += sign * t.input_tokens
         self.total_input += sign * t.input_tokens
+        key = t.key
+        if key and t.phase != Phase.OUTPUT_GENERATION and len(key) <= MAX_AFFINITY_KEY_CHARS:
+            keys = self.prefilling_keys
+            count = keys.get(key, 0) + sign
+            if count > 0:
+                keys[key] = count
+            else:
+                keys.pop(key, None)
         p = t.work_priority
         if p is not None:
             left = self.work_by_priority.get(p, 0) + sign * t.work_tokens
@@ -81,6 +93,8 @@ class LoadSnapshot:
     num_running_queries: int = 0
     total_query_input_size: int = 0
     queued_input_size: int = 0
+    prefilling_keys: frozenset[str] = frozenset()
+    """Cache-affinity keys of the requests before their first byte (at most ``MAX_AFFINITY_ROUTES``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +229,7 @@ class LiveLoad:
             num_running_queries=pending + prefill + decode,
             total_query_input_size=sat_u64(agg.total_input),
             queued_input_size=sat_u64(sum(agg.work_by_priority.values())),
+            prefilling_keys=frozenset(itertools.islice(agg.prefilling_keys, MAX_AFFINITY_ROUTES)),
         )
 
     def phase_totals(self) -> Iterator[tuple[Generation, list[int], list[int]]]:

@@ -69,6 +69,7 @@ class Departures:
     waiting: int = 0
     waiting_tokens: int = 0
     tokens: int = 0
+    prefilled_keys: set[str] = field(default_factory=set)  # keys of this router's that left prefill
 
     def adjust(self, stats: ModelStats) -> ModelStats:
         return replace(
@@ -77,7 +78,15 @@ class Departures:
             queue_size=max(0, stats.queue_size - self.waiting),
             queued_input_size=max(0, stats.queued_input_size - self.waiting_tokens),
             total_query_input_size=max(0, stats.total_query_input_size - self.tokens),
+            prefilling_cache_affinity_keys=stats.prefilling_cache_affinity_keys - self.prefilled_keys,
         )
+
+    def left_prefill(self, reservation: Reservation) -> None:
+        """A request the heartbeat counted before its first byte has had it (or ended)."""
+        self.waiting += 1
+        self.waiting_tokens += reservation.prefill_tokens
+        if reservation.key:
+            self.prefilled_keys.add(reservation.key)
 
 
 PREFILL_SAMPLE_S = 1.0
@@ -218,8 +227,11 @@ def aggregate(members: list[Member], source: Member) -> ModelStats:
     queue_size = queued = processing = generating = observed = 0
     capabilities: dict[str, None] = {}
     sources: dict[str, None] = {}
+    prefilling: frozenset[str] = frozenset()
     for member in members:
         stats = member.stats
+        if keys := stats.prefilling_cache_affinity_keys:
+            prefilling = prefilling | keys if prefilling else keys
         if valid_tps(stats.last_mean_input_tps):
             tps += stats.last_mean_input_tps
         output_tps += stats.output_tps
@@ -241,6 +253,7 @@ def aggregate(members: list[Member], source: Member) -> ModelStats:
         stats_observed_at_unix_ms=observed,
         stats_capabilities=tuple(capabilities),
         stats_sources=tuple(sources),
+        prefilling_cache_affinity_keys=prefilling,
     )
 
 
@@ -404,8 +417,7 @@ class ClusterState:
         if reservation.counted and reservation.counted_prefilling:
             reservation.counted_prefilling = False
             departed = self._departed.setdefault(reservation.backend_id, Departures())
-            departed.waiting += 1
-            departed.waiting_tokens += reservation.prefill_tokens  # the rest was credited already
+            departed.left_prefill(reservation)  # the rest of its tokens was credited already
             self._recompute(membership_changed=False)
         return True
 
@@ -433,8 +445,7 @@ class ClusterState:
             departed.requests += 1
             departed.tokens += reservation.input_tokens
             if reservation.counted_prefilling:
-                departed.waiting += 1
-                departed.waiting_tokens += reservation.prefill_tokens
+                departed.left_prefill(reservation)
             self._recompute(membership_changed=False)
         return True
 

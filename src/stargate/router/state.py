@@ -528,5 +528,7 @@ def _stats_json(stats: ModelStats) -> dict[str, object]:
     }
     fields["stats_capabilities"] = list(stats.stats_capabilities)
     fields["stats_sources"] = list(stats.stats_sources)
-    fields["recent_cache_affinity_routes"] = len(stats.recent_cache_affinity_routes)  # keys stay private
+    # Keys stay private: only how many.
+    fields["recent_cache_affinity_routes"] = len(stats.recent_cache_affinity_routes)
+    fields["prefilling_cache_affinity_keys"] = len(stats.prefilling_cache_affinity_keys)
     return fields

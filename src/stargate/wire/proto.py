@@ -7,6 +7,7 @@ heartbeat that cannot be built would take the Pylon out of routing.
 
 from __future__ import annotations
 
+from itertools import islice
 from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, AffinityRoute, ModelStats
@@ -14,7 +15,8 @@ from stargate.proto import stargate_pb2
 from stargate.wire.limits import sat_u32, sat_u64
 
 MAX_AFFINITY_ROUTES = 256
-"""Cache-affinity routes one message carries (Pylon sends the newest) and a router reads."""
+"""Cache-affinity routes one message carries (Pylon sends the newest) and a router reads; prefilling
+keys likewise."""
 MAX_AFFINITY_KEY_CHARS = 1024
 """Longer cache-affinity keys are routed as usual, but Pylon neither publishes nor remembers them."""
 
@@ -54,6 +56,9 @@ def stats_to_proto(stats: ModelStats) -> stargate_pb2.ModelStats:
             )
             for route in stats.recent_cache_affinity_routes[-MAX_AFFINITY_ROUTES:]
         ],
+        prefilling_cache_affinity_keys=list(
+            islice(stats.prefilling_cache_affinity_keys, MAX_AFFINITY_ROUTES)
+        ),
     )
 
 
@@ -84,5 +89,10 @@ def stats_from_proto(stats: stargate_pb2.ModelStats) -> ModelStats:
             AffinityRoute(route.cache_affinity_key, route.input_tokens, route.admitted_at_unix_ms)
             for route in stats.recent_cache_affinity_routes[-MAX_AFFINITY_ROUTES:]
             if route.cache_affinity_key
+        ),
+        prefilling_cache_affinity_keys=frozenset(
+            key
+            for key in stats.prefilling_cache_affinity_keys[:MAX_AFFINITY_ROUTES]
+            if 0 < len(key) <= MAX_AFFINITY_KEY_CHARS
         ),
     )

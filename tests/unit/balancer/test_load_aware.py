@@ -798,6 +798,20 @@ def test_a_request_waits_while_its_key_is_still_prefilling_on_its_group() -> Non
     assert chosen_id(candidates, decision) == "affinity-c"
 
 
+def test_a_request_waits_too_for_its_keys_prefill_that_another_router_sent() -> None:
+    # Another replica's prefix-a request is prefilling on affinity-c: only its Pylon says so.
+    ring = _ring(c_queued=0)
+    stats = dataclasses.replace(ring[2].stats, prefilling_cache_affinity_keys=frozenset({"prefix-a"}))
+    candidates = (*ring[:2], dataclasses.replace(ring[2], stats=stats))
+    decision = _awaiting_policy().decide(candidates, make_request(input_tokens=1000, key="prefix-a"), rng())
+    assert decision == Wait(10.0)
+    request = make_request(input_tokens=1000, key="prefix-a")
+    assert (
+        chosen_id(candidates, _affinity_policy(margin=1000).decide(candidates, request, rng()))
+        == "affinity-c"
+    )
+
+
 def test_the_wait_for_a_prefill_ends_at_the_routing_deadline() -> None:
     ring = _ring(c_queued=0)
     candidates = (*ring[:2], _prefilling(ring[2], "prefix-a"))

@@ -1,8 +1,9 @@
 """Pylon publishes the cache-affinity keys it admitted (proto field 18), so every router replica
-learns where the others sent a key."""
+learns where the others sent a key, and the keys it is prefilling (field 19)."""
 
 from __future__ import annotations
 
+from stargate.pylon.load import Phase
 from stargate.wire.headers import text_value
 from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES, stats_from_proto, stats_to_proto
 
@@ -48,3 +49,38 @@ def test_routes_are_bounded_newest_kept_and_survive_the_wire() -> None:
     message = stats_to_proto(snap)
     assert message.recent_cache_affinity_routes[-1].cache_affinity_key == f"key-{MAX_AFFINITY_ROUTES + 9}"
     assert stats_from_proto(message).recent_cache_affinity_routes == snap.recent_cache_affinity_routes
+
+
+def test_keys_before_their_first_byte_are_published_whichever_router_sent_them() -> None:
+    rig = make_rig()
+
+    def prefilling() -> frozenset[str]:
+        return rig.hub.snapshot(rig.gen).prefilling_cache_affinity_keys
+
+    rig.load.track("r1", rig.gen, 0, 6000, "agent-1")
+    rig.load.track("r2", rig.gen, 0, 6000, "agent-1")
+    rig.load.track("r3", rig.gen, 0, 10, None)
+    assert prefilling() == {"agent-1"}
+    rig.load.advance("r1", Phase.INPUT_PROCESSING)
+    rig.load.advance("r1", Phase.OUTPUT_GENERATION)
+    assert prefilling() == {"agent-1"}  # r2 still waits for its first byte
+    rig.load.release("r2")
+    assert prefilling() == frozenset()
+    message = stats_to_proto(rig.hub.snapshot(rig.gen))
+    assert list(message.prefilling_cache_affinity_keys) == []
+
+
+def test_prefilling_keys_are_bounded_and_survive_the_wire() -> None:
+    rig = make_rig()
+    for index in range(MAX_AFFINITY_ROUTES + 10):
+        rig.load.track(f"r{index}", rig.gen, 0, 10, f"key-{index}")
+    rig.load.track("long", rig.gen, 0, 10, "k" * (MAX_AFFINITY_KEY_CHARS + 1))  # never published
+    snap = rig.hub.snapshot(rig.gen)
+    assert len(snap.prefilling_cache_affinity_keys) == MAX_AFFINITY_ROUTES
+    assert stats_from_proto(stats_to_proto(snap)).prefilling_cache_affinity_keys == (
+        snap.prefilling_cache_affinity_keys
+    )
+    message = stats_to_proto(snap)
+    message.prefilling_cache_affinity_keys.extend(["", "k" * (MAX_AFFINITY_KEY_CHARS + 1)])
+    del message.prefilling_cache_affinity_keys[: MAX_AFFINITY_ROUTES - 2]
+    assert len(stats_from_proto(message).prefilling_cache_affinity_keys) == 2  # a router reads no junk

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 from types import MappingProxyType
 
 from stargate.balancer.types import Candidate, ModelStats, Target
@@ -426,6 +428,24 @@ def test_until_a_request_ends_the_oldest_one_holding_a_slot_says_since_when() ->
     assert only_candidate(state).measured_slot_s == 1.0
     assert only_candidate(state).slot_held_since == math.inf
     state.finish(queued)
+
+
+def test_keys_prefilling_are_the_members_published_ones_less_this_routers_that_left_prefill() -> None:
+    state, _ = make_state()
+    a, b = join(state, "a"), join(state, "b")
+    stats = ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8)
+    publish(state, a, stats)
+    own = state.reserve(T, "a", 100, 0, key="mine")
+    publish(state, a, replace(stats, prefilling_cache_affinity_keys=frozenset({"mine", "other-a"})))
+    publish(state, b, replace(stats, prefilling_cache_affinity_keys=frozenset({"other-b"})))
+    assert only_candidate(state).stats.prefilling_cache_affinity_keys == {"mine", "other-a", "other-b"}
+    (described,) = state.describe()
+    assert json.loads(json.dumps(described))["clusters"][0]["stats"]["prefilling_cache_affinity_keys"] == 3
+    state.first_byte(own)  # the heartbeat counted it prefilling: its key leaves with it
+    assert only_candidate(state).stats.prefilling_cache_affinity_keys == {"other-a", "other-b"}
+    publish(state, a, replace(stats, prefilling_cache_affinity_keys=frozenset({"other-a"})))
+    assert only_candidate(state).stats.prefilling_cache_affinity_keys == {"other-a", "other-b"}
+    state.finish(own)
 
 
 def test_in_flight_survives_heartbeats_that_end_the_reservation() -> None:

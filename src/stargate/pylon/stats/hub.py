@@ -351,4 +351,5 @@ class StatsHub:
             stats_capabilities=caps,
             stats_sources=srcs,
             recent_cache_affinity_routes=tuple(routes),
+            prefilling_cache_affinity_keys=live.prefilling_keys,
         )
