@@ -290,6 +290,8 @@ def _with_slot_wait(candidate: Candidate, queue: float, running: int, now: float
     """A load-aware queue estimate that, at the slot limit (a pick ``max_queued`` allows), is at
     least the wait for a slot there: the prompt work ahead does not say when a slot frees."""
     limit = candidate.stats.max_engine_concurrency
+    if limit <= 0 or running < limit:
+        return queue
     return max(queue, slot_wait_ms(slot_hold_s(candidate, now), running, limit))
 
 
