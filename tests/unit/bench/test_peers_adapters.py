@@ -6,7 +6,14 @@ import pytest
 
 from stargate.bench.overhead import _request, overhead_scenario
 from stargate.bench.peers.adapters import PeerRouterAdapter, parse_router_label
-from stargate.bench.peers.compare import PeerOptions, adapt_workload, comparable_scenario, resolve_routers
+from stargate.bench.peers.compare import (
+    PeerOptions,
+    adapt_workload,
+    body_limits,
+    comparable_scenario,
+    engine_args,
+    resolve_routers,
+)
 from stargate.bench.workload import Workload
 from stargate.errors import ConfigError
 
@@ -68,6 +75,21 @@ def test_a_plain_stargate_run_reads_the_body_and_is_sent_only_what_a_plain_clien
     # Its prompts are cached by their text, the ground truth a router that reads text is judged by.
     assert comparable_scenario(scenario, [keyed]) is scenario
     assert comparable_scenario(scenario, [keyed, plain]).mock.kv_mode == "prefix"
+
+
+def test_engines_answer_as_long_as_planned_when_a_run_sends_no_output_length(tmp_path: Path) -> None:
+    # A plain client sends no x-output-tokens, and sglang-router drops it: the engines then answer
+    # up to the body's max_tokens, which may only shorten their default, so the default is raised.
+    scenario, options = overhead_scenario(), PeerOptions(root=tmp_path)
+    workload = Workload("open", (_request(1),), ((_request(1),),), 1, 30.0)
+    for routers, limits in (
+        ("stargate:recommended,direct", False),
+        ("stargate:recommended,stargate-plain:recommended", True),
+        ("stargate:recommended,sglang:cache_aware", True),
+    ):
+        assert body_limits(resolve_routers(scenario, routers, options)) is limits
+    assert engine_args(workload, True) == ["--num-tokens", str(_request(1).output_tokens)]
+    assert engine_args(workload, False) == []
 
 
 def test_consistent_hash_gets_the_key_as_x_session_id(tmp_path: Path) -> None:
