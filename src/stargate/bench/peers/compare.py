@@ -219,8 +219,9 @@ def body_limits(choices: Sequence[RouterChoice]) -> bool:
     return any(c.kind in ("sglang", "vllm") or is_plain_label(c.label) for c in choices)
 
 
-def engine_args(workload: Workload, body_limits: bool) -> list[str]:
-    """With ``body_limits``, the engines' default output length covers the longest request.
+def engine_args(workload: Workload, by_body: bool) -> list[str]:
+    """With ``by_body`` (``body_limits``), the engines' default output length covers the longest
+    request.
 
     A run whose client sends no ``x-output-tokens`` (a ``stargate-plain`` run, as a plain client)
     or whose router drops it (sglang-router, which also renames ``max_tokens`` to
@@ -228,14 +229,14 @@ def engine_args(workload: Workload, body_limits: bool) -> list[str]:
     shorten; raising the default to the workload's longest output keeps every run's responses the
     lengths the workload asked for. Every run of a comparison uses the same engine arguments.
     """
-    if not body_limits or not workload.requests:
+    if not by_body or not workload.requests:
         return []
     return ["--num-tokens", str(max(r.output_tokens for r in workload.requests))]
 
 
 async def execute_choice(scenario: Scenario, workload: Workload, planned: PlannedRun, choice: RouterChoice,
                          progress: Progress, timeouts: FleetTimeouts | None,
-                         tokenizer_dir: Path | None, body_limits: bool) -> RunOutcome:
+                         tokenizer_dir: Path | None, by_body: bool) -> RunOutcome:
     """One run of one router; failures become ``outcome.error`` (cancellation propagates after teardown)."""
     outcome = RunOutcome(planned)
     progress.run_started(planned.name, len(workload.requests))
@@ -251,7 +252,7 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
     try:
         async with Fleet(scenario, planned.spec, planned.run_dir, timeouts,
                          with_stargate=choice.kind == "stargate", engine_env=env,
-                         engine_args=[*engine_args(workload, body_limits),
+                         engine_args=[*engine_args(workload, by_body),
                                       "--request-log", str(truth_path),
                                       *arrival_args(scenario, planned.run_dir)]) as fleet:
             try:
@@ -300,13 +301,13 @@ async def run_compare(scenario: Scenario, workload: Workload, out_dir: Path,
             with contextlib.suppress(PeerInstallError):
                 await asyncio.to_thread(ensure_installed, PACKAGES[kind], opts.root)
     watcher = progress or SilentProgress()
-    limits = body_limits(choices)
+    by_body = body_limits(choices)
     by_label = {c.label: c for c in choices}
     outcomes: list[RunOutcome] = []
     for planned in plan_runs([c.spec for c in choices], out_dir, repeats, order, seed):
         choice = by_label[planned.spec.name]
         outcomes.append(await execute_choice(scenario, workload, planned, choice, watcher, timeouts,
-                                             tokenizer_dir, limits))
+                                             tokenizer_dir, by_body))
     summaries = [summarize_outcome(o, scenario, slo_ttft_ms) for o in outcomes]
     records_by_run = {o.planned.name: o.records for o in outcomes}
     report = await asyncio.to_thread(write_report, out_dir, scenario, summaries, records_by_run)
