@@ -24,11 +24,14 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from typing import TypeVar
 
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
 from stargate.wire.limits import U64_MAX, sat_u64
 from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES
+
+_K = TypeVar("_K")
 
 PROMPT_MEMORY = 65_536
 """Cache-affinity keys whose last sent prompt is remembered; the least recently used goes."""
@@ -70,19 +73,20 @@ class _GenerationLoad:
         self.total_input += sign * t.input_tokens
         key = t.key
         if key and t.phase != Phase.OUTPUT_GENERATION and len(key) <= MAX_AFFINITY_KEY_CHARS:
-            keys = self.prefilling_keys
-            count = keys.get(key, 0) + sign
-            if count > 0:
-                keys[key] = count
-            else:
-                keys.pop(key, None)
+            _change(self.prefilling_keys, key, sign)
         p = t.work_priority
         if p is not None:
-            left = self.work_by_priority.get(p, 0) + sign * t.work_tokens
-            if left > 0:
-                self.work_by_priority[p] = left
-            else:
-                self.work_by_priority.pop(p, None)
+            _change(self.work_by_priority, p, sign * t.work_tokens)
+
+
+def _change(amounts: dict[_K, int], key: _K, delta: int) -> None:
+    """Add ``delta`` to ``key``'s amount, dropping the key at zero: the maps hold only what is in
+    flight."""
+    amount = amounts.get(key, 0) + delta
+    if amount > 0:
+        amounts[key] = amount
+    else:
+        amounts.pop(key, None)
 
 
 @dataclass(frozen=True, slots=True)
