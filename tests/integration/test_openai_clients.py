@@ -146,6 +146,20 @@ async def test_a_conversation_sent_without_a_key_keeps_one_from_turn_to_turn(pla
         assert hit == "false"
 
 
+async def test_answers_are_as_long_as_the_client_asks_up_to_the_flag(tmp_path: Path) -> None:
+    proc, url = await start_fleet(tmp_path, "--max-output-tokens", "90", "--batching", "vllm")
+    try:
+        async with sdk(url) as client:
+            asked = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=70)
+            unlimited = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+            capped = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=500)
+        lengths = [c.usage.completion_tokens if c.usage else None for c in (asked, unlimited, capped)]
+        assert lengths == [70, 90, 90]
+    finally:
+        await stop_all([proc], grace_s=10.0)
+    assert proc.returncode == 0, proc.log_tail()
+
+
 async def test_plain_client_mode_fills_headers_and_keeps_sent_ones(plain: str) -> None:
     base = plain.removesuffix("/v1")
     chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}

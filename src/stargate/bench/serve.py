@@ -28,6 +28,7 @@ from stargate.flags import FlagSet, parse_bool, positive_int
 
 EXIT_OK = 0
 DEFAULT_MODEL = "mock-model"
+DEFAULT_MAX_OUTPUT_TOKENS = 1024
 CHECK_INTERVAL_S = 1.0
 
 
@@ -41,6 +42,12 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
            "docs/configuration.md recommends)")
     a("--model", default=DEFAULT_MODEL, help="model the engines serve")
     a("--max-concurrent-requests", type=positive_int, default=16, help="slots per mock engine")
+    a("--max-output-tokens", type=positive_int, default=DEFAULT_MAX_OUTPUT_TOKENS,
+      help="tokens the engines answer a request that sets no max_tokens with, and the most any request "
+           "gets (the mock engine's --num-tokens)")
+    a("--batching", choices=("independent", "continuous", "vllm"), default="independent",
+      help="the engines' compute model (docs/mock-engine.md): independent requests, continuous batching "
+           "with shared prefill, or vLLM-style steps with a token budget")
     a("--kv-cache-mode", choices=("prefix", "affinity"), default="prefix",
       help="the engines' KV cache: prefix = by prompt text, as engines cache (default); affinity = by "
            "the x-cache-affinity-key each request reaches the engine with")
@@ -49,7 +56,8 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     a("--out", type=Path, default=Path(".bench-out") / "serve", help="directory for the fleet's logs")
 
 
-def serve_scenario(engines: int, model: str, slots: int, kv_mode: str = "prefix") -> Scenario:
+def serve_scenario(engines: int, model: str, slots: int, kv_mode: str = "prefix",
+                   batching: str = "independent") -> Scenario:
     """A fleet of ``engines`` fast mock engines; the workload fields are unused (nothing is replayed)."""
     profile = {
         "name": "serve",
@@ -64,7 +72,7 @@ def serve_scenario(engines: int, model: str, slots: int, kv_mode: str = "prefix"
         "request_count": 1,
         "max_concurrency": 1,
         "backends": {"count": engines, "profile": profile},
-        "mock": {"kv_mode": kv_mode},
+        "mock": {"kv_mode": kv_mode, "batching": batching},
         "traffic_pattern": {
             "kind": "uniform",
             "input_tokens": {"distribution": "constant", "value": 16},
@@ -90,8 +98,12 @@ def serve_run(scenario: Scenario, path: Path | None, plain: bool) -> RunSpec:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> int:
     """Run the fleet until ``stop`` is set or SIGINT/SIGTERM arrives."""
-    scenario = serve_scenario(args.engines, args.model, args.max_concurrent_requests, args.kv_cache_mode)
+    scenario = serve_scenario(args.engines, args.model, args.max_concurrent_requests, args.kv_cache_mode,
+                              args.batching)
     run = serve_run(scenario, args.lb_config, bool(args.plain_clients))
+    # A client's max_tokens can only shorten the mock's default answer; scenarios keep the short
+    # default because their requests carry x-output-tokens, a client here sends max_tokens.
+    answers = ["--num-tokens", str(args.max_output_tokens)]
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -99,7 +111,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     print(f"starting 1 Stargate, {args.engines} Pylons and {args.engines} mock engines "
           f"(model {args.model}; logs in {args.out / 'logs'}) ...", file=sys.stderr, flush=True)
     try:
-        async with Fleet(scenario, run, args.out) as fleet:
+        async with Fleet(scenario, run, args.out, engine_args=answers) as fleet:
             print(f"OPENAI_BASE_URL=http://{fleet.stargates[0].http}/v1", flush=True)
             print("ready; Ctrl-C stops the fleet", file=sys.stderr, flush=True)
             while not stop.is_set():
