@@ -102,10 +102,10 @@ def conversation_keys(rows: Sequence[MooncakeRow], block_tokens: int) -> list[st
 
     A row continues the conversation of an earlier row ``A`` when (a) ``A``'s full blocks (at least
     one) are a prefix of the row's ``hash_ids``, (b) the row is at least as long as ``A``'s prompt
-    plus its answer (the next turn contains both), and (c) no other conversation's prompt ended on
-    the same full-block prefix (then it is a shared prefix, such as a system prompt, not a
-    conversation). The deepest such ``A`` wins, the latest on ties. Otherwise the row starts a
-    conversation keyed ``mc-<row index>``.
+    plus its answer (the next turn contains both), and (c) no other conversation's full blocks
+    contain that prefix (then it is a shared prefix, such as a system prompt, not a conversation).
+    The deepest such ``A`` wins, the latest on ties. Otherwise the row starts a conversation keyed
+    ``mc-<row index>``.
     """
     root = _Node()
     keys: list[str] = []
@@ -130,8 +130,8 @@ def conversation_keys(rows: Sequence[MooncakeRow], block_tokens: int) -> list[st
         node = root
         for hash_id in row.hash_ids[:full]:
             node = node.children.setdefault(hash_id, _Node())
-        if len(node.conversations) < 2:  # one or "shared" is all the rule needs
-            node.conversations.add(key)
+            if len(node.conversations) < 2:  # one or "shared" is all the rule needs
+                node.conversations.add(key)
         node.registrations.append((key, row.input_length + row.output_length))
         del node.registrations[:-_MAX_REGISTRATIONS]
     return keys

@@ -60,6 +60,19 @@ def test_conversation_keys_follow_turns_and_skip_shared_prefixes() -> None:
     assert conversation_keys(rows, 512) == ["mc-0", "mc-0", "mc-2", "mc-3", "mc-0", "mc-5"]
 
 
+def test_a_short_prompt_on_a_block_every_row_shares_is_no_conversation_to_join() -> None:
+    # As in the public conversation trace: every row starts with block 0. A one-block prompt ends on
+    # it first; the rows after it share only that block and are conversations of their own.
+    rows = [
+        row(6000, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)),
+        row(900, (0, 12)),  # its only full block is the one every row has
+        row(4000, (0, 13, 14, 15, 16, 17, 18, 19)),
+        row(3000, (0, 20, 21, 22, 23, 24)),
+        row(7000, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 25, 26)),  # the first row's next turn
+    ]
+    assert conversation_keys(rows, 512) == ["mc-0", "mc-1", "mc-2", "mc-3", "mc-0"]
+
+
 def test_each_turn_starts_with_the_whole_prompt_of_the_turn_before() -> None:
     # A's partial second block [2] grew into [3] in its next turn: the text it grew from is [3]'s start.
     rows = [row(600, (1, 2)), row(1100, (1, 3, 4)), row(1700, (1, 3, 4, 5)), row(650, (1, 7))]

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import orjson
+import pytest
 
 from stargate.bench.mooncake import MooncakeRow, conversation_keys
 from stargate.bench.tracegen import TraceRow, TraceShape, generate_trace, write_trace
@@ -67,8 +68,18 @@ def test_bursts_start_more_conversations() -> None:
     assert inside / len(starts) > 0.5
 
 
-def test_conversation_keys_mostly_recover_the_generated_conversations() -> None:
-    rows = generate_trace(TraceShape(), 5)
+# The default shape, and trace-system-prompts' (long system prompts, up to 8 turns), where a first
+# turn whose full blocks are all system prompt once gave 98 requests of many conversations one key.
+@pytest.mark.parametrize(
+    ("shape", "seed"),
+    [
+        (TraceShape(), 5),
+        (TraceShape(conversations=200, max_turns=8, system_tokens=3000, first_user_tokens=1500,
+                    turn_user_tokens=300, conversation_rate=1.5), 21),
+    ],
+)  # fmt: skip
+def test_conversation_keys_mostly_recover_the_generated_conversations(shape: TraceShape, seed: int) -> None:
+    rows = generate_trace(shape, seed)
     keys = conversation_keys(
         [MooncakeRow(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) for r in rows], 512
     )
@@ -80,6 +91,7 @@ def test_conversation_keys_mostly_recover_the_generated_conversations() -> None:
             later_keys[row.conversation].add(key)
     merged = sum(1 for found in conversations_of_key.values() if len(found) > 1)
     assert merged <= 0.05 * len(conversations_of_key)  # a key rarely spans two conversations
+    assert max(len(found) for found in conversations_of_key.values()) <= 2  # and never many
     # a first turn with no full block of its own may keep a key of its own; later turns share one
     kept = sum(1 for found in later_keys.values() if len(found) == 1)
     assert len(later_keys) > 50 and kept >= 0.95 * len(later_keys)
