@@ -1,8 +1,9 @@
 """A saturated engine answers canaries late: while it answers requests the model stays ACTIVE.
 
-A real Pylon with its canaries on (every 100 ms, 200 ms timeout) in front of a fake engine that
-leaves canaries unanswered, as a saturated engine leaves them in its queue. Counted as failures,
-every engine of a saturated fleet went INACTIVE at once and the routers answered 503.
+A real Pylon with its canaries on (every 100 ms, 500 ms timeout, so a pause of the test's own event
+loop does not read as an engine that stopped answering) in front of a fake engine that leaves
+canaries unanswered, as a saturated engine leaves them in its queue. Counted as failures, every
+engine of a saturated fleet went INACTIVE at once and the routers answered 503.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ async def test_late_canaries_fail_only_once_the_engine_stops_answering_requests(
             "--model-name", "llama",
             "--engine-stats-stream", "off",
             "--active-canary-interval-ms", "100",
-            "--bringup-canary-timeout-ms", "200",
+            "--bringup-canary-timeout-ms", "500",
         ]
     )  # fmt: skip
     app = PylonApp(settings, out=io.StringIO())
