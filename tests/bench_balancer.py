@@ -44,6 +44,12 @@ DEFINITIONS = {
     "recommended.json + yield, await": dataclasses.replace(
         RECOMMENDED, cache_affinity_yield_margin_ms=1000, cache_affinity_await_prefill=True
     ),
+    "recommended.json + yield, await, sharing": dataclasses.replace(
+        RECOMMENDED,
+        cache_affinity_yield_margin_ms=1000,
+        cache_affinity_await_prefill=True,
+        prefill_sharing=True,
+    ),
     "pulsar": AlgorithmDefinition(Algorithm.PULSAR),
     "pulsar-wait-and-widen (slo)": AlgorithmDefinition(
         Algorithm.PULSAR_WAIT_AND_WIDEN, queue_slo_ms=(50, 500)

@@ -128,6 +128,7 @@ class WaitAndWidenFields(_WaitAndWidenFamilyFields):
     cache_affinity_prefill: Literal["scale", "growth"] | None = None
     cache_affinity_await_prefill: bool = False
     cache_affinity_spill: bool = False
+    prefill_sharing: bool = False
 
 
 class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
@@ -247,4 +248,5 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any
         settings["cache_affinity_prefill"] = PrefillEstimate(fields.cache_affinity_prefill or "scale")
         settings["cache_affinity_await_prefill"] = fields.cache_affinity_await_prefill
         settings["cache_affinity_spill"] = fields.cache_affinity_spill
+        settings["prefill_sharing"] = fields.prefill_sharing
     return settings

@@ -11,7 +11,9 @@ the published stats with the router's own in-flight count (``Candidate.in_flight
 rule stays the rule for admission, the queue-SLO filter and the expected-queue header. With
 ``prefill_rate: measured`` they divide by the router's own measure of the cluster's prefill rate
 (``Candidate.measured_input_tps``) where it is above the published mean; admission and the header
-keep the published one, which is what Pylon checks against.
+keep the published one, which is what Pylon checks against. With ``prefill_sharing`` they also
+count the wait a request's prefill adds to the prompts prefilling beside it
+(``shared_prefill_delay_ms``).
 """
 
 from __future__ import annotations
@@ -216,6 +218,22 @@ def load_ttft_ms(
         + load_queue_ms(candidate, priority, measured)
         + prefill_at(load_tps(candidate, measured), input_tokens, scale)
     )
+
+
+def shared_prefill_delay_ms(candidate: Candidate, backlog_ms: float, prefill_ms: float) -> float:
+    """The wait a request's prefill adds to the prompts prefilling on the cluster, on an engine
+    that shares its prefill rate between them (lb-config ``prefill_sharing``): each is delayed by
+    up to the request's own prefill time, and all of them together by at most the work ahead
+    there (``backlog_ms``). Ranking by the request's own wait plus this picks the engine where the
+    fleet waits least, not only the request: on a shared engine every prompt it joins waits longer.
+    Prompts prefilling are this router's own or the published count, the larger."""
+    own = candidate.in_flight.prefilling
+    published = candidate.stats.input_processing_queries
+    prefilling = own if own >= published else published
+    if prefilling == 0 or backlog_ms <= 0.0:
+        return 0.0
+    spread = prefilling * prefill_ms
+    return spread if spread < backlog_ms else backlog_ms
 
 
 def slot_hold_s(candidate: Candidate, now: float) -> float:

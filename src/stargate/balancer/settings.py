@@ -90,6 +90,7 @@ class AlgorithmDefinition:
     cache_affinity_prefill: PrefillEstimate = PrefillEstimate.SCALE
     cache_affinity_await_prefill: bool = False
     cache_affinity_spill: bool = False
+    prefill_sharing: bool = False
 
 
 class Policy(Protocol):

@@ -29,6 +29,7 @@ from stargate.balancer.estimates import (
     load_tps,
     prefill_at,
     queue_ms,
+    shared_prefill_delay_ms,
     slot_hold_s,
     slot_wait_ms,
 )
@@ -93,6 +94,7 @@ class WawSelector:
     def __init__(self, definition: AlgorithmDefinition, ranking: Ranking) -> None:
         self._ranking = ranking
         self._load_aware = definition.load_aware
+        self._sharing = definition.load_aware and definition.prefill_sharing
         self._measured = definition.prefill_rate is PrefillRate.MEASURED
         self._plain = score_for(definition.comparator, definition.load_aware, self._measured)
         # Load-aware ranks within this many ms tie (then fewer running wins); 0 for unit-less scores.
@@ -140,7 +142,7 @@ class WawSelector:
         entries: list[_Entry] = []
         low, high, all_finite = INF, -INF, True
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
-        load_aware, measured = self._load_aware, self._measured
+        load_aware, measured, sharing = self._load_aware, self._measured, self._sharing
         for index, candidate in pairs:
             cluster_id = candidate.cluster_id
             if excluded and cluster_id in excluded:
@@ -153,6 +155,7 @@ class WawSelector:
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
+                backlog = queue
                 if 0 < stats.max_engine_concurrency <= running:
                     queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
@@ -162,6 +165,8 @@ class WawSelector:
                 running = stats.num_running_queries
                 tps = stats.last_mean_input_tps
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
+            if sharing:  # load-aware only: the work ahead is ``backlog``
+                queue += shared_prefill_delay_ms(candidate, backlog, prefill)
             rtt = candidate.rtt_s * 1000.0
             bucket_ttft = rtt
             if not ignore_queue:
@@ -236,7 +241,7 @@ class WawSelector:
         with ``free_slot_only`` among those below their slot limit; the prefill is written flat: the
         yield check runs this per candidate of every keyed decision."""
         priority, tokens, excluded = request.priority, request.input_tokens, request.excluded
-        load_aware, measured = self._load_aware, self._measured
+        load_aware, measured, sharing = self._load_aware, self._measured, self._sharing
         per_index, ms_per_token = (scale, 0.0) if isinstance(scale, dict) else (None, scale * 1000.0)
         best = INF
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
@@ -250,6 +255,7 @@ class WawSelector:
                 continue
             if load_aware:
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
+                backlog = queue
                 queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
@@ -258,6 +264,8 @@ class WawSelector:
             if free_slot_only and not (limit == 0 or running < limit):
                 continue
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
+            if sharing:  # load-aware only: the work ahead is ``backlog``
+                queue += shared_prefill_delay_ms(candidate, backlog, prefill)
             estimate = candidate.rtt_s * 1000.0 + queue + prefill
             if estimate < best:
                 best = estimate
@@ -616,6 +624,11 @@ def _check(definition: AlgorithmDefinition) -> Problem | None:
         )
     if problem := check_prefill_rate(definition):
         return problem
+    if definition.prefill_sharing and not definition.load_aware:
+        return (
+            "prefill_sharing",
+            "prefill_sharing is read by the load-aware estimates: set load_aware to true",
+        )
     if definition.cache_affinity_await_prefill and not definition.selection_count:
         return (
             "cache_affinity_await_prefill",

@@ -29,6 +29,7 @@ from stargate.balancer.estimates import (
     load_running,
     load_tie_key,
     load_ttft_ms,
+    shared_prefill_delay_ms,
     slot_hold_s,
     slot_wait_ms,
 )
@@ -1104,3 +1105,52 @@ def test_at_the_slot_limit_the_spec_estimate_is_converted_to_the_measured_rate()
     assert load_queue_ms(full, 0) == 10_000.0
     assert load_queue_ms(_measured(full, 10_000.0), 0, measured=True) == 100.0
     assert load_queue_ms(_measured(full, 0.0), 0, measured=True) == 10_000.0
+
+
+# ---- prefill sharing (lb-config ``prefill_sharing``) --------------------------------------------------
+
+
+def test_a_shared_prefill_delays_each_prompt_prefilling_there_by_at_most_its_own_time() -> None:
+    idle = make_candidate("a", tps=1000.0, max_concurrency=8)
+    three = with_in_flight(idle, 3, 3, 6000)  # three prompts prefilling, 6000 ms of work ahead
+    assert shared_prefill_delay_ms(three, 6000.0, 1000.0) == 3000.0  # each waits 1000 ms more
+    assert shared_prefill_delay_ms(three, 1500.0, 1000.0) == 1500.0  # no more than the work left
+    assert shared_prefill_delay_ms(idle, 0.0, 1000.0) == 0.0
+    # Another router's prompts count as published when there are more of them than this router's.
+    published = dataclasses.replace(
+        with_in_flight(idle, 1, 1, 500), stats=dataclasses.replace(idle.stats, input_processing_queries=4)
+    )
+    assert shared_prefill_delay_ms(published, 6000.0, 1000.0) == 4000.0
+
+
+def _one_long_and_four_short() -> tuple[Candidate, ...]:
+    # "long": one 8000-token prompt prefilling; "short": four prompts with 6000 tokens left in all.
+    long = with_in_flight(make_candidate("long", tps=1000.0, max_concurrency=8), 1, 1, 8000)
+    short = with_in_flight(make_candidate("short", tps=1000.0, max_concurrency=8), 4, 4, 6000)
+    return long, short
+
+
+def test_with_prefill_sharing_the_pick_counts_the_wait_it_adds_to_the_others() -> None:
+    candidates = _one_long_and_four_short()
+    request = make_request(input_tokens=3000)
+    own = build_policy(waw(n=2, load_aware=True))
+    shared = build_policy(waw(n=2, load_aware=True, prefill_sharing=True))
+    for seed in range(10):
+        # Its own wait: 8000 + 3000 ms against 6000 + 3000 ms.
+        assert chosen_id(candidates, own.decide(candidates, request, rng(seed))) == "short"
+        # Plus the others': 3000 ms for the one prompt on "long", 6000 (4 x 3000, all the work
+        # ahead) for the four on "short": 14 000 against 15 000 ms.
+        assert chosen_id(candidates, shared.decide(candidates, request, rng(seed))) == "long"
+
+
+def test_the_yield_check_compares_the_same_costs_with_prefill_sharing() -> None:
+    candidates = _one_long_and_four_short()
+    selector = WawSelector(waw(load_aware=True, prefill_sharing=True), Ranking.TTFT)
+    request = make_request(input_tokens=3000)
+    best = selector.best_ttft(candidates, None, request, 1.0, None, free_slot_only=False)
+    assert best == pytest.approx(1.0 + 8000.0 + 3000.0 + 3000.0)  # rtt + work ahead + own + added
+
+
+def test_prefill_sharing_needs_the_load_aware_estimates() -> None:
+    with pytest.raises(ConfigError, match="prefill_sharing"):
+        parse_lb_config({"models": {"m": {"algorithm": "wait-and-widen", "prefill_sharing": True}}})

@@ -12,6 +12,7 @@ from stargate.balancer.config import load_lb_config, parse_lb_config
 from stargate.bench import plan
 from stargate.bench.console import prepare_scenario
 from stargate.bench.peers.compare import (
+    PREFILL_SHARING_SETTINGS,
     RECOMMENDED_FILE,
     RECOMMENDED_STARGATE_ARGS,
     SHARED_PREFILL_SETTINGS,
@@ -51,9 +52,11 @@ def test_a_recommended_file_without_exactly_one_model_is_a_config_error(tmp_path
 
 
 def _without_shared_prefill(lb_config: dict[str, object]) -> dict[str, object]:
+    """The lb-config without the settings ``compare`` adds for the mock engines' batching."""
+    added = SHARED_PREFILL_SETTINGS.keys() | PREFILL_SHARING_SETTINGS.keys()
     models = lb_config["models"]
     assert isinstance(models, dict)
-    return {**lb_config, "models": {name: {k: v for k, v in entry.items() if k not in SHARED_PREFILL_SETTINGS}
+    return {**lb_config, "models": {name: {k: v for k, v in entry.items() if k not in added}
                                     for name, entry in models.items()}}  # fmt: skip
 
 
@@ -93,10 +96,11 @@ def test_engines_without_a_kv_cache_run_pylon_without_prefix_caching() -> None:
 
 
 @pytest.mark.parametrize(
-    ("batching", "awaits"), [("continuous", True), ("independent", True), ("vllm", False)]
+    ("batching", "awaits", "shares"),
+    [("continuous", True, True), ("independent", True, False), ("vllm", False, False)],
 )
 def test_a_turn_waits_and_yields_to_load_where_engines_start_every_prefill_at_once(
-    batching: str, awaits: bool
+    batching: str, awaits: bool, shares: bool
 ) -> None:
     path = str(ROOT / "benches" / "trace-conversations.yaml")
     scenario = prepare_scenario(path, None, None, batching)  # type: ignore[arg-type]
@@ -104,6 +108,8 @@ def test_a_turn_waits_and_yields_to_load_where_engines_start_every_prefill_at_on
     definition = parse_lb_config(choice.spec.lb_config).resolve(scenario.model, None)
     assert definition.cache_affinity_await_prefill is awaits
     assert definition.cache_affinity_yield_margin_ms == (1000 if awaits else None)
+    # Only engines that share their prefill rate between prompts slow the ones a request joins.
+    assert definition.prefill_sharing is shares
     assert _without_shared_prefill(choice.spec.lb_config) == recommended_lb_config(scenario.model)
 
 

@@ -107,6 +107,13 @@ engine slows every prompt it shares itself between. Not under ``vllm``, whose fi
 queue already puts the turn behind its predecessor, whose cache it then reuses."""
 
 
+PREFILL_SHARING_SETTINGS: dict[str, object] = {"prefill_sharing": True}
+"""Added where the scenario's engines share their prefill rate between the prompts they prefill at
+once (the mock's ``continuous`` batching), as docs/configuration.md recommends: a request sent there
+slows every prompt prefilling there, and the load-aware estimates count that wait. Not under
+``independent`` (every prompt at the full rate) nor ``vllm`` (a prompt queues behind the others)."""
+
+
 def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str, object]:
     """``examples/lb-config/recommended.json`` with its one model entry renamed to ``model``: what
     ``stargate:recommended`` runs (with ``RECOMMENDED_STARGATE_ARGS``) unless the scenario has its own
@@ -120,20 +127,20 @@ def recommended_lb_config(model: str, path: Path = RECOMMENDED_FILE) -> dict[str
     return {**config, "models": {model: settings}}
 
 
-def _with_shared_prefill(lb_config: dict[str, object]) -> dict[str, object]:
-    """``SHARED_PREFILL_SETTINGS`` on every wait-and-widen model entry with an affinity group."""
+def _with_settings(
+    lb_config: dict[str, object], settings: dict[str, object], needs: str
+) -> dict[str, object]:
+    """``settings`` on every wait-and-widen model entry that sets ``needs``."""
     models = lb_config.get("models")
     if not isinstance(models, dict):
         return lb_config
-    grouped = {
-        name: {**entry, **SHARED_PREFILL_SETTINGS}
-        if isinstance(entry, dict)
-        and entry.get("algorithm") == "wait-and-widen"
-        and entry.get("cache_affinity_backend_selection_count")
+    changed = {
+        name: {**entry, **settings}
+        if isinstance(entry, dict) and entry.get("algorithm") == "wait-and-widen" and entry.get(needs)
         else entry
         for name, entry in models.items()
     }
-    return {**lb_config, "models": grouped}
+    return {**lb_config, "models": changed}
 
 
 def _has_kv_cache(scenario: Scenario) -> bool:
@@ -153,7 +160,10 @@ def recommended_run(scenario: Scenario, spec: RunSpec | None = None, *, streamin
     if _has_kv_cache(scenario):
         pylon_args += PREFIX_CACHING_PYLON_ARGS
         if streaming and scenario.mock.batching != "vllm":
-            lb_config = _with_shared_prefill(lb_config)
+            affinity = "cache_affinity_backend_selection_count"
+            lb_config = _with_settings(lb_config, SHARED_PREFILL_SETTINGS, affinity)
+    if scenario.mock.batching == "continuous":
+        lb_config = _with_settings(lb_config, PREFILL_SHARING_SETTINGS, "load_aware")
     return dataclasses.replace(spec, lb_config=lb_config, stargate_args=RECOMMENDED_STARGATE_ARGS,
                                pylon_args=pylon_args)
 
