@@ -11,13 +11,13 @@ the published stats with the router's own in-flight count (``Candidate.in_flight
 rule stays the rule for admission, the queue-SLO filter and the expected-queue header. With
 ``prefill_rate: measured`` they divide by the router's own measure of the cluster's prefill rate
 (``Candidate.measured_input_tps``) where it is above the published mean; admission and the header
-keep the published one, which is what Pylon checks against. With ``prefill_sharing`` they also
-count the wait a request's prefill adds to the prompts prefilling beside it
-(``shared_prefill_delay_ms``).
+keep the published one, which is what Pylon checks against. With ``prefill_sharing`` they model
+an engine that shares its prefill rate between the prompts it prefills (``sharing_queue_ms``).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Collection, Mapping
 from types import MappingProxyType
@@ -220,20 +220,41 @@ def load_ttft_ms(
     )
 
 
-def shared_prefill_delay_ms(candidate: Candidate, backlog_ms: float, prefill_ms: float) -> float:
-    """The wait a request's prefill adds to the prompts prefilling on the cluster, on an engine
-    that shares its prefill rate between them (lb-config ``prefill_sharing``): each is delayed by
-    up to the request's own prefill time, and all of them together by at most the work ahead
-    there (``backlog_ms``). Ranking by the request's own wait plus this picks the engine where the
-    fleet waits least, not only the request: on a shared engine every prompt it joins waits longer.
-    Prompts prefilling are this router's own or the published count, the larger."""
-    own = candidate.in_flight.prefilling
-    published = candidate.stats.input_processing_queries
-    prefilling = own if own >= published else published
-    if prefilling == 0 or backlog_ms <= 0.0:
+def shared_prefill_tokens(candidate: Candidate, tokens: float) -> float:
+    """Prompt work a prompt of ``tokens`` shares the cluster with, on an engine that splits its
+    prefill rate equally between every prompt it prefills (processor sharing, lb-config
+    ``prefill_sharing``): each prompt there takes ``min(its tokens, tokens)`` of the rate before
+    the new one ends, so the new one waits that long, and each of them waits as long again.
+
+    This router's prompts count with their sizes (their progress is not known: an upper bound).
+    Prompts the published stats count beyond them (other routers') count with their published
+    total, each at most ``tokens``."""
+    if tokens <= 0.0:
         return 0.0
-    spread = prefilling * prefill_ms
-    return spread if spread < backlog_ms else backlog_ms
+    own = candidate.in_flight
+    sizes = own.prefill_sizes
+    cut = bisect.bisect_left(sizes, tokens)
+    total = float(sum(sizes[:cut])) + tokens * (len(sizes) - cut)
+    stats = candidate.stats
+    others = stats.input_processing_queries - own.prefilling
+    rest = stats.queued_input_size - own.prefill_tokens
+    if others > 0 and rest > 0:
+        total += min(float(rest), others * tokens)
+    return total
+
+
+def sharing_queue_ms(candidate: Candidate, tokens: float, tps: float, running: int, now: float) -> float:
+    """The load-aware queue term with ``prefill_sharing``: the wait for a slot at the limit, then
+    ``shared_prefill_tokens`` twice (the request's wait behind the prompts it shares the engine
+    with, and theirs behind it) at ``tps``. Ranking by the fleet's wait, not the request's own,
+    picks the engine where a prompt adds least; the work ahead is not a wait here, as it is on a
+    first-come-first-served engine: a short prompt beside long ones ends first."""
+    shared = shared_prefill_tokens(candidate, tokens)
+    queue = 0.0 if shared == 0.0 else shared * 2000.0 / tps if 0.0 < tps < INF else INF
+    limit = candidate.stats.max_engine_concurrency
+    if 0 < limit <= running:
+        queue += slot_wait_ms(slot_hold_s(candidate, now), running, limit)
+    return queue
 
 
 def slot_hold_s(candidate: Candidate, now: float) -> float:

@@ -87,6 +87,9 @@ class InFlight:
     keys: Mapping[str, int] = field(default_factory=lambda: NO_KEYS)
     """Requests in flight there per cache-affinity key. A read-only view of the router's live count,
     for use within one decision: a copy per change would cost one per request start and end."""
+    prefill_sizes: tuple[int, ...] = ()
+    """Prefill tokens of each request still prefilling, ascending (their sum is ``prefill_tokens``):
+    on an engine that shares its prefill rate, what a new prompt waits for depends on each size."""
 
     @property
     def decoding(self) -> int:

@@ -29,7 +29,7 @@ from stargate.balancer.estimates import (
     load_tps,
     prefill_at,
     queue_ms,
-    shared_prefill_delay_ms,
+    sharing_queue_ms,
     slot_hold_s,
     slot_wait_ms,
 )
@@ -155,8 +155,7 @@ class WawSelector:
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                backlog = queue
-                if 0 < stats.max_engine_concurrency <= running:
+                if 0 < stats.max_engine_concurrency <= running and not sharing:
                     queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
                 queue = queue_ms(stats, priority)
@@ -165,8 +164,8 @@ class WawSelector:
                 running = stats.num_running_queries
                 tps = stats.last_mean_input_tps
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
-            if sharing:  # load-aware only: the work ahead is ``backlog``
-                queue += shared_prefill_delay_ms(candidate, backlog, prefill)
+            if sharing:  # load-aware only
+                queue = sharing_queue_ms(candidate, tokens * ms_per_token / 1000.0, tps, running, request.now)
             rtt = candidate.rtt_s * 1000.0
             bucket_ttft = rtt
             if not ignore_queue:
@@ -255,8 +254,8 @@ class WawSelector:
                 continue
             if load_aware:
                 queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                backlog = queue
-                queue = _with_slot_wait(candidate, queue, running, request.now)
+                if not sharing:
+                    queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
                 tps = stats.last_mean_input_tps
@@ -264,8 +263,8 @@ class WawSelector:
             if free_slot_only and not (limit == 0 or running < limit):
                 continue
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
-            if sharing:  # load-aware only: the work ahead is ``backlog``
-                queue += shared_prefill_delay_ms(candidate, backlog, prefill)
+            if sharing:  # load-aware only
+                queue = sharing_queue_ms(candidate, tokens * ms_per_token / 1000.0, tps, running, request.now)
             estimate = candidate.rtt_s * 1000.0 + queue + prefill
             if estimate < best:
                 best = estimate

@@ -9,6 +9,7 @@ by one (``with_reservations``).
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -174,6 +175,14 @@ def _add(counts: dict[str, int], key: str, change: int) -> int:
     else:
         counts.pop(key, None)
     return count
+
+
+def _with_size(sizes: tuple[int, ...], size: int, change: int) -> tuple[int, ...]:
+    """``sizes`` (ascending) with one ``size`` added (+1) or removed (-1)."""
+    at = bisect.bisect_left(sizes, size)
+    if change > 0:
+        return (*sizes[:at], size, *sizes[at:])
+    return (*sizes[:at], *sizes[at + 1 :]) if at < len(sizes) and sizes[at] == size else sizes
 
 
 def _measured(reservation: Reservation) -> bool:
@@ -459,12 +468,16 @@ class ClusterState:
             counts = self._prefilling_keys
             if (_add(counts, key, prefill) > 0) != (key in keys):
                 keys = frozenset(counts)
+        sizes = current.prefill_sizes
+        if prefill:
+            sizes = _with_size(sizes, reservation.prefill_tokens, prefill)
         self._in_flight = InFlight(
             current.requests + sign,
             current.prefilling + prefill,
             current.prefill_tokens + prefill * reservation.prefill_tokens,
             keys,
             self._keys_view,
+            sizes,
         )
         if prefill and _measured(reservation):
             if prefill > 0:

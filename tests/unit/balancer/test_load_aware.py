@@ -29,7 +29,8 @@ from stargate.balancer.estimates import (
     load_running,
     load_tie_key,
     load_ttft_ms,
-    shared_prefill_delay_ms,
+    shared_prefill_tokens,
+    sharing_queue_ms,
     slot_hold_s,
     slot_wait_ms,
 )
@@ -1110,36 +1111,55 @@ def test_at_the_slot_limit_the_spec_estimate_is_converted_to_the_measured_rate()
 # ---- prefill sharing (lb-config ``prefill_sharing``) --------------------------------------------------
 
 
-def test_a_shared_prefill_delays_each_prompt_prefilling_there_by_at_most_its_own_time() -> None:
+def prefilling(candidate: Candidate, *sizes: int) -> Candidate:
+    """``candidate`` with this router's prompts of ``sizes`` tokens prefilling there."""
+    in_flight = InFlight(len(sizes), len(sizes), sum(sizes), prefill_sizes=tuple(sorted(sizes)))
+    return dataclasses.replace(candidate, in_flight=in_flight)
+
+
+def test_a_shared_prefill_waits_for_each_prompt_up_to_its_own_size() -> None:
     idle = make_candidate("a", tps=1000.0, max_concurrency=8)
-    three = with_in_flight(idle, 3, 3, 6000)  # three prompts prefilling, 6000 ms of work ahead
-    assert shared_prefill_delay_ms(three, 6000.0, 1000.0) == 3000.0  # each waits 1000 ms more
-    assert shared_prefill_delay_ms(three, 1500.0, 1000.0) == 1500.0  # no more than the work left
-    assert shared_prefill_delay_ms(idle, 0.0, 1000.0) == 0.0
-    # Another router's prompts count as published when there are more of them than this router's.
-    published = dataclasses.replace(
-        with_in_flight(idle, 1, 1, 500), stats=dataclasses.replace(idle.stats, input_processing_queries=4)
-    )
-    assert shared_prefill_delay_ms(published, 6000.0, 1000.0) == 4000.0
+    three = prefilling(idle, 500, 2000, 4000)
+    assert shared_prefill_tokens(three, 1000.0) == 500 + 1000 + 1000
+    assert shared_prefill_tokens(three, 5000.0) == 500 + 2000 + 4000  # all of it
+    assert shared_prefill_tokens(three, 0.0) == 0.0
+    assert shared_prefill_tokens(idle, 1000.0) == 0.0
+    # Prompts the stats publish beyond this router's: their published total, each at most the
+    # request's size. Here 3 more with 6000 tokens in all.
+    stats = dataclasses.replace(idle.stats, input_processing_queries=4, queued_input_size=6500)
+    published = prefilling(dataclasses.replace(idle, stats=stats), 500)
+    assert shared_prefill_tokens(published, 1000.0) == 500 + 3 * 1000
+    assert shared_prefill_tokens(published, 3000.0) == 500 + 6000
+
+
+def test_the_sharing_queue_is_both_waits_and_at_the_limit_the_wait_for_a_slot() -> None:
+    free = prefilling(make_candidate("a", tps=1000.0, max_concurrency=8), 500, 4000)
+    # 500 + 1000 tokens shared, twice (its wait and theirs), at 1000 tokens/s.
+    assert sharing_queue_ms(free, 1000.0, 1000.0, 2, now=10.0) == 3000.0
+    full = dataclasses.replace(free, measured_slot_s=4.0)
+    # 8 slots held 4 s each free one every 500 ms; two requests queue ahead of this one.
+    assert sharing_queue_ms(full, 1000.0, 1000.0, 10, now=10.0) == 3000.0 + 3 * 500.0
+    assert sharing_queue_ms(free, 1000.0, 0.0, 2, now=10.0) == math.inf
 
 
 def _one_long_and_four_short() -> tuple[Candidate, ...]:
-    # "long": one 8000-token prompt prefilling; "short": four prompts with 6000 tokens left in all.
-    long = with_in_flight(make_candidate("long", tps=1000.0, max_concurrency=8), 1, 1, 8000)
-    short = with_in_flight(make_candidate("short", tps=1000.0, max_concurrency=8), 4, 4, 6000)
+    # "long": one 8000-token prompt prefilling; "short": four of 1500 tokens (6000 in all).
+    long = prefilling(make_candidate("long", tps=1000.0, max_concurrency=8), 8000)
+    short = prefilling(make_candidate("short", tps=1000.0, max_concurrency=8), 1500, 1500, 1500, 1500)
     return long, short
 
 
-def test_with_prefill_sharing_the_pick_counts_the_wait_it_adds_to_the_others() -> None:
+def test_with_prefill_sharing_a_prompt_goes_where_sharing_costs_least() -> None:
     candidates = _one_long_and_four_short()
     request = make_request(input_tokens=3000)
     own = build_policy(waw(n=2, load_aware=True))
     shared = build_policy(waw(n=2, load_aware=True, prefill_sharing=True))
     for seed in range(10):
-        # Its own wait: 8000 + 3000 ms against 6000 + 3000 ms.
+        # First come, first served: 8000 + 3000 ms of work against 6000 + 3000.
         assert chosen_id(candidates, own.decide(candidates, request, rng(seed))) == "short"
-        # Plus the others': 3000 ms for the one prompt on "long", 6000 (4 x 3000, all the work
-        # ahead) for the four on "short": 14 000 against 15 000 ms.
+        # Shared: beside the long prompt it ends after 3000 + 3000 ms and delays it 3000 ms
+        # (9000 in all); beside the four short ones after 6000 + 3000 ms, each of them 1500 ms
+        # later (15 000 in all).
         assert chosen_id(candidates, shared.decide(candidates, request, rng(seed))) == "long"
 
 
@@ -1148,7 +1168,10 @@ def test_the_yield_check_compares_the_same_costs_with_prefill_sharing() -> None:
     selector = WawSelector(waw(load_aware=True, prefill_sharing=True), Ranking.TTFT)
     request = make_request(input_tokens=3000)
     best = selector.best_ttft(candidates, None, request, 1.0, None, free_slot_only=False)
-    assert best == pytest.approx(1.0 + 8000.0 + 3000.0 + 3000.0)  # rtt + work ahead + own + added
+    assert best == pytest.approx(1.0 + 3000.0 + 3000.0 + 3000.0)  # rtt + shared twice + own
+    # A cache discount shrinks the prompt that shares the engine, not only its own prefill.
+    cached = selector.best_ttft(candidates, None, request, 0.2, None, free_slot_only=False)
+    assert cached == pytest.approx(1.0 + 600.0 + 600.0 + 600.0)
 
 
 def test_prefill_sharing_needs_the_load_aware_estimates() -> None:

@@ -555,6 +555,24 @@ def test_a_pick_that_expects_its_prefix_cached_counts_only_the_uncached_prefill(
     assert only_candidate(state).stats.queued_input_size == 1300
 
 
+def test_the_in_flight_record_keeps_the_size_of_each_prompt_prefilling() -> None:
+    """Processor-sharing estimates need each prompt's size, not only their sum."""
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    long = state.reserve(T, "a", 900, 0)
+    cached = state.reserve(T, "a", 1000, 0, prefill_tokens=200)
+    short = state.reserve(T, "a", 200, 0)
+    assert only_candidate(state).in_flight.prefill_sizes == (200, 200, 900)
+    state.first_byte(cached)
+    assert only_candidate(state).in_flight.prefill_sizes == (200, 900)
+    state.finish(long)
+    state.finish(cached)  # decoding: no size left to remove
+    assert only_candidate(state).in_flight.prefill_sizes == (200,)
+    state.finish(short)
+    assert only_candidate(state).in_flight.prefill_sizes == ()
+
+
 def test_a_pylon_that_leaves_the_cache_out_is_credited_nothing_more() -> None:
     """A Pylon with --engine-prefix-caching publishes the uncached work itself (its capability says
     so): the router credits no expected cache hit on top, and a first byte takes out what was left."""
