@@ -229,14 +229,16 @@ def shared_prefill_tokens(candidate: Candidate, tokens: float) -> float:
     This router's prompts count with their sizes (their progress is not known: an upper bound).
     Prompts the published stats count beyond them (other routers') count with their published
     total, each at most ``tokens``."""
-    if tokens <= 0.0:
-        return 0.0
     own = candidate.in_flight
-    sizes = own.prefill_sizes
-    cut = bisect.bisect_left(sizes, tokens)
-    total = float(sum(sizes[:cut])) + tokens * (len(sizes) - cut)
     stats = candidate.stats
     others = stats.input_processing_queries - own.prefilling
+    sizes = own.prefill_sizes
+    if tokens <= 0.0 or not (sizes or others > 0):
+        return 0.0
+    total = 0.0
+    if sizes:
+        cut = bisect.bisect_left(sizes, tokens)
+        total = float(sum(sizes[:cut])) + tokens * (len(sizes) - cut)
     rest = stats.queued_input_size - own.prefill_tokens
     if others > 0 and rest > 0:
         total += min(float(rest), others * tokens)

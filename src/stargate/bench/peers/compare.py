@@ -109,8 +109,8 @@ queue already puts the turn behind its predecessor, whose cache it then reuses."
 
 PREFILL_SHARING_SETTINGS: dict[str, object] = {"prefill_sharing": True}
 """Added where the scenario's engines share their prefill rate between the prompts they prefill at
-once (the mock's ``continuous`` batching), as docs/configuration.md recommends: a request sent there
-slows every prompt prefilling there, and the load-aware estimates count that wait. Not under
+once (the mock's ``continuous`` batching), as docs/configuration.md recommends: a prompt sent there
+shares the rate with those prefilling instead of waiting for them, and slows each of them. Not under
 ``independent`` (every prompt at the full rate) nor ``vllm`` (a prompt queues behind the others)."""
 
 
