@@ -227,11 +227,11 @@ def shared_prefill_tokens(candidate: Candidate, tokens: float) -> float:
     the new one ends, so the new one waits that long, and each of them waits as long again.
 
     This router's prompts count with their sizes (their progress is not known: an upper bound).
-    Prompts the published stats count beyond them (other routers') count with their published
-    total, each at most ``tokens``."""
+    Prompts the published stats count beyond them before their first byte (``queue_size``, another
+    router's) count with their published work (``queued_input_size``), each at most ``tokens``."""
     own = candidate.in_flight
     stats = candidate.stats
-    others = stats.input_processing_queries - own.prefilling
+    others = stats.queue_size - own.prefilling
     sizes = own.prefill_sizes
     if tokens <= 0.0 or not (sizes or others > 0):
         return 0.0

@@ -1126,7 +1126,7 @@ def test_a_shared_prefill_waits_for_each_prompt_up_to_its_own_size() -> None:
     assert shared_prefill_tokens(idle, 1000.0) == 0.0
     # Prompts the stats publish beyond this router's: their published total, each at most the
     # request's size. Here 3 more with 6000 tokens in all.
-    stats = dataclasses.replace(idle.stats, input_processing_queries=4, queued_input_size=6500)
+    stats = dataclasses.replace(idle.stats, queue_size=4, queued_input_size=6500)
     published = prefilling(dataclasses.replace(idle, stats=stats), 500)
     assert shared_prefill_tokens(published, 1000.0) == 500 + 3 * 1000
     assert shared_prefill_tokens(published, 3000.0) == 500 + 6000
