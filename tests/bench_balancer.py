@@ -21,6 +21,7 @@ from stargate.balancer import (
     build_policy,
 )
 from stargate.balancer.config import load_lb_config
+from stargate.balancer.types import InFlight
 from stargate.bench.peers.compare import RECOMMENDED_FILE
 
 RECOMMENDED = load_lb_config(str(RECOMMENDED_FILE)).resolve("llama", None)
@@ -74,14 +75,33 @@ def make_candidates(count: int, generator: random.Random) -> tuple[Candidate, ..
     )
 
 
+PREFILLING = ("recommended.json + yield, await", "recommended.json + yield, await, sharing")
+"""Rows run again with this router's prompts prefilling on every cluster: the estimates that read
+each prompt's size (``prefill_sharing``) cost more there than on idle clusters."""
+
+
+def with_prefilling(
+    candidates: tuple[Candidate, ...], count: int, generator: random.Random
+) -> tuple[Candidate, ...]:
+    def in_flight() -> InFlight:
+        sizes = tuple(sorted(generator.randrange(100, 20_000) for _ in range(count)))
+        return InFlight(count, count, sum(sizes), prefill_sizes=sizes)
+
+    return tuple(dataclasses.replace(candidate, in_flight=in_flight()) for candidate in candidates)
+
+
 def main() -> None:
     generator = random.Random(1)
     request = LbRequest(Target(None, "model"), 1000, received_at=0.0, now=0.03, cache_affinity_key="prefix-7")
-    print(f"{'algorithm':34s}" + "".join(f"{n:>10d}" for n in (4, 64, 512)) + "   (µs per decision)")
-    for name, definition in DEFINITIONS.items():
+    print(f"{'algorithm':56s}" + "".join(f"{n:>10d}" for n in (4, 64, 512)) + "   (µs per decision)")
+    rows = [(name, definition, 0) for name, definition in DEFINITIONS.items()]
+    rows += [(f"{name}, 16 prefilling", DEFINITIONS[name], 16) for name in PREFILLING]
+    for name, definition, prefilling in rows:
         row = []
         for count in (4, 64, 512):
             candidates = make_candidates(count, generator)
+            if prefilling:
+                candidates = with_prefilling(candidates, prefilling, generator)
             policy = build_policy(definition)
             policy.decide(candidates, request, generator)  # build rings and caches outside the timing
             loops = max(200, 40_000 // count)
@@ -89,7 +109,7 @@ def main() -> None:
                 timeit.repeat(lambda: policy.decide(candidates, request, generator), number=loops, repeat=3)  # noqa: B023
             )
             row.append(seconds / loops * 1e6)
-        print(f"{name:34s}" + "".join(f"{value:10.2f}" for value in row))
+        print(f"{name:56s}" + "".join(f"{value:10.2f}" for value in row))
 
 
 if __name__ == "__main__":

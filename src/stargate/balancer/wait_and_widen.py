@@ -154,9 +154,12 @@ class WawSelector:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
-                queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                if 0 < stats.max_engine_concurrency <= running and not sharing:
-                    queue = _with_slot_wait(candidate, queue, running, request.now)
+                if sharing:  # its queue term needs the prompt's size: below
+                    queue, running, tps = 0.0, load_running(candidate), load_tps(candidate, measured)
+                else:
+                    queue, running, tps = load_queue_running_rate(candidate, priority, measured)
+                    if 0 < stats.max_engine_concurrency <= running:
+                        queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
@@ -253,8 +256,10 @@ class WawSelector:
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
             if load_aware:
-                queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                if not sharing:
+                if sharing:  # its queue term needs the prompt's size: below
+                    queue, running, tps = 0.0, load_running(candidate), load_tps(candidate, measured)
+                else:
+                    queue, running, tps = load_queue_running_rate(candidate, priority, measured)
                     queue = _with_slot_wait(candidate, queue, running, request.now)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
