@@ -1174,6 +1174,21 @@ def test_the_yield_check_compares_the_same_costs_with_prefill_sharing() -> None:
     assert cached == pytest.approx(1.0 + 600.0 + 600.0 + 600.0)
 
 
+def test_with_prefill_sharing_a_request_without_a_token_count_goes_to_the_fewest_running() -> None:
+    # "prefilling": one 8000-token prompt and nothing else; "decoding": four answers, no prompt.
+    prefilling_one = prefilling(make_candidate("prefilling", tps=1000.0, max_concurrency=8), 8000)
+    decoding = make_candidate("decoding", tps=1000.0, max_concurrency=8, running=4)
+    candidates = (prefilling_one, decoding)
+    request = make_request(input_tokens=0)
+    own = build_policy(waw(n=2, load_aware=True))
+    shared = build_policy(waw(n=2, load_aware=True, prefill_sharing=True))
+    for seed in range(10):
+        # First come, first served it waits for the 8000 ms of work ahead.
+        assert chosen_id(candidates, own.decide(candidates, request, rng(seed))) == "decoding"
+        # Shared, an empty prompt waits for nothing: the tie goes to fewer requests running.
+        assert chosen_id(candidates, shared.decide(candidates, request, rng(seed))) == "prefilling"
+
+
 def test_prefill_sharing_needs_the_load_aware_estimates() -> None:
     with pytest.raises(ConfigError, match="prefill_sharing"):
         parse_lb_config({"models": {"m": {"algorithm": "wait-and-widen", "prefill_sharing": True}}})
