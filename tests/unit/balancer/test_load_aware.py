@@ -1149,18 +1149,28 @@ def _one_long_and_four_short() -> tuple[Candidate, ...]:
     return long, short
 
 
-def test_with_prefill_sharing_a_prompt_goes_where_sharing_costs_least() -> None:
-    candidates = _one_long_and_four_short()
-    request = make_request(input_tokens=3000)
+def _picks_without_and_with_sharing(
+    candidates: tuple[Candidate, ...], input_tokens: int
+) -> set[tuple[str, str]]:
+    """The cluster load-aware wait-and-widen picks, first without ``prefill_sharing``, then with
+    it, over ten seeds (a set: one pair when every seed agrees)."""
+    request = make_request(input_tokens=input_tokens)
     own = build_policy(waw(n=2, load_aware=True))
     shared = build_policy(waw(n=2, load_aware=True, prefill_sharing=True))
-    for seed in range(10):
-        # First come, first served: 8000 + 3000 ms of work against 6000 + 3000.
-        assert chosen_id(candidates, own.decide(candidates, request, rng(seed))) == "short"
-        # Shared: beside the long prompt it ends after 3000 + 3000 ms and delays it 3000 ms
-        # (9000 in all); beside the four short ones after 6000 + 3000 ms, each of them 1500 ms
-        # later (15 000 in all).
-        assert chosen_id(candidates, shared.decide(candidates, request, rng(seed))) == "long"
+    return {
+        (
+            chosen_id(candidates, own.decide(candidates, request, rng(seed))),
+            chosen_id(candidates, shared.decide(candidates, request, rng(seed))),
+        )
+        for seed in range(10)
+    }
+
+
+def test_with_prefill_sharing_a_prompt_goes_where_sharing_costs_least() -> None:
+    # First come, first served: 8000 + 3000 ms of work against 6000 + 3000. Shared: beside the
+    # long prompt it ends after 3000 + 3000 ms and delays it 3000 ms (9000 in all); beside the four
+    # short ones after 6000 + 3000 ms, each of them 1500 ms later (15 000 in all).
+    assert _picks_without_and_with_sharing(_one_long_and_four_short(), 3000) == {("short", "long")}
 
 
 def test_the_yield_check_compares_the_same_costs_with_prefill_sharing() -> None:
@@ -1176,17 +1186,11 @@ def test_the_yield_check_compares_the_same_costs_with_prefill_sharing() -> None:
 
 def test_with_prefill_sharing_a_request_without_a_token_count_goes_to_the_fewest_running() -> None:
     # "prefilling": one 8000-token prompt and nothing else; "decoding": four answers, no prompt.
+    # First come, first served the request waits for the 8000 ms of work ahead; shared, an empty
+    # prompt waits for nothing, and the tie goes to fewer requests running.
     prefilling_one = prefilling(make_candidate("prefilling", tps=1000.0, max_concurrency=8), 8000)
     decoding = make_candidate("decoding", tps=1000.0, max_concurrency=8, running=4)
-    candidates = (prefilling_one, decoding)
-    request = make_request(input_tokens=0)
-    own = build_policy(waw(n=2, load_aware=True))
-    shared = build_policy(waw(n=2, load_aware=True, prefill_sharing=True))
-    for seed in range(10):
-        # First come, first served it waits for the 8000 ms of work ahead.
-        assert chosen_id(candidates, own.decide(candidates, request, rng(seed))) == "decoding"
-        # Shared, an empty prompt waits for nothing: the tie goes to fewer requests running.
-        assert chosen_id(candidates, shared.decide(candidates, request, rng(seed))) == "prefilling"
+    assert _picks_without_and_with_sharing((prefilling_one, decoding), 0) == {("decoding", "prefilling")}
 
 
 def test_prefill_sharing_needs_the_load_aware_estimates() -> None:
