@@ -154,8 +154,10 @@ class WawSelector:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
-                if sharing:  # its queue term needs the prompt's size: below
-                    queue, running, tps = 0.0, load_running(candidate), load_tps(candidate, measured)
+                if sharing:
+                    running, tps = load_running(candidate), load_tps(candidate, measured)
+                    size = tokens * ms_per_token / 1000.0  # the prompt after its cache discount
+                    queue = sharing_queue_ms(candidate, size, tps, running, request.now)
                 else:
                     queue, running, tps = load_queue_running_rate(candidate, priority, measured)
                     if 0 < stats.max_engine_concurrency <= running:
@@ -167,8 +169,6 @@ class WawSelector:
                 running = stats.num_running_queries
                 tps = stats.last_mean_input_tps
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
-            if sharing:  # load-aware only
-                queue = sharing_queue_ms(candidate, tokens * ms_per_token / 1000.0, tps, running, request.now)
             rtt = candidate.rtt_s * 1000.0
             bucket_ttft = rtt
             if not ignore_queue:
@@ -256,8 +256,10 @@ class WawSelector:
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
             if load_aware:
-                if sharing:  # its queue term needs the prompt's size: below
-                    queue, running, tps = 0.0, load_running(candidate), load_tps(candidate, measured)
+                if sharing:
+                    running, tps = load_running(candidate), load_tps(candidate, measured)
+                    size = tokens * ms_per_token / 1000.0  # the prompt after its cache discount
+                    queue = sharing_queue_ms(candidate, size, tps, running, request.now)
                 else:
                     queue, running, tps = load_queue_running_rate(candidate, priority, measured)
                     queue = _with_slot_wait(candidate, queue, running, request.now)
@@ -268,8 +270,6 @@ class WawSelector:
             if free_slot_only and not (limit == 0 or running < limit):
                 continue
             prefill = 0.0 if tokens == 0 else tokens * ms_per_token / tps if 0.0 < tps < INF else INF
-            if sharing:  # load-aware only
-                queue = sharing_queue_ms(candidate, tokens * ms_per_token / 1000.0, tps, running, request.now)
             estimate = candidate.rtt_s * 1000.0 + queue + prefill
             if estimate < best:
                 best = estimate
