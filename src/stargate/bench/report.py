@@ -88,6 +88,7 @@ _RESULT_COLUMNS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("In-flight imb p99", lambda s: _score(s.inflight_imbalance_p99)),
     ("Per-slot imb", lambda s: _score(s.slot_inflight_imbalance)),
     ("Per-slot imb p99", lambda s: _score(s.slot_inflight_imbalance_p99)),
+    ("Prefill imb", lambda s: _score(s.prefill_inflight_imbalance)),
     ("Key moves", lambda s: str(s.moved_cache_keys)),
     ("Lag p99 ms", lambda s: _ms(s.p99_schedule_lag_ms)),
     ("Retries", lambda s: str(s.retries_seen)),
@@ -184,7 +185,9 @@ def render_markdown(scenario: Scenario, summaries: Sequence[RunSummary], charts:
         "In-flight imb is the time-weighted mean over the run of max / mean in-flight requests across "
         "backends (1 = even, the backend count = all on one), p99 its 99th percentile over time; "
         "moments with nothing in flight are left out. Per-slot imb is the same over in-flight requests "
-        "per engine slot (equal to In-flight imb when every backend has the same slots).",
+        "per engine slot (equal to In-flight imb when every backend has the same slots). Prefill imb "
+        "is Per-slot imb over the requests still waiting for their first token: a pile-up there "
+        "is what delays first tokens; answers being decoded hold slots but not the prefill.",
     ]
     grouped = across_repeats([s.to_dict() for s in summaries])
     if len(grouped) < len(summaries):

@@ -60,6 +60,11 @@ class RequestRecord:
     def finished_s(self) -> float | None:
         return self.end_s if self.end_s is not None else self.last_token_s
 
+    @property
+    def waited_until_s(self) -> float | None:
+        """When the wait for a first token ended: at it, or at the end of a request that had none."""
+        return self.first_token_s if self.first_token_s is not None else self.finished_s
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -140,6 +145,7 @@ class RunSummary:
     inflight_imbalance_p99: float | None  # its time-weighted 99th percentile
     slot_inflight_imbalance: float | None  # the same over in-flight per engine slot
     slot_inflight_imbalance_p99: float | None
+    prefill_inflight_imbalance: float | None  # per slot, over requests before their first token
     retries_seen: int
     timeouts: int
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -341,6 +347,9 @@ def summarize(
              if r.finished_s is not None]  # fmt: skip
     imbalance = in_flight_imbalance(spans, universe)
     slot_imbalance = in_flight_imbalance(spans, universe, slots)
+    waiting = [(member, r.dispatch_s, end) for member, items in by_member.items() for r in items
+               if (end := r.waited_until_s) is not None]  # fmt: skip
+    prefill_imbalance = in_flight_imbalance(waiting, universe, slots)
     failures = Counter((r.status, r.backend_id, r.error_class or "not_ok") for r in records if not r.ok)
 
     return RunSummary(
@@ -395,6 +404,7 @@ def summarize(
         inflight_imbalance_p99=imbalance.p99,
         slot_inflight_imbalance=slot_imbalance.mean,
         slot_inflight_imbalance_p99=slot_imbalance.p99,
+        prefill_inflight_imbalance=prefill_imbalance.mean,
         retries_seen=sum(r.retries_seen for r in records),
         timeouts=sum(1 for r in records if r.error_class == "timeout"),
         failures=[

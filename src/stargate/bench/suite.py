@@ -37,6 +37,7 @@ class RouterResult:
     inflight_imbalance: float | None = None
     inflight_imbalance_p99: float | None = None
     slot_inflight_imbalance: float | None = None
+    prefill_inflight_imbalance: float | None = None
 
     @property
     def is_stargate(self) -> bool:
@@ -78,6 +79,7 @@ def across_repeats(rows: Sequence[Mapping[str, Any]]) -> list[RouterResult]:
             inflight_imbalance=_of(median, runs, "inflight_imbalance"),
             inflight_imbalance_p99=_of(median, runs, "inflight_imbalance_p99"),
             slot_inflight_imbalance=_of(median, runs, "slot_inflight_imbalance"),
+            prefill_inflight_imbalance=_of(median, runs, "prefill_inflight_imbalance"),
         )
         for router, runs in groups.items()
     ]
@@ -100,13 +102,14 @@ def repeats_table(results: Sequence[RouterResult]) -> list[str]:
     """Markdown lines: one row per router, medians over its runs."""
     return markdown_table(
         ["Router", "Runs", "Worst success", "Req/s", "TTFT p50 ms", "TTFT p99 ms", "p99 range ms",
-         "Goodput req/s", "Cache-hit req", "In-flight imb", "In-flight imb p99", "Per-slot imb"],
+         "Goodput req/s", "Cache-hit req", "In-flight imb", "In-flight imb p99", "Per-slot imb",
+         "Prefill imb"],
         [
             [r.router, str(r.runs), _pct(r.success_rate), _num(r.requests_per_second, 2),
              _num(r.p50_ttft_ms), _num(r.p99_ttft_ms),
              f"{_num(r.p99_ttft_min_ms)} to {_num(r.p99_ttft_max_ms)}", _num(r.goodput_rps, 2),
              _pct(r.cache_hit_rate), _num(r.inflight_imbalance, 2), _num(r.inflight_imbalance_p99, 2),
-             _num(r.slot_inflight_imbalance, 2)]
+             _num(r.slot_inflight_imbalance, 2), _num(r.prefill_inflight_imbalance, 2)]
             for r in results
         ],
     )  # fmt: skip
@@ -179,7 +182,8 @@ def standings_table(standings: Sequence[ScenarioStanding]) -> list[str]:
     return markdown_table(
         ["Scenario", "Stargate best", "Runs", "TTFT p99 ms", "Goodput req/s", "Best peer p99 ms",
          "p99 ratio", "Best peer goodput", "Goodput ratio", "Direct p99 ms", "Cache-hit (Stargate)",
-         "In-flight imb", "Best peer imb", "Per-slot imb", "Best peer per-slot imb"],
+         "In-flight imb", "Best peer imb", "Per-slot imb", "Best peer per-slot imb", "Prefill imb",
+         "Best peer prefill imb"],
         [
             [s.scenario, s.stargate.router.removeprefix("stargate:"), str(s.stargate.runs),
              _num(s.stargate.p99_ttft_ms), _num(s.stargate.goodput_rps, 2),
@@ -187,7 +191,9 @@ def standings_table(standings: Sequence[ScenarioStanding]) -> list[str]:
              _who(s.best_goodput_peer, "goodput_rps", 2), _num(s.goodput_ratio, 2),
              _num(s.direct.p99_ttft_ms) if s.direct else "-", _pct(s.stargate.cache_hit_rate),
              _num(s.stargate.inflight_imbalance, 2), _who(s.best_p99_peer, "inflight_imbalance", 2),
-             _num(s.stargate.slot_inflight_imbalance, 2), _who(s.best_p99_peer, "slot_inflight_imbalance", 2)]
+             _num(s.stargate.slot_inflight_imbalance, 2), _who(s.best_p99_peer, "slot_inflight_imbalance", 2),
+             _num(s.stargate.prefill_inflight_imbalance, 2),
+             _who(s.best_p99_peer, "prefill_inflight_imbalance", 2)]
             for s in standings
         ],
     )  # fmt: skip
@@ -203,7 +209,8 @@ def write_summary(root: Path) -> tuple[Path, str]:
         "Stargate leads. Best peer is the best of sglang-router and vllm-router on that measure. "
         "In-flight imb: time-weighted mean of max / mean requests in flight across backends "
         "(1 = even; docs/bench.md), Stargate's best against the best-p99 peer's; per-slot: the same "
-        "over requests per engine slot, the figure to compare on fleets of unequal backends.",
+        "over requests per engine slot, the figure to compare on fleets of unequal backends; "
+        "prefill: per slot, over the requests still waiting for their first token.",
         "",
         *standings_table(standings),
     ]

@@ -110,6 +110,22 @@ def test_balance_counts_idle_backends_and_capacity() -> None:
     assert (s.inflight_imbalance, s.inflight_imbalance_p99) == (3.0, 3.0)
 
 
+def test_prefill_imbalance_counts_requests_until_their_first_token() -> None:
+    records = [
+        record(0, "backend-0", first_token_s=1.0, last_token_s=1.0),
+        record(1, "backend-0", first_token_s=1.0, last_token_s=1.0),
+        record(2, "backend-1", first_token_s=1.0, last_token_s=2.0),
+        # failed before a first token: waiting for it until its end
+        record(3, "backend-2", first_token_s=None, last_token_s=None, end_s=1.0, status=502,
+               error_class="http_502"),
+    ]  # fmt: skip
+    s = summarize("x", records, make_scenario(), 2.0, None)
+    # [0, 1): 2, 1, 1, 0 waiting on four backends -> 2 / (4/4); nothing waits after 1
+    assert s.prefill_inflight_imbalance == pytest.approx(2.0)
+    # in flight, [1, 2) adds backend-1 holding the only request, decoding: 1 / (1/4)
+    assert s.inflight_imbalance == pytest.approx((2.0 + 4.0) / 2)
+
+
 def test_cache_rates_and_stickiness() -> None:
     records = [
         record(0, "backend-0", cache_hit=False, cache_hit_tokens=0, cache_affinity_key="k1",

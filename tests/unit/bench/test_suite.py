@@ -13,7 +13,8 @@ from stargate.bench.suite import across_repeats, router_of, standing
 def row(run: str, p99: float | None, goodput: float | None, success: float = 1.0) -> dict[str, Any]:
     return {"run": run, "p99_ttft_ms": p99, "goodput_rps": goodput, "success_rate": success,
             "p50_ttft_ms": p99 and p99 / 2, "requests_per_second": 9.0, "cache_hit_rate": 0.25,
-            "inflight_imbalance": 1.25, "inflight_imbalance_p99": 2.0}  # fmt: skip
+            "inflight_imbalance": 1.25, "inflight_imbalance_p99": 2.0,
+            "prefill_inflight_imbalance": 1.5}  # fmt: skip
 
 
 def test_router_of_strips_only_the_repeat_suffix() -> None:
@@ -63,7 +64,8 @@ def test_summarize_writes_one_table_across_scenarios(
     assert "| beta | wait-and-widen | 2 | 610 | 9.10 | 410 (sglang:cache_aware) | 1.49 |" in text
     assert "## beta" in text and "| sglang:cache_aware | 2 | 100.0% | 9.00 | 205 | 410 | 400 to 420 |" in text
     assert "| 25.0% | 1.25 | 1.25 (sglang:cache_aware) |" in text  # Stargate's and the peer's imbalance
-    assert "| 9.00 | 25.0% | 1.25 | 2.00 |" in text
+    assert "| 9.00 | 25.0% | 1.25 | 2.00 | - | 1.50 |" in text
+    assert "| - | - (sglang:cache_aware) | 1.50 | 1.50 (sglang:cache_aware) |" in text  # per slot, prefill
     assert "summary:" in capsys.readouterr().out
 
 
