@@ -142,7 +142,7 @@ class WawSelector:
         entries: list[_Entry] = []
         low, high, all_finite = INF, -INF, True
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
-        load_aware, measured, sharing = self._load_aware, self._measured, self._sharing
+        load_aware, load_queue, now = self._load_aware, self._load_queue, request.now
         for index, candidate in pairs:
             cluster_id = candidate.cluster_id
             if excluded and cluster_id in excluded:
@@ -154,14 +154,7 @@ class WawSelector:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
                 if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                     continue
-                if sharing:
-                    running, tps = load_running(candidate), load_tps(candidate, measured)
-                    size = tokens * ms_per_token / 1000.0  # the prompt after its cache discount
-                    queue = sharing_queue_ms(candidate, size, tps, running, request.now)
-                else:
-                    queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                    if 0 < stats.max_engine_concurrency <= running:
-                        queue = _with_slot_wait(candidate, queue, running, request.now)
+                queue, running, tps = load_queue(candidate, priority, tokens * ms_per_token, now)
             else:
                 queue = queue_ms(stats, priority)
                 if queue_limit is not None and queue > queue_limit:
@@ -226,6 +219,20 @@ class WawSelector:
             reached += 1
         return entries[:reached], None
 
+    def _load_queue(
+        self, candidate: Candidate, priority: int, work_ms: float, now: float
+    ) -> tuple[float, int, float]:
+        """The load-aware queue term, requests running and prefill rate of ``candidate``; the
+        request's prompt is ``work_ms / 1000`` tokens after its cache discount. With
+        ``prefill_sharing`` the queue is the prefill it shares, else the work ahead; at the slot
+        limit either includes the wait for a slot."""
+        measured = self._measured
+        if self._sharing:
+            running, tps = load_running(candidate), load_tps(candidate, measured)
+            return sharing_queue_ms(candidate, work_ms / 1000.0, tps, running, now), running, tps
+        queue, running, tps = load_queue_running_rate(candidate, priority, measured)
+        return _with_slot_wait(candidate, queue, running, now), running, tps
+
     def _load_key(self, entry: _Entry) -> tuple[float, int, float]:
         return load_tie_key(entry[3], entry[5], self._resolution)
 
@@ -243,7 +250,7 @@ class WawSelector:
         with ``free_slot_only`` among those below their slot limit; the prefill is written flat: the
         yield check runs this per candidate of every keyed decision."""
         priority, tokens, excluded = request.priority, request.input_tokens, request.excluded
-        load_aware, measured, sharing = self._load_aware, self._measured, self._sharing
+        load_aware, load_queue, now = self._load_aware, self._load_queue, request.now
         per_index, ms_per_token = (scale, 0.0) if isinstance(scale, dict) else (None, scale * 1000.0)
         best = INF
         pairs = enumerate(candidates) if indices is None else ((i, candidates[i]) for i in indices)
@@ -256,13 +263,7 @@ class WawSelector:
             if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
                 continue
             if load_aware:
-                if sharing:
-                    running, tps = load_running(candidate), load_tps(candidate, measured)
-                    size = tokens * ms_per_token / 1000.0  # the prompt after its cache discount
-                    queue = sharing_queue_ms(candidate, size, tps, running, request.now)
-                else:
-                    queue, running, tps = load_queue_running_rate(candidate, priority, measured)
-                    queue = _with_slot_wait(candidate, queue, running, request.now)
+                queue, running, tps = load_queue(candidate, priority, tokens * ms_per_token, now)
             else:
                 queue, running = queue_ms(stats, priority), stats.num_running_queries
                 tps = stats.last_mean_input_tps
