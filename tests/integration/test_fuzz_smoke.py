@@ -1,4 +1,5 @@
-"""``stargate-bench fuzz`` end to end on a real process fleet (1 Stargate, 2 Pylons), tiny count."""
+"""``stargate-bench fuzz`` end to end on a real process fleet (1 Stargate, 2 Pylons), tiny count,
+routed by power-of-n and by the recommended deployment."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ from collections import Counter
 from pathlib import Path
 
 import orjson
+import pytest
 
 from stargate.bench.cli import main
 from stargate.bench.fuzz import CATEGORIES, categories, count_tracebacks
 from stargate.wire.limits import MAX_PLAUSIBLE_TPS
 
 
-def test_fuzz_command_reports_every_category_and_the_fleet_survives(tmp_path: Path) -> None:
+@pytest.mark.parametrize("routing", [[], ["--recommended"]], ids=["power-of-n", "recommended"])
+def test_fuzz_command_reports_every_category_and_the_fleet_survives(
+    tmp_path: Path, routing: list[str]
+) -> None:
     out = tmp_path / "fuzz"
-    code = main(["fuzz", "--requests", "40", "--pylons", "2", "--concurrency", "4", "--out", str(out)])
+    argv = ["fuzz", "--requests", "40", "--pylons", "2", "--concurrency", "4", "--out", str(out), *routing]
+    code = main(argv)
     report = orjson.loads((out / "fuzz.json").read_bytes())
     assert report["requests"] == {"headers": 16, "bodies": 14, "framing": 6, "grpc": 4}
     assert sum(report["statuses"].values()) == 40
@@ -27,6 +33,8 @@ def test_fuzz_command_reports_every_category_and_the_fleet_survives(tmp_path: Pa
     assert report["tracebacks"] == {}
     assert code == 0
     assert "goals met" in (out / "fuzz.md").read_text()
+    models = orjson.loads((out / "lb-config.json").read_bytes()).get("models", {})
+    assert bool(routing) == (models.get("fuzz-model", {}).get("load_aware") is True)
 
 
 def test_categories_follow_the_shares_and_the_seed() -> None:

@@ -40,6 +40,7 @@ from stargate.bench import plan
 from stargate.bench.console import EXIT_FAILED, EXIT_OK, run_async
 from stargate.bench.faults import routable_ids
 from stargate.bench.fleet import Fleet, FleetTimeouts
+from stargate.bench.peers.compare import recommended_run
 from stargate.bench.schema import parse_scenario
 from stargate.bench.suite import markdown_table
 from stargate.flags import FlagSet, positive_int
@@ -74,6 +75,9 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     a("--concurrency", type=positive_int, default=16, help="cases in flight at once")
     a("--seed", type=int, default=0, help="generator seed (case i draws from seed and i)")
     a("--out", type=Path, default=Path(".bench-out/fuzz"), help="output directory (logs, summary)")
+    a("--recommended", action="store_true",
+      help="route with the recommended deployment (examples/lb-config/recommended.json and its flags) "
+           "instead of power-of-n")  # fmt: skip
 
 
 @dataclass
@@ -93,8 +97,11 @@ class FuzzReport:
     def goals_met(self) -> bool:
         sane = all(0.0 <= tps <= MAX_PLAUSIBLE_TPS for tps in self.input_tps_at_end.values())  # NaN fails
         survived = sane and all(self.routable_at_end.values()) and self.final_status == 200
-        return survived and self.undocumented_5xx == self.unanswered == self.registration_drops == 0 and (
-            not self.tracebacks)
+        return (
+            survived
+            and self.undocumented_5xx == self.unanswered == self.registration_drops == 0
+            and (not self.tracebacks)
+        )
 
 
 def fuzz_scenario(pylons: int) -> Any:
@@ -246,9 +253,12 @@ def count_tracebacks(log_dir: Path) -> dict[str, int]:
     return {name: n for name, n in counts.items() if n}
 
 
-async def run_fuzz(requests: int, pylons: int, concurrency: int, seed: int, out: Path) -> FuzzReport:
+async def run_fuzz(
+    requests: int, pylons: int, concurrency: int, seed: int, out: Path, recommended: bool = False
+) -> FuzzReport:
     scenario = fuzz_scenario(pylons)
-    spec = dataclasses.replace(plan.runs(scenario)[0], stargate_args=plan.PLAIN_STARGATE_ARGS)
+    spec = recommended_run(scenario) if recommended else plan.runs(scenario)[0]
+    spec = dataclasses.replace(spec, stargate_args=(*spec.stargate_args, *plan.PLAIN_STARGATE_ARGS))
     fleet = Fleet(scenario, spec, out, FleetTimeouts(start_s=30.0, ready_s=60.0))
     async with fleet, aio.insecure_channel(fleet.stargates[0].grpc) as channel:
         run = FuzzRun(fleet, seed, channel)
@@ -278,7 +288,9 @@ def summary_markdown(report: FuzzReport) -> str:
 
 def fuzz_command(console: Console, args: argparse.Namespace) -> int:
     with console.status(f"fuzzing a loopback fleet with {args.requests} cases"):
-        report = run_async(run_fuzz(args.requests, args.pylons, args.concurrency, args.seed, args.out))
+        report = run_async(
+            run_fuzz(args.requests, args.pylons, args.concurrency, args.seed, args.out, args.recommended)
+        )
     table = Table("Answer", "Count", title=f"fuzz ({args.requests} cases: {report.requests})")
     for answer, count in report.statuses.items():
         table.add_row(answer, str(count))

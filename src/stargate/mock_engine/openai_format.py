@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from stargate.wire.limits import saturating_add
+
 TOKENS: tuple[str, ...] = (
     "Hello", ",", " how", " can", " I", " help", " you", " today", "?", " I", " am", " a", " helpful",
     " AI", " assistant", ".", " Let", " me", " know", " what", " you", " need", ".", " I", "'m",
@@ -37,7 +39,7 @@ def _usage(input_tokens: int, output_tokens: int) -> bytes:
     return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (
         input_tokens,
         output_tokens,
-        input_tokens + output_tokens,
+        saturating_add(input_tokens, output_tokens),
     )
 
 
@@ -122,7 +124,7 @@ def response_body(
     body["usage"] = {
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
-        "total_tokens": input_tokens + output_tokens,
+        "total_tokens": saturating_add(input_tokens, output_tokens),
     }
     return body
 
@@ -175,7 +177,7 @@ def chat_body(
         "usage": {
             "prompt_tokens": input_tokens,
             "completion_tokens": output_tokens,
-            "total_tokens": input_tokens + output_tokens,
+            "total_tokens": saturating_add(input_tokens, output_tokens),
         },
     }
 
@@ -193,7 +195,7 @@ def completions_body(
         "usage": {
             "prompt_tokens": input_tokens,
             "completion_tokens": output_tokens,
-            "total_tokens": input_tokens + output_tokens,
+            "total_tokens": saturating_add(input_tokens, output_tokens),
         },
     }
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import orjson
 
 from stargate.mock_engine import openai_format as fmt
+from stargate.wire.limits import U64_MAX
 
 
 def events(data: bytes) -> list[bytes]:
@@ -70,3 +71,19 @@ def test_completions_chunks() -> None:
     stream = fmt.CompletionsStream("c-1", "m", "fp", 1, include_usage=False)
     chunk = orjson.loads(events(stream.token(0))[0].removeprefix(b"data: "))
     assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "Hello"
+
+
+def test_usage_totals_stay_within_u64_for_the_largest_claimed_prompt() -> None:
+    """x-input-tokens may claim u64::MAX: the total saturates instead of failing to encode."""
+    top = U64_MAX
+    responses = fmt.ResponsesStream("id-1", "m", 1).finish(top, 3)
+    completed = orjson.loads(events(responses)[0].split(b"data: ", 1)[1])
+    assert completed["response"]["usage"]["total_tokens"] == top
+    chat = fmt.ChatStream("id-1", "m", "fp", 1, include_usage=True).finish(top, 3)
+    assert orjson.loads(events(chat)[1].removeprefix(b"data: "))["usage"]["total_tokens"] == top
+    for body in (
+        fmt.chat_body("id-1", "m", "fp", 1, top, 3),
+        fmt.completions_body("id-1", "m", "fp", 1, top, 3),
+        fmt.response_body("id-1", "m", 1, top, 3),
+    ):
+        assert orjson.loads(orjson.dumps(body))["usage"]["total_tokens"] == top
