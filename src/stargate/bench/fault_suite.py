@@ -5,7 +5,8 @@ backend-0: engine kill (SIGKILL), engine hang (SIGSTOP for 8 s), Pylon kill, Pyl
 table gives requests sent, failed, failed without reaching an engine (goal 0) and how long the faulty
 backend stayed routable (goal at most 3 s), one row per run (``--repeats``: the window in which a
 fault can cost requests is short, so a single run says little). ``--strict`` turns a missed goal into
-exit status 1.
+exit status 1. ``--algorithm recommended`` runs the recommended deployment instead (what the README
+quickstart runs), unless a scenario has an entry of that name.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from rich.table import Table
 from stargate.bench import plan
 from stargate.bench.console import EXIT_FAILED, EXIT_OK, resolve_scenario, run_async
 from stargate.bench.faults import ActionReport, FaultReport, routable_cell
+from stargate.bench.peers.compare import RECOMMENDED, recommended_run
+from stargate.bench.plan import RunSpec
 from stargate.bench.runner import run_suite
 from stargate.bench.schema import Scenario, load_scenario
 from stargate.bench.suite import markdown_table
@@ -38,7 +41,9 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     help_text = "the fault suite: engine kill/hang, Pylon kill/freeze on loopback"
     a = FlagSet(sub.add_parser("faults", help=help_text), env).add
     a("--scenarios", default=",".join(FAULT_SCENARIOS), help="comma list of fault scenarios")
-    a("--algorithm", default=None, help="algorithm of each scenario to run (default: its first)")
+    a("--algorithm", default=None,
+      help="algorithm of each scenario to run, or 'recommended' for the recommended deployment "
+           "(default: its first)")  # fmt: skip
     a("--repeats", type=positive_int, default=1, help="runs per fault, a row each")
     a("--out", type=Path, default=Path(".bench-out/faults"), help="output directory")
     a("--strict", action="store_true", help="exit 1 when a fault misses a goal")
@@ -78,13 +83,22 @@ def _single_algorithm(sc: Scenario, name: str | None) -> Scenario:
     return sc.select_algorithms([name or sc.algorithms[0].name])
 
 
+def suite_run(sc: Scenario, name: str | None) -> tuple[Scenario, RunSpec]:
+    """The scenario narrowed to the run it makes: its ``name`` entry (default its first), or the
+    recommended deployment on its fleet when ``name`` is ``recommended`` and it has no such entry."""
+    if name == RECOMMENDED and all(entry.name != RECOMMENDED for entry in sc.algorithms):
+        return sc, recommended_run(sc)
+    sc = _single_algorithm(sc, name)
+    return sc, plan.runs(sc)[0]
+
+
 async def run_fault_suite(names: Sequence[str], out: Path, algorithm: str | None, argv: Sequence[str],
                           repeats: int = 1) -> list[tuple[str, FaultReport | None, str | None]]:
-    scenarios = [_single_algorithm(load_scenario(resolve_scenario(n)), algorithm) for n in names]
+    scenarios = [suite_run(load_scenario(resolve_scenario(n)), algorithm) for n in names]
     results: list[tuple[str, FaultReport | None, str | None]] = []
-    for name, sc in zip(names, scenarios, strict=True):
+    for name, (sc, spec) in zip(names, scenarios, strict=True):
         seed = sc.effective_seed()
-        result = await run_suite(sc, build_workload(sc, seed), out / name, runs=plan.runs(sc), seed=seed,
+        result = await run_suite(sc, build_workload(sc, seed), out / name, runs=[spec], seed=seed,
                                  repeats=repeats, argv=argv)
         for outcome in result.outcomes:
             label = name if repeats == 1 else f"{name} #{outcome.planned.repeat}"

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from stargate.bench.fault_suite import goals_met, summary_rows
+from stargate.bench.console import resolve_scenario
+from stargate.bench.fault_suite import goals_met, suite_run, summary_rows
 from stargate.bench.faults import (
     ActionReport,
     FaultReport,
@@ -17,7 +18,7 @@ from stargate.bench.faults import (
     routable_ids,
     routable_time,
 )
-from stargate.bench.schema import DegradationAction
+from stargate.bench.schema import DegradationAction, load_scenario
 from stargate.bench.score import RequestRecord
 
 
@@ -88,3 +89,15 @@ def test_a_killed_stargate_is_named_as_a_replica_and_has_no_routable_time() -> N
     killed = ActionReport("kill_stargate", 1, [], at_s=5.8)
     table = markdown_section([("r", FaultReport(400, 4, 0, actions=[killed]))])
     assert "| r | kill_stargate | sg-1 | 5.8 | 400 | 4 | 0 | - |" in table
+
+
+def test_the_suite_runs_a_scenario_entry_or_the_recommended_deployment() -> None:
+    scenario = load_scenario(resolve_scenario("fault-engine-kill"))
+    narrowed, first = suite_run(scenario, None)
+    assert first.name == "power-of-n" and first.lb_config == {"default": "power-of-n"}
+    assert [entry.name for entry in narrowed.algorithms] == ["power-of-n"]
+    _, recommended = suite_run(scenario, "recommended")
+    entry = recommended.lb_config["models"]["dummy-model"]  # type: ignore[index]
+    assert entry["algorithm"] == "wait-and-widen" and entry["load_aware"] is True
+    assert "--default-max-wait-ms" in recommended.stargate_args
+    assert "--stats-update-coalesce-ms" in recommended.pylon_args
