@@ -605,12 +605,21 @@ class WaitAndWiden:
         A move re-prefills what the group holds cached (``1 - scale`` of the prompt), and the
         requests that queue behind it there (or share the engine with it) wait for that work too,
         so a global estimate counts that part twice. When every cluster is at its slot limit a move
-        would only trade one queue for another: the group holds."""
+        would only trade one queue for another: the group holds.
+
+        A group estimated within the margin holds without reading the other clusters: their
+        estimates are sums of non-negative terms (the common case, and the one that would cost a
+        pass over the whole fleet per keyed request)."""
         best, margin = self._selector.best_ttft, self._yield_margin
+        if margin is None:
+            return False
         affine = best(candidates, group, request, scale, queue_limit, free_slot_only=False)
         cached = 1.0 - (min(scale.values()) if isinstance(scale, dict) else scale)
-        public = best(candidates, None, request, 1.0 + cached, queue_limit, free_slot_only=True)
-        return margin is not None and public < INF and affine > public + margin
+        charged = 1.0 + cached
+        if affine <= margin and charged >= 0.0:
+            return False
+        public = best(candidates, None, request, charged, queue_limit, free_slot_only=True)
+        return public < INF and affine > public + margin
 
 
 def _check(definition: AlgorithmDefinition) -> Problem | None:

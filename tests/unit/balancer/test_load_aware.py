@@ -310,6 +310,44 @@ def test_affinity_yields_to_a_backend_with_a_free_slot_not_to_a_queue() -> None:
         assert chosen(decision).rank_depth == 2
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    group_queued=st.integers(0, 5000),
+    prefilling=st.lists(st.integers(1, 3000), max_size=3),
+    others=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 10)), min_size=1, max_size=3),
+    margin=st.integers(0, 3000),
+    scale=st.sampled_from([0.0, 0.2, 1.0]),
+    sharing=st.booleans(),
+)
+def test_the_yield_check_reads_the_fleet_only_where_the_fleet_could_win(
+    group_queued: int,
+    prefilling: list[int],
+    others: list[tuple[int, int]],
+    margin: int,
+    scale: float,
+    sharing: bool,
+) -> None:
+    """A group estimated within the margin holds without reading the other clusters; the answer is
+    the comparison with the best of them, whichever way it is reached."""
+    sizes = tuple(sorted(prefilling))
+    group = dataclasses.replace(
+        make_candidate("g", tps=1000.0, queued=group_queued, running=2, max_concurrency=8),
+        in_flight=InFlight(len(sizes), len(sizes), sum(sizes), prefill_sizes=sizes),
+    )
+    rest = tuple(
+        make_candidate(f"o{i}", tps=1000.0, queued=queued, running=running, max_concurrency=8)
+        for i, (queued, running) in enumerate(others)
+    )
+    candidates = (group, *rest)
+    policy = _affinity_policy(margin, cache_affinity_input_tokens_scale=scale, prefill_sharing=sharing)
+    request = make_request(input_tokens=100, key="prefix-a")
+    selector = policy._selector
+    affine = selector.best_ttft(candidates, (0,), request, scale, None, free_slot_only=False)
+    public = selector.best_ttft(candidates, None, request, 2.0 - scale, None, free_slot_only=True)
+    expected = public < math.inf and affine > public + margin
+    assert policy._affinity_loses(candidates, request, (0,), scale, None) is expected
+
+
 # ---- property: below the slot limit the less-loaded of two equal backends wins more often -----------
 
 loads = st.integers(min_value=0, max_value=20_000)
