@@ -115,8 +115,9 @@ class SseScanner:
     def feed(self, chunk: bytes) -> bool:
         """Scan one chunk; True when the first output message completed in it."""
         buf = self._tail + chunk if self._tail else chunk
-        cut = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4, 0)
-        complete, self._tail = (buf[:cut], buf[cut:]) if cut > 1 else (b"", buf)
+        lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+        cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        complete, self._tail = buf[:cut], buf[cut:]
         if len(self._tail) > MAX_PENDING_EVENT:
             raise EventTooLarge
         if not complete:

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stargate.pylon.models import Generation
 from stargate.pylon.observer import (
@@ -29,6 +33,33 @@ def test_b99_crlf_comment_and_split_chunks() -> None:
     s = SseScanner()
     assert not s.feed(b': keepalive\r\n\r\ndata: {"choices":')
     assert s.feed(b'[{"delta":{"content":"a"}}]}\r\n\r\n')
+    assert s.tokens == 1
+
+
+_STREAM = (
+    b": keepalive\r\n\r\n"
+    b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":"b"}}]}\r\n\r\n'
+    b'data: {"choices":[{"delta":{"content":"c"}}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@given(st.sets(st.integers(1, len(_STREAM) - 1)))
+def test_an_event_split_across_reads_scans_as_whole(cuts: set[int]) -> None:
+    """TCP delivers an event in as many reads as it likes (a slow link, a large event)."""
+    bounds = [0, *sorted(cuts), len(_STREAM)]
+    s = SseScanner()
+    firsts = [s.feed(_STREAM[a:b]) for a, b in itertools.pairwise(bounds)]
+    assert firsts.count(True) == 1
+    assert s.output_seen and s.tokens == 3
+
+
+def test_an_event_sent_byte_by_byte_is_output() -> None:
+    s = SseScanner()
+    event = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    assert [s.feed(event[i : i + 1]) for i in range(len(event))][-1]
     assert s.tokens == 1
 
 
