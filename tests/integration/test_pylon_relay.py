@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import gzip
 import io
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -302,6 +303,64 @@ async def test_an_unanswered_request_is_retryable_only_once_the_engine_is_gone(
         async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
             assert resp.status == 503
             assert resp.headers["x-stargate-retryable"] == expected
+    finally:
+        await app.close()
+        server.close()
+
+
+async def _raw_engine(answer: bytes, pause_s: float = 0.0) -> asyncio.Server:
+    """An engine that reads a request and writes ``answer``: each ``\\n\\n``-ended piece in two
+    writes ``pause_s`` apart, then closes."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for piece in answer.split(b"|"):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(pause_s)
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"SSH-2.0-OpenSSH_9.6\r\n",
+        b"HTTP/1.1 abc\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: " + b"y" * 9000 + b"\r\n\r\n",
+    ],
+)
+async def test_an_engine_answer_that_is_not_http_is_a_refusal_not_a_crash(
+    client: aiohttp.ClientSession, answer: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine read the request, so it may be running it: not retryable."""
+    server = await _raw_engine(answer)
+    port = server.sockets[0].getsockname()[1]
+    app = await started(FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off")
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 503
+            assert resp.headers["x-stargate-retryable"] == "false"
+            assert (await resp.json())["detail"] == "local upstream connection failed"
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        await app.close()
+        server.close()
+
+
+async def test_a_stream_whose_events_arrive_in_pieces_ends_whole(client: aiohttp.ClientSession) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    events = b'data: {"choices":[{"del|ta":{"content":"a b"}}]}\n\n|data: [DO|NE]\n\n'
+    server = await _raw_engine(head + b"|" + events, pause_s=0.02)
+    port = server.sockets[0].getsockname()[1]
+    app = await started(FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off")
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 200
+            assert await resp.read() == events.replace(b"|", b"")
+        metrics = app.metrics.render().decode()
+        assert 'status="complete"} 1.0' in metrics and 'status="failed"} 1.0' not in metrics
     finally:
         await app.close()
         server.close()

@@ -451,6 +451,10 @@ class Relay:
             # as it died); otherwise it may be running the request, so never retryable.
             gone = await engine_gone(url, self.prober.probe_path)
             return _problem(LocalConnectFailure(retryable=gone and self.s.local_connect_failures_retryable))
+        except aiohttp.ClientResponseError:
+            # The engine answered with a head that is not HTTP (a bad status line, oversized
+            # headers): it read the request and may be running it, so never retryable.
+            return _problem(LocalConnectFailure(retryable=False))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy
