@@ -77,6 +77,22 @@ async def test_b110_refused_stream_retried_after_delay_and_ended_stream_reopened
         await reg.close()
 
 
+async def test_retries_back_off_to_at_most_5_s_however_long_the_outage(stargate: FakeStargate) -> None:
+    """A router restarted after a long outage gets its Pylons back within its start window."""
+    stargate.refuse_registrations = 8
+    clock = ManualClock()
+    downs: list[bool] = []
+    reg = client(retry_s=1.0, clock=clock, on_connected=lambda _r, up: downs.append(up))
+    reg.update_routers(route_to(stargate))
+    try:
+        for refused in range(1, 9):
+            await until("a refusal", lambda refused=refused: len(downs) == refused)  # type: ignore[misc]
+            clock.advance(5.0)
+        await until("registered after eight refusals", lambda: len(stargate.messages) >= 1)
+    finally:
+        await reg.close()
+
+
 async def test_a_heartbeat_that_cannot_be_built_is_logged_and_the_stream_reopened(
     stargate: FakeStargate, caplog: pytest.LogCaptureFixture
 ) -> None:

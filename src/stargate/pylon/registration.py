@@ -47,7 +47,9 @@ __all__ = [
 
 log = logging.getLogger("stargate.pylon.registration")
 RETRY_S = 1.0
-MAX_RETRY_S = 30.0
+MAX_RETRY_S = 4.0
+"""1, 2, 4, 4 ... s (plus up to 25 % jitter): a Pylon is back within 5 s of a router that restarts
+after any outage, inside the 10 s in which a new router holds requests for its models."""
 INITIAL_DISCOVERY_TIMEOUT_S = 5.0
 
 
