@@ -467,7 +467,9 @@ class Relay:
             try:
                 await response.prepare(request)
             except ConnectionError:
-                report_client_gone(self.faults, request, request_id, started=False)
+                gone = report_client_gone(self.faults, request, request_id, started=False)
+                if gone and observer is not None:
+                    observer.cancel()
                 return response
             sse = (
                 observer is not None
@@ -482,8 +484,11 @@ class Relay:
                     kept = bytearray()  # a JSON answer: its usage counts the output tokens
                 ok, tail = await self._pump(upstream, response, kept)
             if not ok:
-                report_client_gone(self.faults, request, request_id, started=True)
-                if observer is not None:
+                # The client hung up (cancelled, as when it goes away earlier), or the engine broke.
+                gone = report_client_gone(self.faults, request, request_id, started=True)
+                if observer is not None and gone:
+                    observer.cancel()
+                elif observer is not None:
                     observer.finish(failed=True)
                 if tail:
                     with contextlib.suppress(ConnectionError):
