@@ -324,7 +324,10 @@ async def _stream(
     final = encoder.finish(inp, n)
     stats.emit(request_id, model, inp, n, True)
     record.finish = engine.to_wall(engine.clock())
-    await response.write_eof(final)  # the last event and the end of the body in one write
+    try:
+        await response.write_eof(final)  # the last event and the end of the body in one write
+    except ConnectionError:  # the client left between its last token and the end
+        record.status, record.outcome = 499, "client_disconnected"
     return response
 
 
