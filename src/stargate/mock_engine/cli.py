@@ -194,9 +194,7 @@ def config_from_args(
         responses_stream_only=args.responses_stream_only,
         max_body_bytes=args.max_body_bytes,
     )
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s %(message)s"
-    )
+    runner.configure_logging(args.log_level.upper())
     return config, host, port
 
 

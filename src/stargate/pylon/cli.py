@@ -47,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pylon: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level, format="%(levelname)s %(name)s: %(message)s"
-    )
+    runner.configure_logging(settings.log_level)
     return runner.run(_main(settings))
 
 

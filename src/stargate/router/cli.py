@@ -341,9 +341,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
 
 def run(options: argparse.Namespace) -> int:
     """Run the router from parsed flags until a termination signal; returns the exit status."""
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    runner.configure_logging(logging.INFO)
     try:
         settings = settings_from_args(options)
     except ConfigError as exc:
