@@ -1,8 +1,8 @@
 """Reachability of one peer as the log tells it: one line per change, not one per retry.
 
-A Stargate that Pylon cannot reach, an engine whose stats stream or metrics page fails: the first
-failure is a ``WARNING`` naming the peer and the reason, later ones while it stays down are
-``DEBUG``, and the first success after a failure (or at all) is one ``INFO`` line.
+A Stargate that Pylon cannot reach (or that refuses it), an engine whose stats stream or metrics
+page fails: the first failure is a ``WARNING`` naming the peer and the reason, later ones while it
+stays down are ``DEBUG``, and the first success after a failure (or at all) is one ``INFO`` line.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ class LinkLog:
         if self.up is True:
             self._logger.warning("%s with %s lost (%s); reconnecting", self._what, self._peer, reason)
         elif self.up is None:
-            message = "cannot reach %s for %s (%s); retrying, first in %.1f s"
-            self._logger.warning(message, self._peer, self._what, reason, retry_s)
+            # The reason says whether the peer was unreachable or refused (an id already registered).
+            message = "%s with %s failed (%s); retrying, first in %.1f s"
+            self._logger.warning(message, self._what, self._peer, reason, retry_s)
         else:
             self._logger.debug("%s with %s still failing (%s)", self._what, self._peer, reason)
         self.up = False

@@ -209,7 +209,7 @@ async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
     lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "stargate.pylon.prometheus"]
     peer = f"engine at {url}"
     assert lines == [
-        ("WARNING", f"cannot reach {peer} for engine metrics polling (HTTP 404); retrying, first in 0.5 s"),
+        ("WARNING", f"engine metrics polling with {peer} failed (HTTP 404); retrying, first in 0.5 s"),
         ("DEBUG", f"engine metrics polling with {peer} still failing (HTTP 404)"),
         ("DEBUG", f"engine metrics polling with {peer} still failing "
                   "(the page has none of vLLM's or SGLang's load series)"),
