@@ -366,6 +366,33 @@ async def test_a_stream_whose_events_arrive_in_pieces_ends_whole(client: aiohttp
         server.close()
 
 
+async def test_a_tracked_answer_is_asked_of_the_engine_uncompressed(client: aiohttp.ClientSession) -> None:
+    """OpenAI clients send ``Accept-Encoding: gzip, deflate``; a compressed stream would hide its
+    events from Pylon, which then cut it as a stream without output."""
+    heads: list[bytes] = []
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    answer += b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: [DONE]\n\n'
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append((await reader.readuntil(b"\r\n\r\n")).lower())
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    app = await started(FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off")
+    try:
+        gzip_ok = {**HEADERS, "accept-encoding": "gzip, deflate"}
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=gzip_ok) as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert b"\r\naccept-encoding: identity\r\n" in heads[0] and b"gzip" not in heads[0]
+    finally:
+        await app.close()
+        server.close()
+
+
 async def test_b95_read_timeout_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
     engine.chat_mode = "hang"
     app = await started(engine, read_s=0.2)

@@ -388,6 +388,9 @@ class Relay:
             priority=priority,
             dynamo_ceiling=self._ceiling,
         )
+        if observer is not None:
+            # Pylon reads a tracked answer as it relays it (its events, its usage): uncompressed.
+            headers["Accept-Encoding"] = "identity"
         if span is not None and self.tracing is not None:
             self.tracing.inject(span, headers)  # the engine continues this trace
         return await self._relay(request, self.s.upstream_base_url + request.path_qs, headers, body, observer)
