@@ -431,6 +431,33 @@ async def test_silence_ends_a_stream_only_once_its_body_began(
         await app.close()
 
 
+@pytest.mark.parametrize("before", [b"", b"5\r\ndata:\r\n"])
+async def test_a_broken_chunked_body_ends_the_stream(client: aiohttp.ClientSession, before: bytes) -> None:
+    """The engine breaks its chunked framing and closes, before the first byte or after it: the
+    stream is cut within the check period, not left waiting for ``read_s``."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    server = await _raw_engine(head + b"|zz-not-hex\r\ngarbage\r\n", pause_s=0.05)
+    port = server.sockets[0].getsockname()[1]
+    settings = parse_settings(
+        ["--upstream-http-base-url", f"http://127.0.0.1:{port}", "--stargate-address", "127.0.0.1:9",
+         "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--model-name", "llama", "--disable-bringup",
+         "--engine-stats-stream", "off"]
+    )  # fmt: skip
+    app = PylonApp(settings, out=io.StringIO(), relay_timeouts=RelayTimeouts(read_s=60.0, between_s=3.0))
+    try:
+        await app.start()
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with asyncio.timeout(10):  # far below read_s; the check runs every between_s / 3
+                async with client.post(
+                    app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS
+                ) as resp:
+                    await resp.read()
+        assert 'status="failed"} 1.0' in app.metrics.render().decode()
+    finally:
+        await app.close()
+        server.close()
+
+
 async def test_b96_eof_before_output_aborts(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
     engine.chat_mode = "no_output"
     app = await started(engine)

@@ -127,37 +127,43 @@ class RelayTimeouts:
 
 
 class _Stall:
-    """Closes an upstream response whose body began and then sent nothing for ``limit_s`` while
-    the relay waited for it (time spent writing to a slow client does not count)."""
+    """Closes an upstream response that will not end on its own while the relay waits for it: its
+    body began and then sent nothing for ``limit_s`` (time spent writing to a slow client does not
+    count), or its connection is gone short of the body's end (aiohttp's C parser drops a malformed
+    chunk without failing the read, which then waited for ``read_s``)."""
 
-    __slots__ = ("_check_handle", "_limit_s", "_loop", "_since", "_upstream")
+    __slots__ = ("_began", "_check_handle", "_limit_s", "_loop", "_since", "_upstream")
 
     def __init__(self, upstream: aiohttp.ClientResponse, limit_s: float) -> None:
         self._upstream = upstream
         self._limit_s = limit_s
         self._loop = asyncio.get_running_loop()
-        self._since: float | None = None
-        self._check_handle: asyncio.TimerHandle | None = None
+        self._since: float | None = self._loop.time()  # waiting for the first chunk
+        self._began = False
+        self._check_handle = self._loop.call_later(limit_s / 3, self._check)
 
     def waiting(self) -> None:
-        """The relay waits for the next chunk (after the first one)."""
+        """The relay waits for the next chunk."""
         self._since = self._loop.time()
-        if self._check_handle is None:
-            self._check_handle = self._loop.call_later(self._limit_s / 3, self._check)
 
     def arrived(self) -> None:
         self._since = None
+        self._began = True
 
     def _check(self) -> None:
         since = self._since
-        if since is not None and self._loop.time() - since >= self._limit_s:
+        silent = self._began and since is not None and self._loop.time() - since >= self._limit_s
+        if since is not None and (silent or self._cut_off()):
             self._upstream.close()  # the pending read fails: the relay aborts the stream
             return
         self._check_handle = self._loop.call_later(self._limit_s / 3, self._check)
 
+    def _cut_off(self) -> bool:
+        connection = self._upstream.connection
+        return connection is not None and connection.transport is None and not self._upstream.content.is_eof()
+
     def stop(self) -> None:
-        if self._check_handle is not None:
-            self._check_handle.cancel()
+        self._check_handle.cancel()
 
 
 class Relay:
