@@ -526,3 +526,17 @@ def test_both_binaries_take_the_client_timeout_flags(flag: str, default: int) ->
     pylon = ["--upstream-http-base-url", "http://127.0.0.1:1", "--model-name", "m"]
     assert getattr(parse_settings(pylon), field) == default
     assert getattr(parse_settings([*pylon, f"--{flag}", "5"]), field) == 5
+
+
+async def test_an_http_1_0_client_asking_for_keep_alive_sees_its_answer_end(
+    sg: Harness, conns: Connections
+) -> None:
+    """HTTP/1.0 has no chunked framing: a relayed body of unknown length ends with the connection."""
+    await sg.backend("b1")
+    request = head(CHAT, b"{}", "m", "old-1").replace(b"HTTP/1.1", b"HTTP/1.0")
+    reader = await conns.open(
+        sg.base, request.replace(b"Host: a", b"Host: a\r\nConnection: keep-alive") + b"{}"
+    )
+    answer = await asyncio.wait_for(reader.read(), 5)  # to the close
+    assert answer.startswith(b"HTTP/1.0 200 ") or answer.startswith(b"HTTP/1.1 200 ")
+    assert reader.at_eof()

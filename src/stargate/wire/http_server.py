@@ -32,7 +32,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
@@ -301,12 +301,20 @@ class GuardedAppRunner(web.AppRunner):
         **kwargs: Any,
     ) -> None:
         super().__init__(app, handler_cancellation=True, **kwargs)
+        app.on_response_prepare.append(_close_after_unframed_body)
         self._faults = faults
         self._timeouts = timeouts
         self._problem = problem
 
     async def _make_server(self) -> web.Server:
         return _GuardedServer(await super()._make_server(), self._faults, self._timeouts, self._problem)
+
+
+async def _close_after_unframed_body(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """An HTTP/1.0 client has no chunked framing, so a streamed body ends with the connection; aiohttp
+    kept it open for ``Connection: keep-alive`` and the client waited for an end that never came."""
+    if request.version < HttpVersion11 and not isinstance(response, web.Response):
+        response.force_close()
 
 
 def report_client_gone(
