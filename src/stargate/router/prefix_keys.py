@@ -5,9 +5,11 @@ whole prompt of the turn before. A request whose prompt starts with the whole pr
 seen before, and goes on past it, continues that request and gets its key, so it goes where that
 prompt is cached; any other request starts a key of its own. Only a whole earlier prompt counts:
 requests that share a long system prompt and differ after it are not one conversation, and one key
-for all of them would hold them all on one replica. A prompt sent again as it is (a load test's, a
-canned question, a retry) gets no key: its copies are placed by load, each replica caching it once,
-rather than queued on one.
+for all of them would hold them all on one replica. A conversation's turn is continued once, by its
+next turn; a prompt continued a second way is a shared opening (a template's system prompt sent
+alone once, a canned first question), so only its first continuation keeps its key and each later
+one starts its own. A prompt sent again as it is (a load test's, a canned question, a retry) gets
+no key: its copies are placed by load, each replica caching it once, rather than queued on one.
 
 Prompts are indexed by a chain of digests over fixed blocks of characters; an earlier prompt is
 found by the digest of its last whole block, then checked exactly (its length and the digest of its
@@ -28,14 +30,25 @@ PER_BLOCK = 16
 _DIGEST_BYTES = 16
 
 
+class _Prompt:
+    """A remembered prompt: its length, the digest of its whole text, its key, and whether a
+    longer prompt has continued it."""
+
+    __slots__ = ("continued", "key", "length", "whole")
+
+    def __init__(self, length: int, whole: bytes, key: str) -> None:
+        self.length, self.whole, self.key = length, whole, key
+        self.continued = False
+
+
 class PrefixKeys:
     """The prompts one router has seen, by the digest of their last whole block."""
 
     def __init__(self, capacity: int = CAPACITY, block_chars: int = BLOCK_CHARS) -> None:
         self._capacity = capacity
         self._block = block_chars
-        self._ends: dict[bytes, list[tuple[int, bytes, str]]] = {}
-        """digest of a prompt's last whole block -> (length, digest of the whole prompt, key), newest last."""
+        self._ends: dict[bytes, list[_Prompt]] = {}
+        """digest of a prompt's last whole block -> the prompts that end in it, newest last."""
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -48,29 +61,37 @@ class PrefixKeys:
             return None
         whole = _digest(chain[-1], text[len(chain) * self._block :])
         earlier = self._earlier(text, chain)
-        key = KEY_PREFIX + whole.hex() if earlier is None else earlier[1]
-        self._remember(chain[-1], (len(text), whole, key))
-        if earlier is not None and earlier[0] == len(text):
+        if earlier is not None and earlier.length == len(text):
+            self._remember(chain[-1], earlier)
             return None  # a repeat, not a continuation: placed by load like a request without a key
+        if earlier is None or earlier.continued:
+            key = KEY_PREFIX + whole.hex()
+        else:
+            earlier.continued = True
+            key = earlier.key
+        self._remember(chain[-1], _Prompt(len(text), whole, key))
         return key
 
-    def _earlier(self, text: str, chain: list[bytes]) -> tuple[int, str] | None:
-        """Length and key of the longest remembered prompt that ``text`` starts with."""
+    def _earlier(self, text: str, chain: list[bytes]) -> _Prompt | None:
+        """The longest remembered prompt that ``text`` starts with."""
         ends = self._ends
         for index in range(len(chain) - 1, -1, -1):
             entries = ends.get(chain[index])
             if entries is None:
                 continue
             start = (index + 1) * self._block
-            for length, whole, key in reversed(entries):
-                if length <= len(text) and _digest(chain[index], text[start:length]) == whole:
-                    return length, key
+            for prompt in reversed(entries):
+                if (
+                    prompt.length <= len(text)
+                    and _digest(chain[index], text[start : prompt.length]) == prompt.whole
+                ):
+                    return prompt
         return None
 
-    def _remember(self, end: bytes, entry: tuple[int, bytes, str]) -> None:
+    def _remember(self, end: bytes, prompt: _Prompt) -> None:
         ends = self._ends
-        entries = [e for e in ends.pop(end, ()) if e[1] != entry[1]]
-        entries.append(entry)
+        entries = [e for e in ends.pop(end, ()) if e.whole != prompt.whole]
+        entries.append(prompt)
         if len(entries) > PER_BLOCK:
             del entries[0]
         if len(ends) >= self._capacity:

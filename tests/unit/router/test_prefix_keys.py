@@ -84,3 +84,27 @@ def test_non_ascii_and_lone_surrogates_are_hashed() -> None:
     text = "日本語のプロンプト。" * 60 + "\ud800"
     key = keys.key(text)
     assert key is not None and keys.key(text + "続き") == key
+
+
+def test_a_prompt_continued_a_second_way_is_a_shared_opening_not_a_conversation() -> None:
+    """A template's system prompt sent alone once (a warm-up, a probe) must not make every later
+    request of the template one conversation, held on one replica."""
+    keys = PrefixKeys()
+    opening = keys.key(SYSTEM)
+    first = keys.key(SYSTEM + "\nwhat is the capital of France?")
+    assert first == opening  # continued once: it may be a conversation
+    later = [keys.key(SYSTEM + f"\nquestion {n}") for n in range(5)]
+    assert len({opening, *later}) == 6  # a second way: each request is its own
+    # Each still continues on its own, the first one too.
+    assert keys.key(SYSTEM + "\nquestion 3\nan answer\nmore") == later[3]
+    assert keys.key(SYSTEM + "\nwhat is the capital of France?\nParis\nand Spain?") == first
+
+
+def test_a_repeated_turn_does_not_count_as_a_second_continuation() -> None:
+    keys = PrefixKeys()
+    turn = SYSTEM + "\nfirst question"
+    first = keys.key(turn)
+    turn += "\nan answer\nsecond question"
+    assert keys.key(turn) == first
+    assert keys.key(turn) is None  # the client retried it
+    assert keys.key(turn + "\nanother answer\nthird question") == first
