@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from typing import Any, Protocol
 
 from stargate.errors import ConfigError
@@ -20,7 +21,7 @@ def add_discovery_flags(add: AddFlag) -> None:
     add(
         "--dns-nameserver",
         default=None,
-        metavar="HOST:PORT",
+        metavar="IP:PORT",
         help="DNS server for peer discovery; unset = the system resolver",
     )
     # Peers on loopback are ignored (spec §5.7); tests run replicas on 127.0.0.x.
@@ -31,11 +32,14 @@ def discovery_settings(options: argparse.Namespace) -> DiscoverySettings:
     nameserver = (options.dns_nameserver or "").strip() or None
     if nameserver is not None:
         try:
-            port = split_host_port(nameserver)[1]
+            host, port = split_host_port(nameserver)
+            ipaddress.ip_address(host)  # the resolver dials an address: a name would need a DNS server
         except ValueError:
             port = 0
         if port == 0:
-            raise ConfigError(f"expected HOST:PORT, got {nameserver!r}", path="--dns-nameserver")
+            raise ConfigError(
+                f"expected an IP address and port (IP:PORT), got {nameserver!r}", path="--dns-nameserver"
+            )
     name = None if options.disable_dns_discovery else (options.stargate_discovery_dns_name or "").strip()
     return DiscoverySettings(
         dns_name=name or None,
