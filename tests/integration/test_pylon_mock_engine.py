@@ -136,3 +136,29 @@ async def test_b39_canary_failure_advertises_inactive_until_recovery(stargate: F
             if proc is not None and proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_a_signal_while_waiting_for_the_engine_stops_pylon_at_once(stargate: FakeStargate) -> None:
+    """The start waits up to ``--upstream-health-wait-ms`` for a healthy engine; a supervisor's
+    SIGTERM meanwhile ends it cleanly instead of after that wait."""
+    probed = asyncio.Event()
+
+    async def unhealthy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        probed.set()
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(unhealthy, "127.0.0.1", 0)
+    engine_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pylon = await spawn(*pylon_args(engine_url, stargate.address, "--upstream-health-wait-ms", "60000"))
+    try:
+        await asyncio.wait_for(probed.wait(), 20)
+        pylon.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(pylon.wait(), 10) == 0
+    finally:
+        if pylon.returncode is None:
+            pylon.kill()
+            await pylon.wait()
+        server.close()
