@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from stargate.errors import ConfigError
@@ -327,6 +328,12 @@ def _check_combinations(ns: argparse.Namespace) -> None:
         raise ConfigError("requires --initial-input-tps", path="--benchmark-pin-input-tps")
     if ns.do_calibration and ns.calibration_requests <= 0:
         raise ConfigError("must be > 0 with --do-calibration", path="--calibration-requests")
+    if ns.auth_token_file and not ns.auth_token:
+        try:  # read again whenever a stream opens (a rotated secret); unreadable at start is a typo
+            Path(ns.auth_token_file).read_bytes()
+        except OSError as exc:
+            reason = f"cannot read {ns.auth_token_file}: {exc.strerror or exc}"
+            raise ConfigError(reason, path="--auth-token-file") from exc
     if 0 < ns.max_buffered_body_bytes < MAX_BODY_BYTES:
         raise ConfigError(
             f"must be 0 or at least {MAX_BODY_BYTES} (one body)", path="--max-buffered-body-bytes"

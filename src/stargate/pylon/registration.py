@@ -17,7 +17,6 @@ reopened at once). Logs say when a Stargate becomes unreachable or reachable aga
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import weakref
@@ -351,8 +350,10 @@ def token_source(static: str | None, file: str | None) -> Callable[[], str | Non
         if static:
             return static
         if file:
-            with contextlib.suppress(OSError):
+            try:
                 return Path(file).read_text().strip() or None
+            except OSError as exc:  # checked at start: it went away since
+                log.warning("cannot read --auth-token-file %s (%s); registering without a token", file, exc)
         return None
 
     return read

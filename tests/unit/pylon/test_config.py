@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import pytest
 
@@ -133,6 +134,23 @@ def test_b15_auth_token_sources(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert read() == "def"
     assert token_source("static", str(f))() == "static"
     assert parse(env={"STARGATE_AUTH_TOKEN": "env-token"}).auth_token == "env-token"
+
+
+def test_an_unreadable_token_file_is_a_usage_error_at_start_and_a_warning_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Registering without the token Stargate expects fails every stream: say why, at once."""
+    from stargate.pylon.registration import token_source
+
+    with pytest.raises(ConfigError) as raised:
+        parse("--auth-token-file", str(tmp_path / "missing"))
+    assert raised.value.path == "--auth-token-file" and "missing" in raised.value.message
+    f = tmp_path / "token"
+    f.write_text("abc")
+    s = parse("--auth-token-file", str(f))
+    f.unlink()  # the secret went away while Pylon ran
+    assert token_source(s.auth_token, s.auth_token_file)() is None
+    assert any("--auth-token-file" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
 def test_b24_health_candidates() -> None:
