@@ -55,6 +55,25 @@ def test_bad_flag_value_names_the_flag(capsys: pytest.CaptureFixture[str]) -> No
     assert exited.value.code == 2 and "--kv-block-size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--token-delay-ms", "NaN"], "--token-delay-ms"),
+        (["--decode-slowdown", "inf"], "--decode-slowdown"),
+        (["--request-log", "/nonexistent-dir/requests.jsonl"], "--request-log"),
+        (["--arrival-log", "/"], "--arrival-log"),
+    ],
+)
+def test_values_the_engine_cannot_run_with_are_usage_errors(
+    args: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN delay started and then failed every stream; a log it cannot open was blamed on the
+    listen address."""
+    with pytest.raises(SystemExit) as exited:
+        config_from_args(build_parser(), args)
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_process_prints_address_serves_and_stops_on_sigterm() -> None:
     command = [sys.executable, "-m", "stargate.mock_engine.cli", "--port", "0", "--model", "llama"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -40,8 +40,8 @@ def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"invalid value {text!r}") from exc
-        if isinstance(value, float) and math.isnan(value):
-            return value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
         if value < 0:
             raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
         return value
@@ -163,6 +163,12 @@ def config_from_args(
         parser.error("--max-num-batched-tokens: must be >= 1")
     if args.max_body_bytes < 1024:
         parser.error("--max-body-bytes: must be >= 1024")
+    for flag, path in (("--request-log", args.request_log), ("--arrival-log", args.arrival_log)):
+        if path:
+            try:
+                open(path, "ab").close()  # the engine appends to it: created here if missing
+            except OSError as exc:
+                parser.error(f"{flag}: cannot open {path}: {exc.strerror or exc}")
     token_delay = args.token_delay_ms
     if args.decode_tokens_per_s is not None:
         if not args.decode_tokens_per_s > 0:
