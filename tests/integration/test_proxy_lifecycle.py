@@ -57,6 +57,13 @@ def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--advertise-addr" in capsys.readouterr().err
 
 
+def test_a_metrics_host_it_cannot_listen_on_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*BASE_ARGS, "--disable-dns-discovery"]
+    args[args.index("--metrics-host") + 1] = "256.1.1.1"
+    assert main(args) == 2
+    assert "--metrics-host/--metrics-port: cannot listen on 256.1.1.1:0" in capsys.readouterr().err
+
+
 def test_env_vars_and_flag_values_reach_settings() -> None:
     env = {
         "STARGATE_PROXY_MAX_CONNECT_RETRIES": "5",

@@ -189,7 +189,7 @@ class StargateServer:
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
             metrics_bound = await self._serve(
-                self._metrics_app(), s.metrics_host, s.metrics_port, "--metrics-port"
+                self._metrics_app(), s.metrics_host, s.metrics_port, "--metrics-host/--metrics-port"
             )
             self.control_plane = ControlPlane(
                 self.state,
