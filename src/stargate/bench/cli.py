@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Piped or redirected output keeps whole table rows and markdown lines instead of rich's 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=400, soft_wrap=True)
     try:
+        _check_out(args)
         if args.command == "list-scenarios":
             return list_scenarios(console)
         if args.command == "validate":
@@ -111,6 +112,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StargateError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         return EXIT_FAILED
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """An ``--out`` it cannot write to is a usage error before any fleet starts, not a traceback
+    after one did."""
+    out: Path | None = getattr(args, "out", None)
+    if out is None:
+        return
+    directory = out.parent if args.command == "gen-trace" else out  # gen-trace writes one file
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise ConfigError(f"cannot write to {directory}: {exc.strerror or exc}", path="--out") from exc
 
 
 def list_scenarios(console: Console) -> int:

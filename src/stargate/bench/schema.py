@@ -356,6 +356,8 @@ def load_scenario(path: str | Path) -> Scenario:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read scenario: {exc.strerror or exc}", file=str(file)) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text (byte {exc.start})", file=str(file)) from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

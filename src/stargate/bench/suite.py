@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from stargate.errors import ConfigError
+
 _REPEAT = re.compile(r"^(?P<router>.*) #\d+$")
 _PEER_KINDS = ("sglang:", "vllm:")
 
@@ -164,11 +166,16 @@ def standing(scenario: str, results: Sequence[RouterResult]) -> ScenarioStanding
 
 
 def load_suite(root: Path) -> dict[str, list[RouterResult]]:
-    """Every ``<root>/<scenario>/comparison.json``, by scenario in name order."""
-    return {
-        path.parent.name: across_repeats(orjson.loads(path.read_bytes()))
-        for path in sorted(root.glob("*/comparison.json"))
-    }
+    """Every ``<root>/<scenario>/comparison.json``, by scenario in name order; a file that is not
+    one (corrupt, another tool's) is a usage error naming it."""
+    suite = {}
+    for path in sorted(root.glob("*/comparison.json")):
+        try:
+            suite[path.parent.name] = across_repeats(orjson.loads(path.read_bytes()))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            reason = f"not a comparison.json of stargate-bench compare ({type(exc).__name__}: {exc})"
+            raise ConfigError(reason, file=str(path)) from exc
+    return suite
 
 
 def _who(result: RouterResult | None, attr: str, digits: int) -> str:

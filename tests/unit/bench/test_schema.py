@@ -127,3 +127,11 @@ def test_seed_precedence_and_mode_defaults() -> None:
     assert parse_scenario(sessions).effective_mode == "closed_loop"
     with pytest.raises(ConfigError, match="closed_loop"):
         parse_scenario(sessions | {"execution": {"mode": "open_loop"}})
+
+
+def test_a_scenario_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"name: x\n\x00\xff\xfe")
+    with pytest.raises(ConfigError) as raised:
+        load_scenario(path)
+    assert str(path) in raised.value.describe() and "UTF-8" in raised.value.describe()

@@ -72,3 +72,25 @@ def test_summarize_writes_one_table_across_scenarios(
 def test_summarize_names_an_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["summarize", str(tmp_path)]) == 2
     assert f"error: dir: no <scenario>/comparison.json under {tmp_path}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [b"garbage", b"null", b'{"runs": 5}', b'[{"run": "a"}]'])
+def test_summarize_names_a_file_that_is_not_a_comparison(
+    tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "s1").mkdir()
+    (tmp_path / "s1" / "comparison.json").write_bytes(content)
+    assert main(["summarize", str(tmp_path)]) == 2
+    assert f"{tmp_path / 's1' / 'comparison.json'}: not a comparison.json" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["fuzz"], ["run", "--scenario", "smoke"], ["gen-trace"]])
+def test_an_out_it_cannot_write_to_is_a_usage_error(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Named before any fleet starts (it was a traceback once the run had begun)."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    out = taken / "trace.jsonl" if command == ["gen-trace"] else taken
+    assert main([*command, "--out", str(out)]) == 2
+    assert f"error: --out: cannot write to {taken}" in capsys.readouterr().out
