@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from stargate.bench.runner import SuiteResult
-from stargate.bench.schema import Scenario, load_scenario
+from stargate.bench.schema import MAX_REQUEST_COUNT, Scenario, load_scenario
 from stargate.bench.score import RequestRecord
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, positive_float, positive_int
@@ -74,6 +74,8 @@ def prepare_scenario(
         sc = sc.select_algorithms([name.strip() for name in algorithms.split(",") if name.strip()])
     update: dict[str, Any] = {}
     if request_count is not None:
+        if request_count > MAX_REQUEST_COUNT:
+            raise ConfigError(f"at most {MAX_REQUEST_COUNT}, got {request_count}", path="--request-count")
         update["request_count"] = request_count
     if batching is not None:
         update["mock"] = sc.mock.model_copy(update={"batching": batching})

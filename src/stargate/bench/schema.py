@@ -1,9 +1,10 @@
 """Scenario files: the original's schema (bench spec §3), loaded unchanged, plus optional extensions.
 
-Every model forbids unknown keys except ``algorithms[].config``, which is forwarded verbatim to the
-router as ``lb-config.json``. Extensions are new optional blocks (``client``, ``execution``,
-``mock``, ``prompts``) and new traffic kinds (:mod:`stargate.bench.traffic`); every original key
-keeps its name and default. :mod:`stargate.bench.plan` turns a scenario into the fleet's command lines.
+Every model forbids unknown keys except ``algorithms[].config``, which is checked as the router
+checks an ``lb-config.json`` and forwarded to it verbatim. Extensions are new optional blocks
+(``client``, ``execution``, ``mock``, ``prompts``) and new traffic kinds
+(:mod:`stargate.bench.traffic`); every original key keeps its name and default.
+:mod:`stargate.bench.plan` turns a scenario into the fleet's command lines.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from stargate.balancer.config import parse_lb_config
 from stargate.bench.traffic import (
     U64,
     Positive,
@@ -160,6 +162,16 @@ class AlgorithmEntry(Strict):
     config: dict[str, Any]
     pylon_queue_admission: QueueAdmission | None = None
 
+    @field_validator("config")
+    @classmethod
+    def _an_lb_config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Checked as Stargate will check it, so ``validate`` fails what a run would."""
+        try:
+            parse_lb_config(value)
+        except ConfigError as exc:
+            raise ValueError(f"not an lb-config: {exc.describe()}") from None
+        return value
+
 
 # --- extensions -------------------------------------------------------------------------------
 
@@ -209,12 +221,16 @@ class Prompts(Strict):
     vocabulary_seed: U64 = 0
 
 
+MAX_REQUEST_COUNT = 10_000_000
+"""A workload is planned whole, in memory, before it runs: a bound, not a suggestion."""
+
+
 class Scenario(Strict):
     name: str = Field(min_length=1)
     metadata: Metadata = Metadata()
     model: str = Field(min_length=1)
     seed: U64 | None = None
-    request_count: Positive
+    request_count: Annotated[int, Field(gt=0, le=MAX_REQUEST_COUNT)]
     max_concurrency: Positive
     tunnel_protocol: Literal["raw-quic", "http3", "h3", "webtransport", "web-transport", "wt"] = "raw-quic"
     stargates: Stargates = Stargates()

@@ -31,7 +31,7 @@ def base() -> dict[str, Any]:
             "arrival": {"distribution": "constant", "interval_ms": 0},
         },
         "algorithms": [
-            {"name": "a", "config": {"default": "power-of-n", "anything": {"goes": 1}},
+            {"name": "a", "config": {"default": "power-of-n", "models": {}},
              "pylon_queue_admission": {"enabled": False, "tolerance_factor": 1.5, "retry_after_ms": 5}},
         ],
     }  # fmt: skip

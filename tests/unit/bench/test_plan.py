@@ -50,7 +50,7 @@ def test_pylon_args_carry_identity_pinned_tps_concurrency_and_admission() -> Non
         "--pylon-queue-mismatch-tolerance-factor", "1.5",
         "--pylon-queue-mismatch-retry-after-ms", "5",
     ]  # fmt: skip
-    assert run.lb_config["anything"] == {"goes": 1}
+    assert run.lb_config == {"default": "power-of-n", "models": {}}  # forwarded verbatim
 
 
 def test_prefix_mode_adds_the_block_size_flag() -> None:

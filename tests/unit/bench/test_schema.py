@@ -135,3 +135,18 @@ def test_a_scenario_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as raised:
         load_scenario(path)
     assert str(path) in raised.value.describe() and "UTF-8" in raised.value.describe()
+
+
+def test_an_algorithm_config_stargate_would_refuse_is_refused_here() -> None:
+    """``validate`` and ``run`` fail it before any fleet starts, naming the entry and the field."""
+    data = with_change(["algorithms"], [{"name": "a", "config": {"default": "sticky"}}])
+    with pytest.raises(ConfigError) as info:
+        parse_scenario(data)
+    assert info.value.path == "$.algorithms[0].config" and "$.default" in info.value.reason
+
+
+def test_a_request_count_past_the_bound_is_refused_before_planning() -> None:
+    """The whole workload is built in memory first: 10^23 requests never finished planning."""
+    with pytest.raises(ConfigError) as info:
+        parse_scenario(with_change(["request_count"], 10**23))
+    assert info.value.path == "$.request_count"
