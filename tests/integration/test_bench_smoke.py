@@ -47,7 +47,6 @@ def tiny_scenario(base: Path) -> dict[str, object]:
         "client": {"timeout_s": 20},
         "algorithms": [
             {"name": "round-robin", "config": {"default": "round-robin"}},
-            {"name": "broken", "config": {"default": "no-such-algorithm"}},
         ],
     }
 
@@ -56,7 +55,9 @@ async def test_two_runs_end_to_end_one_failing_cleanly(tmp_path: Path) -> None:
     scenario = parse_scenario(tiny_scenario(tmp_path), file="smoke.yaml", base_dir=tmp_path)
     workload = build_workload(scenario)
     out = tmp_path / "out"
-    result = await run_suite(scenario, workload, out, runs=plan.runs(scenario),
+    # A run whose router cannot start: a scenario would refuse this config, so the run is made here.
+    failing = plan.RunSpec("broken", {"default": "no-such-algorithm"}, [])
+    result = await run_suite(scenario, workload, out, runs=[*plan.runs(scenario), failing],
                              timeouts=FleetTimeouts(start_s=30.0, ready_s=30.0, stop_grace_s=5.0))
 
     good, broken = result.outcomes
