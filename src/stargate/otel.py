@@ -7,6 +7,7 @@ continues the same trace. Spans go to an OTLP/HTTP exporter through a batching p
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, MutableMapping
 
 from opentelemetry import trace
@@ -27,11 +28,19 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith("/v1/traces") else f"{base}/v1/traces"
 
 
+SHUTDOWN_TIMEOUT_S = 2.0
+"""How long a stopping process waits for its last spans to reach the collector: one that is down
+held a drained router for one 10 s export timeout per batch left, past its supervisor's grace."""
+
+
 class Tracing:
     """A tracer provider of its own (no global state) with one span processor."""
 
     def __init__(self, service_name: str, processor: SpanProcessor) -> None:
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            shutdown_on_exit=False,  # ``shutdown`` bounds it; an exit hook would wait for it unbounded
+        )
         self.provider.add_span_processor(processor)
         self._tracer = self.provider.get_tracer("stargate")
 
@@ -55,8 +64,11 @@ class Tracing:
         span.end()
 
     def shutdown(self) -> None:
-        """Flush what is buffered and stop the exporter."""
-        self.provider.shutdown()
+        """Flush what is buffered and stop the exporter, waiting at most ``SHUTDOWN_TIMEOUT_S``
+        (a daemon thread: spans a collector does not take by then are dropped at exit)."""
+        flush = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
+        flush.start()
+        flush.join(SHUTDOWN_TIMEOUT_S)
 
 
 def otlp_http(endpoint: str, service_name: str) -> Tracing:

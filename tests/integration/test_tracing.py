@@ -8,6 +8,7 @@ import asyncio
 import io
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,6 +22,7 @@ from support.pylon_fakes import FakeEngine
 from support.stargate_harness import Reply, ScriptedBackend, registration, rejection, settings
 from support.waiting import until
 
+from stargate import otel
 from stargate.otel import Tracing, traces_url
 from stargate.proto import stargate_pb2_grpc
 from stargate.pylon.app import PylonApp
@@ -174,3 +176,19 @@ def test_without_tracing_no_opentelemetry_module_is_loaded() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_shutdown_waits_for_the_collector_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collector that is down held a drained router for 10-20 s of export timeouts."""
+    released = threading.Event()
+
+    class Stuck(SimpleSpanProcessor):
+        def shutdown(self) -> None:
+            released.wait()  # an export that never answers
+
+    monkeypatch.setattr(otel, "SHUTDOWN_TIMEOUT_S", 0.05)
+    tracing = Tracing("stargate", Stuck(InMemorySpanExporter()))
+    try:
+        tracing.shutdown()  # returns at once here; before, it waited for the export (the test timed out)
+    finally:
+        released.set()
