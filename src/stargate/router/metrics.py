@@ -26,8 +26,12 @@ ROUTING_DURATION_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1)
 DEFAULT_PREFIX = "stargate_"
 MAX_CLIENT_TARGETS = 1000
 """Distinct ``(routing_key, model)`` label pairs taken from requests alone (never registered)."""
+MAX_CLIENT_LABEL_CHARS = 256
+"""The longest unregistered ``routing_key`` or ``model`` kept as a label: 1 000 pairs of 8 KB header
+values made one scrape 16 MB, 150-200 ms of the router's event loop."""
 OTHER_TARGET = "__other__"
-"""Both labels of a request whose unregistered target came after the first ``MAX_CLIENT_TARGETS``."""
+"""Both labels of a request whose unregistered target came after the first ``MAX_CLIENT_TARGETS``,
+or has a label longer than ``MAX_CLIENT_LABEL_CHARS``."""
 DEPARTED_SERIES_TTL_S = 600.0
 """How long the series of a backend whose registration ended stay: scrapes see its last counts."""
 
@@ -188,11 +192,12 @@ class RouterMetrics:
     # -- per-event helpers -------------------------------------------------------------------------
 
     def _tgt(self, target: Target) -> tuple[str, str]:
-        """The target's label pair; an unregistered one past the cap becomes ``OTHER_TARGET``."""
+        """The target's label pair; an unregistered one past the caps becomes ``OTHER_TARGET``."""
         pair = (target.routing_key or "", target.model_id)
         if pair in self._registered or pair in self._client_targets:
             return pair
-        if len(self._client_targets) < MAX_CLIENT_TARGETS:
+        short = len(pair[0]) <= MAX_CLIENT_LABEL_CHARS and len(pair[1]) <= MAX_CLIENT_LABEL_CHARS
+        if short and len(self._client_targets) < MAX_CLIENT_TARGETS:
             self._client_targets.add(pair)
             return pair
         return (OTHER_TARGET, OTHER_TARGET)

@@ -5,7 +5,13 @@ from __future__ import annotations
 from prometheus_client.utils import floatToGoString
 
 from stargate.balancer.types import Target
-from stargate.router.metrics import DEPARTED_SERIES_TTL_S, MAX_CLIENT_TARGETS, OTHER_TARGET, RouterMetrics
+from stargate.router.metrics import (
+    DEPARTED_SERIES_TTL_S,
+    MAX_CLIENT_LABEL_CHARS,
+    MAX_CLIENT_TARGETS,
+    OTHER_TARGET,
+    RouterMetrics,
+)
 
 T = Target("rk", "m")
 TGT = ("routing_key", "model")
@@ -122,6 +128,19 @@ def test_client_chosen_targets_are_bounded_registered_ones_never() -> None:
     sample = m.registry.get_sample_value
     other = {"routing_key": OTHER_TARGET, "model": OTHER_TARGET, "inference_server_id": "", "status": "404"}
     assert sample("stargate_requests_total", other) == 50
+
+
+def test_long_client_chosen_labels_are_other_registered_ones_never() -> None:
+    """Series count was bounded, their size not: 1 000 pairs of 8 KB values made a 16 MB page."""
+    m = RouterMetrics()
+    long = "m" * (MAX_CLIENT_LABEL_CHARS + 1)
+    m.request_finished(Target(None, long), "", 404)
+    m.request_finished(Target("k" * (MAX_CLIENT_LABEL_CHARS + 1), "short"), "", 404)
+    m.request_finished(Target(None, "m" * MAX_CLIENT_LABEL_CHARS), "", 404)
+    m.set_active(Target(None, "r" * 300), 1)  # advertised by a registration: its own labels
+    m.request_finished(Target(None, "r" * 300), "b1", 200)
+    series = {s.labels["model"] for s in next(iter(m.requests_total.collect())).samples}
+    assert series == {OTHER_TARGET, "m" * MAX_CLIENT_LABEL_CHARS, "r" * 300}
 
 
 def backend_series(m: RouterMetrics) -> set[str]:
