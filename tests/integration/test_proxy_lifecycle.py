@@ -64,6 +64,15 @@ def test_a_metrics_host_it_cannot_listen_on_is_named(capsys: pytest.CaptureFixtu
     assert "--metrics-host/--metrics-port: cannot listen on 256.1.1.1:0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("prefix", ["bad-prefix_", "9x_"])
+def test_a_metrics_prefix_that_cannot_start_a_name_is_refused(
+    prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """prometheus_client escaped it (``bad_prefix_``, ``_x_``): the dashboards' queries found nothing."""
+    assert main([*BASE_ARGS, "--disable-dns-discovery", "--metrics-prefix", prefix]) == 2
+    assert "--metrics-prefix" in capsys.readouterr().err
+
+
 def test_env_vars_and_flag_values_reach_settings() -> None:
     env = {
         "STARGATE_PROXY_MAX_CONNECT_RETRIES": "5",

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -41,6 +42,7 @@ TUNNEL_PROTOCOLS = {
 }
 log = logging.getLogger("stargate")
 _D = StargateSettings(stargate_id="", advertise_addr="")
+METRIC_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _PLAIN = PlainClientSettings()
 """Every flag's default is the settings' own: written once, in the settings dataclasses."""
 
@@ -282,6 +284,12 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
             f"must be 0 or at least --plain-client-max-body-bytes ({options.plain_client_max_body_bytes}): "
             "a plain-client body is read whole",
             path="--proxy-max-buffered-body-bytes",
+        )
+    if not METRIC_PREFIX.fullmatch(options.metrics_prefix):
+        # prometheus_client would escape it into another name than the one the dashboards query.
+        raise ConfigError(
+            f"not the start of a metric name ({METRIC_PREFIX.pattern}): {options.metrics_prefix!r}",
+            path="--metrics-prefix",
         )
     lb_config = load_lb_config(options.lb_config_path) if options.lb_config_path else LbConfig.permissive()
     urls = tuple(
