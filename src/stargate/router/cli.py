@@ -285,7 +285,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
             "a plain-client body is read whole",
             path="--proxy-max-buffered-body-bytes",
         )
-    if not METRIC_PREFIX.fullmatch(options.metrics_prefix):
+    if options.metrics_prefix and not METRIC_PREFIX.fullmatch(options.metrics_prefix):
         # prometheus_client would escape it into another name than the one the dashboards query.
         raise ConfigError(
             f"not the start of a metric name ({METRIC_PREFIX.pattern}): {options.metrics_prefix!r}",
