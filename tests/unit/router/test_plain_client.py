@@ -10,7 +10,7 @@ import pytest
 from multidict import CIMultiDict
 
 from stargate.bench.peers.tokenizer import write_tokenizer_dir
-from stargate.errors import ConfigError
+from stargate.errors import ConfigError, RequestError
 from stargate.router.cli import build_parser, settings_from_args
 from stargate.router.plain_client import (
     MAX_BODY_KEY_CHARS,
@@ -148,3 +148,14 @@ def test_responses_instructions_come_first_so_a_growing_input_continues() -> Non
     grown = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
              {"role": "user", "content": "q2"}]  # fmt: skip
     assert _key(clients, {"instructions": instructions, "input": grown}) == first
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [("mock-model\n", "not a model id"), ("\u00fc-model", "not a model id"), ("  ", "names no model"),
+     (7, "names no model")],
+)  # fmt: skip
+def test_a_model_that_cannot_travel_as_a_header_is_named_not_missing(model: object, says: str) -> None:
+    with pytest.raises(RequestError) as raised:
+        plain()._fill(CIMultiDict({"x-request-id": "r"}), orjson.dumps({"model": model}))
+    assert says in raised.value.message
