@@ -495,10 +495,11 @@ class Relay:
             if not ok:
                 # The client hung up (cancelled, as when it goes away earlier), or the engine broke.
                 gone = report_client_gone(self.faults, request, request_id, started=True)
-                if observer is not None and gone:
-                    observer.cancel()
-                elif observer is not None:
-                    observer.finish(failed=True)
+                if observer is not None:
+                    if gone:
+                        observer.cancel()
+                    else:
+                        observer.finish(failed=True)
                 if tail:
                     with contextlib.suppress(ConnectionError):
                         await response.write(tail)

@@ -162,14 +162,15 @@ class PlainClients:
         body = _json_object(decoded(raw, headers.get("content-encoding"), self.settings.max_body_bytes))
         if text_value(headers.get(h.MODEL)) is None:
             model = body.get("model")
-            if isinstance(model, str) and model.strip(" \t") and text_value(model) is None:
-                # Model ids travel as a header value to Pylon and the engine.
-                raise RequestError(f"the body's model is not a model id (visible ASCII): {model[:100]!r}")
-            if not isinstance(model, str) or text_value(model) is None:
+            value = text_value(model) if isinstance(model, str) else None
+            if value is None:
+                if isinstance(model, str) and model.strip(" \t"):
+                    # Model ids travel as a header value to Pylon and the engine.
+                    raise RequestError(f"the body's model is not a model id (visible ASCII): {model[:100]!r}")
                 raise RequestError(
                     "the request names no model: set the body's model field or an x-model header"
                 )
-            headers[h.MODEL] = model.strip(" \t")
+            headers[h.MODEL] = value
         text: str | None = None  # the prompt is walked only when a header needs it, and once
         if headers.get(h.INPUT_TOKENS) is None:
             text, token_ids = _prompt(body)
