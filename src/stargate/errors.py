@@ -17,8 +17,9 @@ StargateError                      status 500 internal_error: anything raised on
  ├── UpstreamError                 502 upstream_transport_error: a backend could not be reached or broke
  │    ├── UpstreamNotSent          the request never left (connect refused/failed): safe to resend anywhere
  │    └── UpstreamTimeout          no response headers in time: the backend may still be executing it
- ├── BackendRejected               Pylon's own retryable refusals (carry x-stargate-retry-* headers)
+ ├── BackendRejected               a backend's refusals before anything ran (carry x-stargate-retry-* headers)
  │    ├── ModelNotAdmitted         503 model_generation_unavailable
+ │    ├── RequestLoop              503 request_loop: back at a router it passed (``Via``), retryable
  │    ├── QueueEstimateMismatch    429 queue_estimate_mismatch (extra fields of pylon.md §8.3)
  │    └── LocalConnectFailure      503 local_connect_failure (the engine could not be reached)
  ├── RegistrationRejected          a gRPC registration breaks the contract: the stream ends INVALID_ARGUMENT
@@ -235,7 +236,7 @@ class UpstreamBroken(UpstreamError):
 
 
 class BackendRejected(StargateError):
-    """A refusal Pylon answers before the engine ran anything, with Stargate's retry headers."""
+    """A refusal a backend answers before anything ran, with Stargate's retry headers."""
 
     status = 503
     kind = "service_unavailable_error"
@@ -300,6 +301,18 @@ class EngineBodyBufferFull(BackendRejected):
 
     def __init__(self, reason: BodyBufferFull) -> None:
         super().__init__(reason.message)
+
+
+class RequestLoop(BackendRejected):
+    """A request back at a router it already passed (a backend URL that leads to a router):
+    refused before anything ran, so the router that sent it tries another backend."""
+
+    code = "request_loop"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"request came back to a router it passed ({name} in Via): a backend's URL leads to a router"
+        )
 
 
 class LocalConnectFailure(BackendRejected):

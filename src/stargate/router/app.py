@@ -26,6 +26,7 @@ from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
 from stargate.router.discovery import DiscoverySettings
 from stargate.router.driver import AttemptDriver
 from stargate.router.endpoints import Endpoints
+from stargate.router.headers import via_name
 from stargate.router.health import HealthSettings
 from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
 from stargate.router.plain_client import PlainClients, PlainClientSettings
@@ -133,12 +134,15 @@ class StargateServer:
             on_active_count=self.metrics.set_active,
             on_backend_live=self.metrics.backend_live,
         )
+        self.via = via_name()
+        """This router's name in ``Via``: requests and probes that come back to it are refused."""
         self.endpoints = Endpoints(
             self.state.list_models,
             self.state.active_model_ids,
             self._debug_config,
             self.state.describe,
             openai=settings.plain_clients is not None,
+            via=self.via,
         )
         self.addresses: BoundAddresses | None = None
         self.control_plane: ControlPlane | None = None
@@ -185,6 +189,7 @@ class StargateServer:
             tracing=self.tracing,
             client_faults=self.client_faults,
             budget=budget,
+            via=self.via,
         )
         try:
             http_bound = await self._serve(self._http_app(proxy), http_host, http_port, "--http-listen-addr")
@@ -296,6 +301,7 @@ class StargateServer:
             idle_timeout_floor_ms=s.registration_idle_timeout_ms,
             idle_timeout_cap_ms=s.registration_max_idle_timeout_ms,
             health=s.health,
+            via=self.via,
         )
 
     def _debug_config(self) -> Mapping[str, object]:

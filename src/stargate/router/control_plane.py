@@ -75,6 +75,8 @@ class ControlPlaneSettings:
     max_registrations: int = 10_000
     max_models_per_registration: int = 4096
     max_message_bytes: int = 4 * 1024 * 1024
+    via: str | None = None
+    """This router's ``Via`` name, sent with its health probes (``router/health.py``)."""
 
     def validate(self) -> None:
         """Reject settings that would break the control plane at run time, naming the flag."""
@@ -327,6 +329,7 @@ class ControlPlane:
             on_restore=restore,
             answering=lambda seconds: self._state.answered_within(backend_id, seconds),
             loop_late=self._loop_lag.late_within,
+            via=settings.via,
         )
         message: stargate_pb2.InferenceServerRegistration | None = first
         ended: _StreamEnd | None = None

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from stargate.errors import ModelNotFound, RequestError
+from stargate.errors import ModelNotFound, RequestError, RequestLoop
 from stargate.responses import error_response
+from stargate.router.headers import came_back
 
 
 @dataclass
@@ -23,6 +24,8 @@ class Endpoints:
     ``openai`` (plain-client mode) adds what OpenAI clients and load tools expect beside the spec's
     surface: the OpenAI list fields in ``/v1/models`` (``model_ids`` kept), ``/v1/models/{id}`` and
     ``GET /health``. ``created`` of a model is the router's start time (no registration time exists).
+    A ``GET /health`` that carries this router's own ``via`` name is its own health probe come back
+    (a backend URL that leads here) and fails, so that backend never enters routing.
     """
 
     list_models: Callable[[str | None, list[str]], list[str]]
@@ -31,6 +34,7 @@ class Endpoints:
     routing: Callable[[], object]
     draining: bool = False
     openai: bool = False
+    via: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -58,6 +62,8 @@ class Endpoints:
         return _json(self._model(model_id))
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.via is not None and came_back(request.headers, self.via):
+            return error_response(RequestLoop(self.via))
         return _json({"status": "ok"})
 
     def _model(self, model_id: str) -> dict[str, object]:

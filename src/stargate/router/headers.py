@@ -7,11 +7,12 @@ Parsing follows the spec's validation order exactly (first failure wins). Every 
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from multidict import CIMultiDict
+from multidict import CIMultiDict, MultiMapping
 
 from stargate.balancer.config import parse_routing_method
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
@@ -126,6 +127,17 @@ def parse_request(
         retry_budget_ms=retry_budget_ms,
         received_at=received_at,
     )
+
+
+def via_name() -> str:
+    """This router's ``Via`` name: random per process, so two routers given one ``--stargate-id``
+    still tell each other apart."""
+    return f"stargate-{secrets.token_hex(6)}"
+
+
+def came_back(headers: MultiMapping[str], name: str) -> bool:
+    """The request passed the router called ``name`` before: a backend URL leads back to it."""
+    return name in h.via_names(headers.getall(h.VIA, ()))
 
 
 def filter_headers(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> CIMultiDict[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -33,7 +34,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from stargate.errors import RequestLoop
 from stargate.wire import headers as h
+
+log = logging.getLogger(__name__)
 
 MAX_HEALTH_BODY_BYTES = 64 * 1024
 
@@ -104,17 +108,23 @@ class HealthProber:
         on_restore: Callable[[int], None] | None = None,
         answering: Callable[[float], bool] | None = None,
         loop_late: Callable[[float], bool] = lambda _seconds: False,
+        via: str | None = None,
     ) -> None:
         """``answering(seconds)``: whether a response of the backend began within the last
         ``seconds``; ``loop_late(seconds)``: whether this router's event loop ran late by
-        ``late_loop_s`` in that time (``LoopLag.late_within``)."""
+        ``late_loop_s`` in that time (``LoopLag.late_within``); ``via``: this router's ``Via``
+        name, with which a probe that reaches this router itself fails."""
         self._session = session
         self._url = url.rstrip("/") + "/health"
+        self._backend_id = inference_server_id
         self._headers = {
             h.REQUEST_ID: f"stargate-health-{inference_server_id}",
             h.MODEL: "stargate-health",
             h.INPUT_TOKENS: "0",
         }
+        if via is not None:
+            self._headers[h.VIA] = f"1.1 {via}"
+        self._loop_seen = False
         self._settings = settings = settings or HealthSettings()
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
         self._clock_ns = clock_ns
@@ -147,6 +157,12 @@ class HealthProber:
                     if received > MAX_HEALTH_BODY_BYTES:
                         raise ValueError("health body too large")
                 ok = 200 <= resp.status < 300
+                if resp.headers.get(h.RETRY_REASON) == RequestLoop.code and not self._loop_seen:
+                    self._loop_seen = True
+                    log.warning(
+                        "backend %s stays out of routing: its URL %s leads back to this router",
+                        self._backend_id, self._url.removesuffix("/health"),
+                    )  # fmt: skip
         except TimeoutError:
             timed_out = True
         except (aiohttp.ClientError, ValueError):

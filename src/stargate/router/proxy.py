@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from stargate.errors import StargateError, UpstreamError
+from stargate.errors import RequestLoop, StargateError, UpstreamError
 from stargate.responses import error_response
 from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.headers import (
@@ -27,6 +27,7 @@ from stargate.router.headers import (
     RESPONSE_DROPPED,
     ProxyRequest,
     ResolveAlgorithm,
+    came_back,
     filter_headers,
     parse_request,
     valid_header_value,
@@ -72,8 +73,12 @@ class ProxyHandler:
         tracing: Tracing | None = None,
         client_faults: ClientFaults | None = None,
         budget: BodyBudget = UNCAPPED,
+        via: str | None = None,
     ) -> None:
+        """``via``: this router's ``Via`` name (``via_name``), added to every request it sends; a
+        request that arrives with it is refused as a loop."""
         self._driver = driver
+        self._via = via
         self._budget = budget
         self._faults = client_faults or ClientFaults(log)
         self._tracing = tracing
@@ -97,6 +102,8 @@ class ProxyHandler:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
+        if self._via is not None and came_back(request.headers, self._via):
+            return error_response(RequestLoop(self._via))
         headers: Mapping[str, str] = request.headers
         replay: ReplayBody | None = None
         try:
@@ -173,6 +180,8 @@ class ProxyHandler:
         traced: tuple[Span, RouteTrace] | None,
     ) -> web.StreamResponse:
         forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
+        if self._via is not None:
+            forwarded[h.VIA] = ", ".join([*forwarded.popall(h.VIA, ()), f"1.1 {self._via}"])
         route = None
         if traced is not None:
             assert self._tracing is not None

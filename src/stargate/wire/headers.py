@@ -10,7 +10,7 @@ string longer than a u64 can be.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from multidict import CIMultiDict
 
@@ -40,6 +40,8 @@ SESSION_ID = "x-session-id"
 TUNNEL_METHOD = "x-method"
 TUNNEL_PATH = "x-path"
 """Set only by the original's tunnel transport (pylon.md §1); Pylon drops them before the engine."""
+VIA = "via"
+"""Each router a request passed names itself here (RFC 9110 §7.6.3), so one that comes back is seen."""
 DYNAMO_PRIORITY = "x-dynamo-request-priority"
 DYNAMO_STRICT_PRIORITY = "x-dynamo-request-strict-priority"
 """Pylon → Dynamo engine priority band (pylon.md §8.4)."""
@@ -110,6 +112,15 @@ def optional_unsigned(raw: str | None, limit: int) -> int | None:
         return parse_unsigned(raw, limit)
     except InvalidNumber:
         return None
+
+
+def via_names(values: Iterable[str]) -> Iterator[str]:
+    """The ``received-by`` name of every ``Via`` entry (``1.1 name (comment)``), in order."""
+    for value in values:
+        for entry in value.split(","):
+            parts = entry.split()
+            if len(parts) >= 2:
+                yield parts[1]
 
 
 def connection_nominated(items: Iterable[tuple[str, str]]) -> frozenset[str]:
