@@ -6,7 +6,9 @@ and tokens are never labels. Routing keys and models come from client headers, s
 no registration ever advertised are bounded (``MAX_CLIENT_TARGETS``; later ones count under
 ``OTHER_TARGET``): random ``x-model`` values cannot grow the registry without end. Nor can a fleet
 whose pods register under new ids: a backend's own series go ``DEPARTED_SERIES_TTL_S`` after its
-registration ends, unless it registers again first (``GoneSeries``).
+registration ends, unless it registers again first (``GoneSeries``), and a routing target's
+(``routing_key``, ``model``) series as long after its last backend left: one sidecar that
+registered thousands of new model ids again and again grew a scrape past 10 MB.
 """
 
 from __future__ import annotations
@@ -173,12 +175,22 @@ class RouterMetrics:
             (self._requests, 2), (self._attempts, 2), (self._proxy_duration, 2),
             (self._evictions, 0), (self._reconnects, 0),
         )  # fmt: skip
+        # every family labelled by target, with routing_key and model first
+        self._per_target = (
+            self._requests, self._attempts, self._retries, self._exhausted, self._selections,
+            self._kv_fallbacks, self._admission, self._proxy_duration, self._routing_duration,
+            self._active,
+        )  # fmt: skip
         self._gone = GoneSeries(DEPARTED_SERIES_TTL_S, self._drop_backend, clock)
+        self._gone_targets: GoneSeries[tuple[str, str]] = GoneSeries(
+            DEPARTED_SERIES_TTL_S, self._drop_target, clock
+        )
         self._registered: set[tuple[str, str]] = set()
         self._client_targets: set[tuple[str, str]] = set()
 
     def render(self) -> bytes:
         self._gone.expire()
+        self._gone_targets.expire()
         return generate_latest(self.registry)
 
     def backend_live(self, backend_id: str, live: bool) -> None:
@@ -188,6 +200,14 @@ class RouterMetrics:
     def _drop_backend(self, backend_id: str) -> None:
         for children, index in self._per_backend:
             children.drop(index, backend_id)
+
+    def _drop_target(self, pair: tuple[str, str]) -> None:
+        self._registered.discard(pair)
+        for children in self._per_target:
+            children.drop_where(lambda values: values[:2] == pair)
+        model = pair[1]
+        if not any(m == model for _, m in self._registered | self._client_targets):
+            self._replay.drop(0, model)
 
     # -- per-event helpers -------------------------------------------------------------------------
 
@@ -203,9 +223,12 @@ class RouterMetrics:
         return (OTHER_TARGET, OTHER_TARGET)
 
     def set_active(self, target: Target, count: int) -> None:
+        """A registration-side change of ``target``: ``count`` active backends serve it now (0 stays
+        visible, for alerts, until its series go with the target)."""
         pair = (target.routing_key or "", target.model_id)
         self._registered.add(pair)
         self._active(*pair).set(count)
+        self._gone_targets.mark(pair, count > 0)
 
     def request_finished(self, target: Target, backend_id: str, status: int) -> None:
         self._requests(*self._tgt(target), backend_id, str(status)).inc()

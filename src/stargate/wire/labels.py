@@ -8,10 +8,12 @@ its own; a series the owner removes from the metric is forgotten here too.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
+
+K = TypeVar("K", bound=Hashable)
 
 
 class LabelChildren:
@@ -36,27 +38,38 @@ class LabelChildren:
 
     def drop(self, index: int, value: str) -> None:
         """Remove every series created here whose label at ``index`` is ``value``, from the metric too."""
-        for values in [v for v in self._cache if v[index] == value]:
+        self.drop_where(lambda values: values[index] == value)
+
+    def drop_where(self, match: Callable[[tuple[str, ...]], bool]) -> None:
+        """Remove every series created here whose label values ``match``, from the metric too."""
+        for values in [v for v in self._cache if match(v)]:
             del self._cache[values]
             self._metric.remove(*values)
 
 
-class GoneSeries:
-    """Series labelled by a peer (a backend, a Stargate) are dropped ``ttl_s`` after it went away,
-    unless it came back: scrapes still see its last counts, and a fleet whose pods come back under
-    new names does not grow the registry without end."""
+class GoneSeries(Generic[K]):
+    """Series labelled by a peer (a backend, a Stargate, a model) are dropped ``ttl_s`` after it
+    went away, unless it came back: scrapes still see its last counts, and a fleet whose pods come
+    back under new names does not grow the registry without end. At most ``limit`` gone peers are
+    kept; past it the oldest go early, so churn faster than ``ttl_s`` is bounded too."""
 
-    __slots__ = ("_clock", "_drop", "_gone", "_ttl_s")
+    __slots__ = ("_clock", "_drop", "_gone", "_limit", "_ttl_s")
 
     def __init__(
-        self, ttl_s: float, drop: Callable[[str], None], clock: Callable[[], float] = time.monotonic
+        self,
+        ttl_s: float,
+        drop: Callable[[K], None],
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        limit: int = 1000,
     ) -> None:
         self._ttl_s = ttl_s
         self._drop = drop
         self._clock = clock
-        self._gone: dict[str, float] = {}  # peer -> when it went, oldest first
+        self._limit = limit
+        self._gone: dict[K, float] = {}  # peer -> when it went, oldest first
 
-    def mark(self, peer: str, present: bool) -> None:
+    def mark(self, peer: K, present: bool) -> None:
         self._gone.pop(peer, None)
         if not present:
             self._gone[peer] = self._clock()
@@ -66,7 +79,7 @@ class GoneSeries:
         cutoff = self._clock() - self._ttl_s
         while self._gone:
             peer, gone_at = next(iter(self._gone.items()))
-            if gone_at > cutoff:
+            if gone_at > cutoff and len(self._gone) <= self._limit:
                 return
             del self._gone[peer]
             self._drop(peer)

@@ -180,3 +180,46 @@ def test_series_of_a_departed_backend_go_after_the_ttl_unless_it_returns() -> No
         )
         == 1
     )
+
+
+def target_series(m: RouterMetrics) -> set[tuple[str, str]]:
+    return {
+        (sample.labels["routing_key"], sample.labels["model"])
+        for family in (m.active_inference_servers, m.requests_total, m.routing_selections_total)
+        for metric in family.collect()
+        for sample in metric.samples
+    }
+
+
+def test_series_of_a_target_go_after_the_ttl_once_its_last_backend_left() -> None:
+    """One sidecar registering 4 096 new model ids again and again grew a scrape past 10 MB."""
+    now = [0.0]
+    m = RouterMetrics(clock=lambda: now[0])
+    gone, back, stays = Target(None, "gone"), Target("rk", "back"), Target(None, "stays")
+    for target in (gone, back, stays):
+        m.set_active(target, 1)
+        m.request_finished(target, "", 503)
+        m.selection(target, "random", 1, False)
+        m.replay_buffer(target, 10)
+    m.set_active(gone, 0)
+    m.set_active(back, 0)
+    now[0] = DEPARTED_SERIES_TTL_S - 1
+    m.set_active(back, 2)  # a backend registered again before the series expired
+    labels = {"routing_key": "", "model": "gone"}
+    assert m.registry.get_sample_value("stargate_active_inference_servers", labels) == 0  # for alerts
+    now[0] = DEPARTED_SERIES_TTL_S
+    m.render()
+    assert target_series(m) == {("rk", "back"), ("", "stays")}
+    assert b'model="gone"' not in m.render()  # the replay histogram of its model went too
+    m.request_finished(gone, "", 404)  # a later request counts as a client-chosen target
+    assert ("", "gone") in target_series(m)
+
+
+def test_targets_gone_faster_than_the_ttl_are_bounded_too() -> None:
+    m = RouterMetrics(clock=lambda: 0.0)
+    for i in range(3000):
+        m.set_active(Target(None, f"m-{i}"), 1)
+        m.set_active(Target(None, f"m-{i}"), 0)
+    m.set_active(Target(None, "live"), 1)
+    series = target_series(m)
+    assert len(series) == 1001 and ("", "m-2999") in series and ("", "m-1999") not in series
