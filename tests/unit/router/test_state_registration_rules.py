@@ -115,6 +115,21 @@ def test_131_identity_changes_in_check_order(change: dict[str, object], message:
         check_identity(identity, registration(**change))
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("inference_server_id", "i" * 513, 512),
+        ("cluster_id", "c" * 513, 512),
+        ("inference_server_url", "http://x:1/" + "p" * 2038, 2048),
+    ],
+)
+def test_over_long_identities_are_refused(field: str, value: str, limit: int) -> None:
+    """A megabyte id made every health probe fail (header too long) and every log line a megabyte."""
+    with pytest.raises(RegistrationRejected, match=f"^{field} is longer than {limit} characters$"):
+        admit_first(registration(**{field: value}), reverse_listener=False)
+    admit_first(registration(**{field: value[:-1]}), reverse_listener=False)
+
+
 def test_explicit_cluster_equal_to_id_is_not_a_change() -> None:
     identity = Identity("srv", "http://10.0.0.1:8080", False, "srv")
     check_identity(identity, registration(cluster_id="srv"))
