@@ -23,7 +23,11 @@ def client_session(
     relay: bool = False,
 ) -> aiohttp.ClientSession:
     """``limit``/``limit_per_host``: 0 = unbounded. ``relay``: a forwarding proxy's session (no
-    added headers, no cookies kept, the connect timeout also bounds the wait for a pooled connection)."""
+    added headers, no cookies kept, the connect timeout also bounds the wait for a pooled connection).
+
+    Neither decompresses, so the other asks for no compression (``Accept-Encoding: identity``, where
+    aiohttp would offer gzip): a stock vLLM or SGLang ``/metrics`` page came gzipped and unreadable.
+    A request that names its own ``Accept-Encoding`` keeps it."""
     connector = aiohttp.TCPConnector(
         limit=limit, limit_per_host=limit_per_host, keepalive_timeout=KEEPALIVE_TIMEOUT_S
     )
@@ -34,7 +38,12 @@ def client_session(
         sock_read=read_timeout_s,
     )
     if not relay:
-        return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            headers={"Accept-Encoding": "identity"},
+        )
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,

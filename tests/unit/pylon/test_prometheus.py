@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gzip
 import logging
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -11,7 +13,9 @@ from stargate.mock_engine.metrics import render
 from stargate.pylon.admission import AdmissionConfig, Result, decide
 from stargate.pylon.load import U64_MAX, Phase
 from stargate.pylon.registration import stats_to_proto
+from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.prometheus import apply_engine_metrics, parse_engine_metrics, run_prometheus_poller
+from stargate.wire.http_client import client_session
 
 from .helpers import make_rig
 
@@ -216,3 +220,86 @@ async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
         ("INFO", f"engine metrics polling with {peer} established"),
         ("WARNING", f"engine metrics polling with {peer} lost (HTTP 500); reconnecting"),
     ]  # fmt: skip
+
+
+async def poll_pages(
+    hub: StatsHub,
+    pages: list[tuple[int, str]],
+    check: Callable[[int], None],
+    *,
+    gzip_when_asked: bool = False,
+) -> None:
+    """Run the poller over ``pages`` with Pylon's own session; ``check(i)`` after the i-th poll."""
+    served = iter(pages)
+
+    async def page(request: web.Request) -> web.Response:
+        status, text = next(served)
+        if gzip_when_asked and "gzip" in request.headers.get("Accept-Encoding", ""):
+            # what prometheus_client's ASGI/WSGI app (vLLM's and SGLang's /metrics) does
+            return web.Response(status=status, body=gzip.compress(text.encode()),
+                                headers={"Content-Encoding": "gzip"})  # fmt: skip
+        return web.Response(status=status, text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+    polls = iter(range(len(pages)))
+
+    async def sleep(_s: float) -> None:
+        n = next(polls)
+        check(n)
+        if n == len(pages) - 1:
+            raise _Done
+
+    try:
+        async with client_session(connect_timeout_s=5.0) as session:
+            with pytest.raises(_Done):
+                await run_prometheus_poller(session, url, hub, interval_s=0.5, sleep=sleep)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stock_engine_page_is_asked_for_uncompressed() -> None:
+    """prometheus_client gzips for a client that offers it; Pylon does not decompress."""
+    rig = make_rig()
+    seen: list[int] = []
+
+    def running(_n: int) -> None:
+        seen.append(rig.hub.snapshot(rig.gen).num_running_queries)
+
+    await poll_pages(rig.hub, [(200, VLLM)], running, gzip_when_asked=True)
+    assert seen == [5]
+
+
+async def test_a_stale_engine_report_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """A report of 5 requests left from before the page broke kept an idle engine looking busy."""
+    rig = make_rig()
+    other = VLLM.replace('"llama"', '"meta-llama/Llama-3.1-8B"')
+    pages = [(200, VLLM), (500, ""), (500, ""), (500, ""), (200, VLLM), (200, other)]
+    seen: list[int] = []
+    caplog.set_level(logging.WARNING, logger="stargate.pylon.prometheus")
+    await poll_pages(rig.hub, pages, lambda _n: seen.append(rig.hub.snapshot(rig.gen).num_running_queries))
+    assert seen == [5, 5, 5, 0, 5, 0]  # after three failed polls; at once without the model's series
+    assert "are for model_name meta-llama/Llama-3.1-8B, not a model Pylon serves" in caplog.text
+
+
+def test_only_the_lines_read_are_parsed_and_a_bad_one_is_skipped() -> None:
+    """One absurd line (an integer of 400 digits, a broken label set) ended the poller and Pylon."""
+    page = "\n".join(
+        [
+            "# HELP vllm:num_requests_running running",
+            'vllm:num_requests_running{model_name="llama"} 1' + "0" * 400,
+            'vllm:num_requests_running{model_name="llama"} 2',
+            "vllm:num_requests_waiting{, =ng} 3",
+            'vllm:num_requests_waiting{model_name="llama"} 4 1' + "0" * 400,
+            'vllm:num_requests_waiting{model_name="llama"} 1',
+            "other_series_with_a_bad_timestamp 1 " + "9" * 400,
+            *(f'vllm:request_latency_bucket{{le="{i}"}} {i}' for i in range(1000)),
+        ]
+    )
+    parsed = parse_engine_metrics(page)
+    assert (parsed["llama"].running, parsed["llama"].waiting) == (2, 1)

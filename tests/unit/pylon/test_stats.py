@@ -238,6 +238,23 @@ def test_b79_engine_limit_override_withdraw_keep() -> None:
     assert rig.hub.snapshot(rig.gen).max_engine_concurrency == 30
 
 
+def test_an_engine_limit_reported_before_a_generation_applies_to_it() -> None:
+    """The ping sent when the stream connects comes before Pylon's first generation; dropping it
+    published no limit (unlimited, to a router) until the next ping."""
+    rig = make_rig(limit=25)
+    rig.hub.on_ping(PingEvent("llama", 40))
+    rig.hub.on_ping(PingEvent("other", 7))
+    rig.registry.retire("llama")
+    new = rig.registry.allocate("llama")
+    rig.hub.init_generation(new)
+    assert rig.hub.snapshot(new).max_engine_concurrency == 40
+    rig.hub.on_ping(PingEvent("llama", 0))  # withdrawn: the next generation starts from the fallback
+    rig.registry.retire("llama")
+    newer = rig.registry.allocate("llama")
+    rig.hub.init_generation(newer)
+    assert rig.hub.snapshot(newer).max_engine_concurrency == 25
+
+
 def test_concurrency_update_for_stale_generation_is_discarded() -> None:
     from stargate.pylon.stats.hub import ConcurrencyUpdate, LimitSource
 

@@ -27,6 +27,9 @@ from stargate.wire.clock import Clock
 from stargate.wire.limits import sat_u64
 from stargate.wire.proto import CACHED_PROMPT_WORK, MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES
 
+MAX_ENGINE_LIMITS = 4096
+"""Models whose engine-reported limit is kept for generations to come (the oldest report goes)."""
+
 
 class LimitSource(StrEnum):
     FALLBACK = "fallback"
@@ -88,6 +91,7 @@ class StatsHub:
         self._fallback_limit = max_engine_concurrency or 0
         self._route_window_ms = route_window_ms
         self._gens: dict[Generation, _GenState] = {}
+        self._engine_limits: dict[str, int] = {}  # model -> the engine's last report, newest last
         self._counters = CounterTracker(floor_s)
         self.on_change: Callable[[], None] = lambda: None
         load.on_change = self.on_load_change
@@ -98,6 +102,9 @@ class StatsHub:
         self._gens[gen] = _GenState(agg.ThroughputAggregate.create(tps, self._pin and not calibrating))
         self._gens[gen].observed_at_ms = self.clock.wall_ms()
         self.apply_concurrency(ConcurrencyUpdate(gen, LimitSource.FALLBACK, self._fallback_limit))
+        engine_limit = self._engine_limits.get(gen.model_id, 0)
+        if engine_limit > 0:
+            self.apply_concurrency(ConcurrencyUpdate(gen, LimitSource.ENGINE, engine_limit))
 
     def retire_generation(self, gen: Generation) -> None:
         self._gens.pop(gen, None)
@@ -137,8 +144,17 @@ class StatsHub:
 
     # -- engine stats stream ----------------------------------------------------------------
     def on_ping(self, ping: PingEvent) -> None:
+        """An engine's limit applies to the model's generation now and to the ones to come: the
+        ping sent when the stream connects comes before Pylon's first generation, and dropping it
+        published no limit until the next ping (``unknown``, which a router reads as unlimited:
+        every request it held went to the new engine at once)."""
         if ping.model is None or ping.max_engine_concurrency is None:
             return
+        limits = self._engine_limits
+        limits.pop(ping.model, None)
+        limits[ping.model] = ping.max_engine_concurrency
+        if len(limits) > MAX_ENGINE_LIMITS:
+            del limits[next(iter(limits))]
         gen = self.registry.current(ping.model)
         if gen is not None:
             self.apply_concurrency(ConcurrencyUpdate(gen, LimitSource.ENGINE, ping.max_engine_concurrency))
@@ -266,13 +282,19 @@ class StatsHub:
         self._touch(state, source, "kv_cache")
         return True
 
-    def on_engine_load(self, model: str, load: EngineLoad) -> bool:
+    def on_engine_load(self, model: str, load: EngineLoad | None) -> bool:
+        """The engine's own count of ``model``'s requests; None: no longer known (Pylon's own
+        counts alone are published)."""
         gen = self.registry.current(model)
         state = self._state(gen) if gen is not None else None
         if state is None:
             return False
         changed = state.engine_load != load
         state.engine_load = load
+        if load is None:
+            if changed:
+                self.on_change()
+            return True
         state.throughput.add_labels(agg.CAP_PROMETHEUS, agg.SRC_PROMETHEUS)
         self._touch(state, agg.SRC_PROMETHEUS, "engine_load")
         if changed:

@@ -9,12 +9,21 @@ One quantity may be exported under several names (vLLM's and SGLang's, old and n
 series of one name are summed (data-parallel ranks each export their own), and the names of one
 quantity are never added together — the largest wins. An engine that exports both families
 (the mock engine does) is therefore counted once. A page that cannot be had, or that carries none
-of these series (a wrong ``--engine-metrics-path``, another engine), is logged once until it is.
+of these series for a served model (a wrong ``--engine-metrics-path``, another engine, a
+``model_name`` other than ``--model-name``), is logged once until it is.
+
+The engine's report is trusted only while it is fresh: a served model missing from a page loses
+it at once, and every model loses it after ``STALE_AFTER_FAILURES`` polls in a row that failed
+(an engine report of 57 requests, left from before its page broke, kept an idle engine out of
+routing). Only the lines of the series read here are parsed, off the event loop, from a page of
+at most ``MAX_PAGE_BYTES``: parsing all of a 10 MB page took 4 s of the loop every poll, and one
+malformed or absurd line ended the poller, and with it Pylon.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -39,7 +48,10 @@ KV_CAPACITY = ("sglang:max_total_num_tokens", "vllm:cache_config_info")
 CACHE_CONFIG = "vllm:cache_config_info"
 FRACTIONS = frozenset(KV_USAGE)
 KNOWN = frozenset((*RUNNING, *WAITING, *KV_USAGE, *KV_USED, *KV_CAPACITY))
+_KNOWN_PREFIXES = tuple(KNOWN)
 MODEL_LABELS = ("model_name", "name")
+MAX_PAGE_BYTES = 16 * 1024 * 1024
+STALE_AFTER_FAILURES = 3
 
 
 def _count(value: float) -> int:
@@ -114,14 +126,32 @@ def _sample_value(name: str, labels: dict[str, str], value: float) -> float | No
         if not all(part.isascii() and part.isdigit() and len(part) <= 20 for part in (blocks, size)):
             return None
         return float(int(blocks) * int(size))
-    return value if math.isfinite(value) else None
+    try:
+        number = float(value)  # the parser gives an int for digits, of any length
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _known_lines(text: str) -> list[str]:
+    """The sample lines of the series read here (comments, other series and their labels skipped)."""
+    return [
+        line
+        for line in text.splitlines()
+        if line.startswith(_KNOWN_PREFIXES) and line.split("{", 1)[0].split(None, 1)[0] in KNOWN
+    ]
 
 
 def parse_engine_metrics(text: str) -> dict[str | None, EngineMetrics]:
-    """Per model label (None = unlabelled) engine numbers from Prometheus text."""
+    """Per model label (None = unlabelled) engine numbers from Prometheus text; a line the
+    parser refuses is skipped."""
     out: dict[str | None, EngineMetrics] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
+    for line in _known_lines(text):
+        try:
+            samples = [s for family in text_string_to_metric_families(line) for s in family.samples]
+        except (ValueError, IndexError, KeyError, TypeError, OverflowError):
+            continue
+        for sample in samples:
             if sample.name not in KNOWN:
                 continue
             value = _sample_value(sample.name, sample.labels, sample.value)
@@ -133,12 +163,14 @@ def parse_engine_metrics(text: str) -> dict[str | None, EngineMetrics]:
 
 
 def apply_engine_metrics(hub: StatsHub, parsed: dict[str | None, EngineMetrics]) -> int:
-    """Feed parsed numbers to the hub; returns how many models were updated."""
+    """Feed parsed numbers to the hub; returns how many models were updated. A served model the
+    page has nothing for loses the engine's last report."""
     updated = 0
     unlabelled = parsed.get(None)
     for model in hub.registry.model_ids():
         specific = parsed.get(model)
         if specific is None and unlabelled is None:
+            hub.on_engine_load(model, None)
             continue
         m = specific or EngineMetrics()
         if unlabelled is not None:
@@ -162,18 +194,51 @@ async def run_prometheus_poller(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
     link = LinkLog(log, "engine metrics polling", f"engine at {url}")
+    failures = 0
     while True:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(interval_s, 1.0))) as resp:
-                if 200 <= resp.status < 300:
-                    parsed = parse_engine_metrics(await resp.text())
-                    apply_engine_metrics(hub, parsed)
-                    if parsed:
-                        link.connected()
-                    else:
-                        link.failed("the page has none of vLLM's or SGLang's load series", interval_s)
-                else:
-                    link.failed(f"HTTP {resp.status}", interval_s)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            link.failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, interval_s)
+        problem = await _poll(session, url, hub, interval_s)
+        if problem is None:
+            failures = 0
+            link.connected()
+        else:
+            link.failed(problem, interval_s)
+            failures += 1
+            if failures == STALE_AFTER_FAILURES:
+                for model in hub.registry.model_ids():
+                    hub.on_engine_load(model, None)
         await sleep(interval_s)
+
+
+async def _poll(session: aiohttp.ClientSession, url: str, hub: StatsHub, interval_s: float) -> str | None:
+    """One poll applied to the hub; what went wrong, or None."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(interval_s, 1.0))) as resp:
+            if not 200 <= resp.status < 300:
+                return f"HTTP {resp.status}"
+            coding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+            if coding != "identity":
+                return f"the page came compressed (Content-Encoding: {coding}) though Pylon asked for none"
+            if (resp.content_length or 0) > MAX_PAGE_BYTES:
+                return f"the page is larger than {MAX_PAGE_BYTES} bytes"
+            body = bytearray()
+            async for chunk in resp.content.iter_any():
+                body += chunk
+                if len(body) > MAX_PAGE_BYTES:
+                    return f"the page is larger than {MAX_PAGE_BYTES} bytes"
+            text = body.decode(_charset(resp.charset), errors="replace")
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    parsed = await asyncio.to_thread(parse_engine_metrics, text)
+    if not parsed:
+        return "the page has none of vLLM's or SGLang's load series"
+    if apply_engine_metrics(hub, parsed) == 0:
+        labels = sorted(m for m in parsed if m is not None)[:5]
+        return f"the page's series are for model_name {', '.join(labels)}, not a model Pylon serves"
+    return None
+
+
+def _charset(declared: str | None) -> str:
+    try:
+        return codecs.lookup(declared).name if declared else "utf-8"
+    except LookupError:
+        return "utf-8"
