@@ -333,10 +333,10 @@ class Relay:
         if declared is not None and declared > MAX_BODY:
             return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
         try:
-            body = await self.bodies.read_whole(request, MAX_BODY, request.read)
+            body = await self.bodies.read_whole(request, MAX_BODY)
         except BodyBufferFull as exc:
             return _problem(EngineBodyBufferFull(exc))
-        except web.HTTPRequestEntityTooLarge:
+        except PayloadTooLarge:
             return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
         except ConnectionError:
             # Nobody is left to read an answer: the request ends here, logged once, never sent on.

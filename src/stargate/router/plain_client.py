@@ -196,15 +196,10 @@ class PlainClients:
         if declared is not None and declared > limit:
             raise _too_large(declared, limit)
 
-        async def capped() -> bytes:
-            buffer = bytearray()
-            async for chunk in request.content.iter_any():
-                buffer.extend(chunk)
-                if len(buffer) > limit:  # chunked: nothing declared (a length is exact, aiohttp's check)
-                    raise _too_large(f"more than {limit}", limit)
-            return bytes(buffer)
-
-        return await self._budget.read_whole(request, limit, capped)
+        try:
+            return await self._budget.read_whole(request, limit)
+        except PayloadTooLarge:  # chunked: nothing declared (a length is exact, aiohttp's check)
+            raise _too_large(f"more than {limit}", limit) from None
 
 
 def _field_key(body: Mapping[str, Any]) -> str | None:

@@ -8,29 +8,41 @@ requests are delayed, not lost; a wait longer than ``wait_s`` (None: no limit) e
 ``BodyBufferFull``. A body only kept for replay takes room without waiting and is not kept when
 there is none (the request goes on, without retries that need its body), as Envoy does past its
 buffer limit.
+
+A body read whole takes room for its declared length before its first byte, so bodies that arrive
+at once never wait for each other's later bytes; one that then sends less than ``MIN_BODY_RATE``
+in a ``stall_s`` gives back the room it has not filled and from then on takes room for its bytes
+as they come. Forty connections that each declared 64 MiB and sent a byte every 20 s held all of a
+Pylon's room, and every other request waited for them.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from stargate.errors import BodyBufferFull
+from stargate.errors import BodyBufferFull, PayloadTooLarge
+
+STALL_S = 1.0
+MIN_BODY_RATE = 1024 * 1024
+"""A body read whole keeps the room it took ahead of its bytes while each ``STALL_S`` brings
+``MIN_BODY_RATE * STALL_S`` bytes of it; after the first that does not, it takes room as they come."""
 
 
 class BodyBudget:
     """Room for ``capacity`` bytes of request bodies (0 = no cap), shared by a process's requests.
 
     A caller takes its whole amount at once and gives it back when done: no request holds part of
-    the room while it waits for the rest, so waiters cannot block each other for ever.
+    the room while it waits for the rest, so waiters cannot block each other for ever (only bodies
+    that stalled take room piece by piece, ``read_whole``).
     """
 
-    def __init__(self, capacity: int, wait_s: float | None) -> None:
+    def __init__(self, capacity: int, wait_s: float | None, *, stall_s: float = STALL_S) -> None:
         self.capacity = capacity
         self.wait_s = wait_s
+        self.stall_s = stall_s
         self.used = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
@@ -69,22 +81,48 @@ class BodyBudget:
                 ) from None
             raise
 
-    async def read_whole(
-        self, request: web.BaseRequest, cap: int, read: Callable[[], Awaitable[bytes]]
-    ) -> bytes:
-        """``read()`` the request's body, holding room for it: its declared length (``cap`` when it
-        declares none, nothing without a body) is taken before the first byte is read, the rest
-        given back once it is in. The caller gives back ``len(body)`` when done with it."""
+    async def read_whole(self, request: web.BaseRequest, cap: int) -> bytes:
+        """The request's body, holding room for it (the module's rules); raises ``PayloadTooLarge``
+        past ``cap`` bytes. The caller gives back ``len(body)`` when done with it."""
+        if not request.body_exists:
+            return b""
         declared = request.content_length
-        room = (cap if declared is None else declared) if request.body_exists else 0
+        room = cap if declared is None else declared
         await self.take(room)
+        loop = asyncio.get_running_loop()
+        window_end, window_from = loop.time() + self.stall_s, 0
+        body = bytearray()
         try:
-            body = await read()
+            while True:
+                chunk: bytes | None
+                if room > len(body) and self.capacity:  # room taken ahead: kept while bytes keep pace
+                    try:
+                        async with asyncio.timeout_at(window_end):
+                            chunk = await request.content.readany()
+                    except TimeoutError:
+                        chunk = None
+                    if loop.time() >= window_end:
+                        if len(body) - window_from < MIN_BODY_RATE * self.stall_s:
+                            self.give(room - len(body))
+                            room = len(body)
+                        window_end, window_from = loop.time() + self.stall_s, len(body)
+                    if chunk is None:
+                        continue
+                else:
+                    chunk = await request.content.readany()
+                if not chunk:
+                    break
+                if len(body) + len(chunk) > cap:
+                    raise PayloadTooLarge(f"request body is larger than {cap} bytes")
+                body += chunk
+                if len(body) > room:
+                    await self.take(len(body) - room)
+                    room = len(body)
         except BaseException:
             self.give(room)
             raise
         self.give(room - len(body))
-        return body
+        return bytes(body)
 
     def give(self, amount: int) -> None:
         self.used -= amount

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support.waiting import until
 
-from stargate.errors import BodyBufferFull
+from stargate.errors import BodyBufferFull, PayloadTooLarge
 from stargate.wire.body_budget import BodyBudget
 
 
@@ -74,4 +75,57 @@ async def test_room_granted_to_a_waiter_cancelled_before_it_ran_is_given_back() 
     task.cancel()  # ... to a caller that goes before it could use it
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert budget.used == 0
+
+
+class _Body:
+    """A request body that arrives as the test sends it."""
+
+    def __init__(self, declared: int | None) -> None:
+        self.body_exists = True
+        self.content_length = declared
+        self.content = self
+        self._chunks: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def send(self, data: bytes) -> None:
+        self._chunks.put_nowait(data)
+
+    async def readany(self) -> bytes:
+        return await self._chunks.get()
+
+
+async def test_a_body_read_whole_holds_its_declared_length_until_it_arrives() -> None:
+    budget = BodyBudget(100, 5.0)
+    body = _Body(60)
+    reading = asyncio.create_task(budget.read_whole(body, 80))  # type: ignore[arg-type]
+    await until("room for the declared length", lambda: budget.used == 60)
+    body.send(b"x" * 60)
+    body.send(b"")
+    assert await reading == b"x" * 60 and budget.used == 60  # the caller gives it back when done
+
+
+async def test_a_body_that_stalls_gives_back_the_room_it_has_not_filled() -> None:
+    """Forty connections that declared 64 MiB and sent a byte every 20 s held all of a Pylon's room."""
+    budget = BodyBudget(100, 5.0, stall_s=0.05)
+    slow = _Body(90)
+    reading = asyncio.create_task(budget.read_whole(slow, 100))  # type: ignore[arg-type]
+    slow.send(b"x" * 10)
+    await until("the unfilled room given back", lambda: budget.used == 10)  # 90, then what came
+    assert budget.try_take(85)  # another body fits now
+    slow.send(b"y" * 20)  # it takes room for what comes, waiting for it like anyone
+    await asyncio.sleep(0)
+    assert not reading.done()
+    budget.give(85)
+    slow.send(b"")
+    assert await reading == b"x" * 10 + b"y" * 20 and budget.used == 30
+
+
+async def test_a_body_past_its_cap_is_too_large_and_holds_nothing() -> None:
+    budget = BodyBudget(100, 5.0)
+    chunked = _Body(None)
+    reading = asyncio.create_task(budget.read_whole(chunked, 50))  # type: ignore[arg-type]
+    chunked.send(b"x" * 40)
+    chunked.send(b"x" * 20)
+    with pytest.raises(PayloadTooLarge, match="larger than 50 bytes"):
+        await reading
     assert budget.used == 0
