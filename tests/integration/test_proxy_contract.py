@@ -131,6 +131,18 @@ async def test_p102_p103_p104_p105_headers_both_ways_and_body_passthrough(sg: Ha
     assert "accept-encoding" not in seen and "user-agent" not in seen
 
 
+async def test_routing_headers_named_in_connection_still_reach_the_backend(sg: Harness) -> None:
+    """Connection: x-model made them this hop's only, and Pylon then refused the request 400."""
+    backend = await sg.backend("b1")
+    status, _, _ = await sg.post(
+        {"connection": "x-model, x-input-tokens, x-request-id, x-custom", "x-custom": "1"}
+    )
+    assert status == 200
+    seen = backend.requests[0][1]
+    assert (seen["x-model"], seen["x-input-tokens"], seen["x-request-id"]) == (MODEL, "10", "req-1")
+    assert "x-custom" not in seen  # any other header it names stays this hop's
+
+
 async def test_p27_free_slot_sends_zero_expected_queue(sg: Harness) -> None:
     backend = await sg.backend(
         "b1", max_engine_concurrency=8, num_running_queries=3, queued_input_size=50_000

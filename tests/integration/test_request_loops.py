@@ -39,6 +39,15 @@ async def test_a_request_that_passed_this_router_is_refused_retryable_before_rou
         assert status == 200
 
 
+async def test_a_via_with_no_room_left_for_the_routers_entry_is_refused() -> None:
+    """An 8 KB Via passed the router's limit, and the next hop refused it with the entry added."""
+    async with running() as sg:
+        backend = await sg.backend("b1")
+        status, _, body = await sg.post({"via": "1.1 " + "g" * 4100})
+        assert status == 400 and b"via header is longer than 4096 characters" in body
+        assert backend.requests == []
+
+
 async def test_a_backend_registered_at_the_routers_own_url_never_enters_routing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

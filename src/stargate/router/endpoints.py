@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from stargate.errors import ModelNotFound, RequestError, RequestLoop
+from stargate.errors import ModelNotFound, RequestError
 from stargate.responses import error_response
-from stargate.router.headers import came_back
+from stargate.router.headers import via_problem
 
 
 @dataclass
@@ -62,8 +62,8 @@ class Endpoints:
         return _json(self._model(model_id))
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.via is not None and came_back(request.headers, self.via):
-            return error_response(RequestLoop(self.via))
+        if self.via is not None and (problem := via_problem(request.headers, self.via)) is not None:
+            return error_response(problem)
         return _json({"status": "ok"})
 
     def _model(self, model_id: str) -> dict[str, object]:

@@ -17,7 +17,7 @@ from multidict import CIMultiDict, MultiMapping
 from stargate.balancer.config import parse_routing_method
 from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import Target
-from stargate.errors import PayloadTooLarge, RequestError, RoutingMethodError
+from stargate.errors import PayloadTooLarge, RequestError, RequestLoop, RoutingMethodError, StargateError
 from stargate.wire import headers as h
 from stargate.wire.headers import HOP_BY_HOP, IDENTITY, RETRY_METADATA, is_visible_ascii, text_value
 from stargate.wire.limits import U32_MAX, U64_MAX
@@ -25,6 +25,10 @@ from stargate.wire.limits import U32_MAX, U64_MAX
 MAX_WAIT_CAP_MS = 60_000
 
 REQUEST_DROPPED = HOP_BY_HOP | RETRY_METADATA | IDENTITY | {"host", h.ROUTING_METHOD}
+REQUEST_CONTRACT = (h.REQUEST_ID, h.MODEL, h.INPUT_TOKENS)
+"""Forwarded even when the client's ``Connection`` names them: the next hop requires them too."""
+MAX_VIA_CHARS = 4096
+"""Longest ``Via`` accepted: the router adds its own entry, and the next hop's header limit is 8 KiB."""
 RESPONSE_DROPPED = HOP_BY_HOP | RETRY_METADATA
 
 _T = TypeVar("_T")
@@ -135,9 +139,17 @@ def via_name() -> str:
     return f"stargate-{secrets.token_hex(6)}"
 
 
-def came_back(headers: MultiMapping[str], name: str) -> bool:
-    """The request passed the router called ``name`` before: a backend URL leads back to it."""
-    return name in h.via_names(headers.getall(h.VIA, ()))
+def via_problem(headers: MultiMapping[str], name: str) -> StargateError | None:
+    """Why a request's ``Via`` keeps it from going on: it passed the router called ``name``
+    before (a backend URL leads back to it), or there is no room left to add ``name``."""
+    values = headers.getall(h.VIA, ())
+    if not values:
+        return None
+    if name in h.via_names(values):
+        return RequestLoop(name)
+    if sum(len(value) + 2 for value in values) > MAX_VIA_CHARS:
+        return RequestError(f"via header is longer than {MAX_VIA_CHARS} characters")
+    return None
 
 
 def filter_headers(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> CIMultiDict[str]:

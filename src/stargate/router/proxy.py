@@ -19,18 +19,19 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from stargate.errors import RequestLoop, StargateError, UpstreamError
+from stargate.errors import StargateError, UpstreamError
 from stargate.responses import error_response
 from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.headers import (
+    REQUEST_CONTRACT,
     REQUEST_DROPPED,
     RESPONSE_DROPPED,
     ProxyRequest,
     ResolveAlgorithm,
-    came_back,
     filter_headers,
     parse_request,
     valid_header_value,
+    via_problem,
 )
 from stargate.router.metrics import RouterMetrics
 from stargate.router.plain_client import PlainClients
@@ -102,8 +103,8 @@ class ProxyHandler:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
-        if self._via is not None and came_back(request.headers, self._via):
-            return error_response(RequestLoop(self._via))
+        if self._via is not None and (problem := via_problem(request.headers, self._via)) is not None:
+            return error_response(problem)
         headers: Mapping[str, str] = request.headers
         replay: ReplayBody | None = None
         try:
@@ -180,6 +181,9 @@ class ProxyHandler:
         traced: tuple[Span, RouteTrace] | None,
     ) -> web.StreamResponse:
         forwarded = filter_headers(headers.items(), REQUEST_DROPPED)
+        for name in REQUEST_CONTRACT:
+            if name not in forwarded:  # named in Connection: this hop's, but the next one's too
+                forwarded[name] = headers[name]
         if self._via is not None:
             forwarded[h.VIA] = ", ".join([*forwarded.popall(h.VIA, ()), f"1.1 {self._via}"])
         route = None
