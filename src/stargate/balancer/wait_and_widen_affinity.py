@@ -31,6 +31,7 @@ from typing import TypeVar
 from stargate.balancer.ring import AffinityRing, KeyCache, hash_prefix
 from stargate.balancer.settings import AlgorithmDefinition, Placement
 from stargate.balancer.types import Candidate, Target
+from stargate.wire.limits import remembered
 
 _cluster_id = attrgetter("cluster_id")
 _V = TypeVar("_V")
@@ -79,16 +80,17 @@ class AffinityGroups:
     def place(self, key: str, cluster_id: str) -> None:
         """The key's request went to ``cluster_id``: its KV cache is there now, so that cluster is
         the key's group from now on."""
-        _remember(self._placed, key, (cluster_id,))
+        _remember(self._placed, remembered(key), (cluster_id,))
 
     def spread(self, key: str, group: tuple[str, ...], cluster_id: str) -> None:
         """The key's request spilled to ``cluster_id`` past its full ``group`` (cluster ids, from
         the ring or placed): that cluster joins it (the oldest member leaves past ``RESIDENCY``)."""
-        _remember(self._placed, key, _joined(group, cluster_id))
+        _remember(self._placed, remembered(key), _joined(group, cluster_id))
 
     def routed(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
         """The key's request of ``input_tokens`` went to ``cluster_id`` at ``at`` (monotonic s).
         Routes to clusters that left the key's group are dropped: a key keeps one per member."""
+        key = remembered(key)
         route = (cluster_id, input_tokens, at)
         routes = self._routed.get(key)
         if routes is None or (len(routes) == 1 and routes[0][0] == cluster_id):
@@ -105,6 +107,7 @@ class AffinityGroups:
         the key there, and its cache is there. Otherwise only a route newer than the last one known
         here counts: it is remembered, and a cluster outside the group becomes the group (the key
         moved, as a conversation's next turn sent elsewhere does)."""
+        key = remembered(key)
         members = self._placed.get(key, ())
         if parallel and members and cluster_id not in members:
             self.spread(key, members, cluster_id)
@@ -121,7 +124,7 @@ class AffinityGroups:
         """Tokens left to prefill on ``cluster_id`` if it holds the prompt of the key's last request
         there and this one extends it; None when that is unknown (no route there, or a shorter
         prompt)."""
-        for route in self._routed.get(key, ()):
+        for route in self._routed.get(remembered(key), ()):
             if route[0] == cluster_id:
                 return input_tokens - route[1] if 0 < route[1] <= input_tokens else None
         return None
@@ -136,7 +139,8 @@ class AffinityGroups:
             self._last = candidates
         placed = self._placed
         if placed:
-            members = placed.pop(key, None)
+            slot = remembered(key)
+            members = placed.pop(slot, None)
             if members is not None:
                 index = self._index
                 if len(members) == 1:
@@ -147,7 +151,7 @@ class AffinityGroups:
                     if len(present) < len(members):
                         members = tuple(cluster_id for cluster_id in members if cluster_id in index)
                 if present:
-                    placed[key] = members  # most recently used last
+                    placed[slot] = members  # most recently used last
                     return present
         if not self._ring_placement:
             return ()

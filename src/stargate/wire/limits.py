@@ -1,4 +1,4 @@
-"""Integer ranges of the wire contract and saturating arithmetic.
+"""Integer ranges of the wire contract, saturating arithmetic, and the size of remembered ids.
 
 Every number that comes from a client or an engine is clamped where it enters a sum, a stats field
 or a protobuf field: a u64 proto field given a larger value raises while the message is built.
@@ -6,6 +6,7 @@ or a protobuf field: a u64 proto field given a larger value raises while the mes
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 U32_MAX = 2**32 - 1
@@ -21,6 +22,18 @@ MAX_PLAUSIBLE_TOKENS = 1 << 24
 came from a client's claim or a faulty counter, not from an engine (Pylon's and Stargate's rates)."""
 MAX_PLAUSIBLE_TPS = 1e8
 """Tokens per second of one engine, prefix-cache hits included; a faster sample is discarded."""
+
+
+MAX_REMEMBERED_CHARS = 256
+"""An id or key longer than this is remembered by its digest (``remembered``)."""
+
+
+def remembered(text: str) -> str:
+    """``text`` as a long-lived map holds it: a client's 8 KB header value by its SHA-256 digest,
+    so a map capped by entries is capped in bytes too (65 536 such keys took a router to 645 MB)."""
+    if len(text) <= MAX_REMEMBERED_CHARS:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def sat_u64(value: int) -> int:

@@ -543,6 +543,21 @@ def test_placements_are_bounded_and_the_least_recently_used_is_forgotten() -> No
     assert groups.group(candidates, target, "key-0") == ()  # the least recently used went
 
 
+def test_long_keys_are_remembered_by_digest_and_stay_apart() -> None:
+    """65 536 keys of 8 KB header values took the router to 645 MB."""
+    groups = AffinityGroups(waw(selection_count=1, cache_affinity_placement=Placement.LOAD), 1)
+    candidates = (make_candidate("a"), make_candidate("b"))
+    target = make_request().target
+    one, other = "k" * 8000 + "1", "k" * 8000 + "2"
+    groups.place(one, "a")
+    groups.learn(other, "b", 100, 1.0)  # as a Pylon's published route names it
+    groups.routed(one, "a", 50, 2.0)
+    assert groups.group(candidates, target, one) == (0,)
+    assert groups.group(candidates, target, other) == (1,)
+    assert groups.uncached_tokens(one, "a", 80) == 30
+    assert max(map(len, (*groups._placed, *groups._routed))) <= 256
+
+
 def test_a_spread_group_keeps_its_newest_members_and_loses_those_that_left() -> None:
     groups = AffinityGroups(waw(selection_count=1, cache_affinity_placement=Placement.LOAD), 1)
     ids = [f"c{index}" for index in range(RESIDENCY + 2)]

@@ -3,7 +3,9 @@
 Each request id has one entry: *observed* (owner generation known from Pylon's own tracking),
 *live* (counter state) or *finalized* (tombstone). Counter deltas become ``(units, duration)``
 samples; a dimension accumulates until it has ≥ 1 unit over ≥ the 10 ms floor, except the very
-first sample from zero, whose duration is raised to the floor.
+first sample from zero, whose duration is raised to the floor. Entries live up to
+``REQUEST_TTL_S``, so a long request id is kept by its digest (``remembered``): 8 KB ids took a
+Pylon from 77 to 203 MB in three minutes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from enum import StrEnum
 
 from stargate.pylon.models import Generation
 from stargate.pylon.stats.aggregate import DURATION_FLOOR_S
+from stargate.wire.limits import remembered
 
 REQUEST_TTL_S = 300.0
 MAX_ENTRIES = 200_000
@@ -76,6 +79,7 @@ class CounterTracker:
 
     def observe(self, request_id: str, generation: Generation, now: float) -> None:
         """Remember the owner generation of a request Pylon is proxying."""
+        request_id = remembered(request_id)
         entry = self._entries.get(request_id)
         if entry is None or entry.generation != generation:
             if len(self._entries) >= MAX_ENTRIES:
@@ -83,7 +87,7 @@ class CounterTracker:
             self._entries[request_id] = _Entry(generation, now)
 
     def owner(self, request_id: str) -> Generation | None:
-        entry = self._entries.get(request_id)
+        entry = self._entries.get(remembered(request_id))
         return entry.generation if entry is not None else None
 
     def apply(
@@ -98,6 +102,7 @@ class CounterTracker:
         baseline_first: bool = False,
     ) -> CounterResult:
         """Apply one cumulative counter event; ``baseline_first`` = first value is the baseline."""
+        request_id = remembered(request_id)
         entry = self._entries.get(request_id)
         if entry is not None and entry.generation == generation and entry.finalized:
             return CounterResult(Outcome.POST_FINALIZE)
