@@ -24,7 +24,7 @@ KEY_PREFIX = "prefix:"
 BLOCK_CHARS = 512
 """Prompts shorter than this get no key: there is little cache to keep."""
 CAPACITY = 65_536
-"""Blocks remembered, as many as the keys the balancer remembers (``PLACED_CAPACITY``)."""
+"""Prompts remembered (about 27 MB), as many as the keys the balancer remembers (``PLACED_CAPACITY``)."""
 PER_BLOCK = 16
 """Prompts remembered per last block: requests that differ only in a short tail share one."""
 _DIGEST_BYTES = 16
@@ -49,6 +49,9 @@ class PrefixKeys:
         self._block = block_chars
         self._ends: dict[bytes, list[_Prompt]] = {}
         """digest of a prompt's last whole block -> the prompts that end in it, newest last."""
+        self._prompts = 0
+        """Prompts in ``_ends``: the bound (a block held up to ``PER_BLOCK``, 10 times the memory
+        the bound was meant to allow)."""
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -90,12 +93,14 @@ class PrefixKeys:
 
     def _remember(self, end: bytes, prompt: _Prompt) -> None:
         ends = self._ends
-        entries = [e for e in ends.pop(end, ()) if e.whole != prompt.whole]
+        old = ends.pop(end, [])
+        entries = [e for e in old if e.whole != prompt.whole]
         entries.append(prompt)
         if len(entries) > PER_BLOCK:
             del entries[0]
-        if len(ends) >= self._capacity:
-            del ends[next(iter(ends))]
+        self._prompts += len(entries) - len(old)
+        while self._prompts > self._capacity and ends:  # the least recently seen ends go first
+            self._prompts -= len(ends.pop(next(iter(ends))))
         ends[end] = entries
 
 

@@ -63,11 +63,20 @@ def test_the_longest_earlier_prompt_wins() -> None:
 def test_memory_is_bounded_and_forgets_the_least_recent_first() -> None:
     keys = PrefixKeys(capacity=2)
     prompts = [f"{n} " + "words " * 120 for n in range(3)]
-    first, second, third = (keys.key(p) for p in prompts)
+    first, _, third = (keys.key(p) for p in prompts)
     assert len(keys) == 2
-    assert keys.key(prompts[2] + " more") == third
-    assert keys.key(prompts[1] + " more") == second
     assert keys.key(prompts[0] + " more") != first  # forgotten: a key of its own
+    assert keys.key(prompts[2] + " more") == third
+
+
+def test_the_bound_counts_prompts_not_the_blocks_they_end_in() -> None:
+    """A block holds up to PER_BLOCK prompts: 65 536 blocks took 260 MB, not the 27 MB meant."""
+    keys = PrefixKeys(capacity=PER_BLOCK)
+    for n in range(PER_BLOCK):
+        keys.key(SYSTEM + f"\nq{n:02d}")  # one last block, tails differ
+    assert len(keys) == 1
+    keys.key("another system prompt. " * 40)  # one prompt too many: the oldest block goes
+    assert len(keys) == 1
 
 
 def test_a_block_keeps_its_newest_prompts() -> None:
