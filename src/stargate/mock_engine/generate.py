@@ -289,15 +289,19 @@ async def _stream(
     headers["cache-control"] = "no-cache"
     response = web.StreamResponse(headers=headers)
     inp, n = record.input_tokens, record.output_tokens
-    writer = await response.prepare(request)
+    try:
+        writer = await response.prepare(request)
+        preamble = encoder.preamble()
+        if preamble:
+            await response.write(preamble)
+        else:
+            send_headers = getattr(writer, "send_headers", None)  # aiohttp buffers headers until the body
+            if send_headers is not None:
+                send_headers()
+    except ConnectionError:  # the client left before the answer began
+        record.status, record.outcome = 499, "client_disconnected"
+        return response
     transport = request.transport
-    preamble = encoder.preamble()
-    if preamble:
-        await response.write(preamble)
-    else:
-        send_headers = getattr(writer, "send_headers", None)  # aiohttp buffers headers until the body
-        if send_headers is not None:
-            send_headers()
     await _first_token_wait(engine, request_id)
     stats = engine.stats
     stats.emit(request_id, model, inp, 0)
