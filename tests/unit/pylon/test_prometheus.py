@@ -4,7 +4,6 @@ import gzip
 import logging
 from collections.abc import Callable
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -179,57 +178,15 @@ class _Done(Exception):
     pass
 
 
-async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    pages = [(404, ""), (404, ""), (200, "other_metric 1\n"), (200, VLLM), (200, VLLM), (500, "")]
-    served = iter(pages)
-
-    async def page(_request: web.Request) -> web.Response:
-        status, text = next(served)
-        return web.Response(status=status, text=text)
-
-    app = web.Application()
-    app.router.add_get("/metrics", page)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
-    polls = iter(range(len(pages) - 1))
-
-    async def sleep(_s: float) -> None:
-        if next(polls, None) is None:
-            raise _Done
-
-    rig = make_rig()
-    caplog.set_level(logging.DEBUG, logger="stargate.pylon.prometheus")
-    try:
-        async with aiohttp.ClientSession() as session:
-            with pytest.raises(_Done):
-                await run_prometheus_poller(session, url, rig.hub, interval_s=0.5, sleep=sleep)
-    finally:
-        await runner.cleanup()
-    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "stargate.pylon.prometheus"]
-    peer = f"engine at {url}"
-    assert lines == [
-        ("WARNING", f"engine metrics polling with {peer} failed (HTTP 404); retrying, first in 0.5 s"),
-        ("DEBUG", f"engine metrics polling with {peer} still failing (HTTP 404)"),
-        ("DEBUG", f"engine metrics polling with {peer} still failing "
-                  "(the page has none of vLLM's or SGLang's load series)"),
-        ("INFO", f"engine metrics polling with {peer} established"),
-        ("WARNING", f"engine metrics polling with {peer} lost (HTTP 500); reconnecting"),
-    ]  # fmt: skip
-
-
 async def poll_pages(
     hub: StatsHub,
     pages: list[tuple[int, str]],
     check: Callable[[int], None],
     *,
     gzip_when_asked: bool = False,
-) -> None:
-    """Run the poller over ``pages`` with Pylon's own session; ``check(i)`` after the i-th poll."""
+) -> str:
+    """Run the poller over ``pages`` with Pylon's own session; ``check(i)`` after the i-th poll;
+    the page's URL."""
     served = iter(pages)
 
     async def page(request: web.Request) -> web.Response:
@@ -261,6 +218,25 @@ async def poll_pages(
                 await run_prometheus_poller(session, url, hub, interval_s=0.5, sleep=sleep)
     finally:
         await runner.cleanup()
+    return url
+
+
+async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pages = [(404, ""), (404, ""), (200, "other_metric 1\n"), (200, VLLM), (200, VLLM), (500, "")]
+    caplog.set_level(logging.DEBUG, logger="stargate.pylon.prometheus")
+    url = await poll_pages(make_rig().hub, pages, lambda _n: None)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "stargate.pylon.prometheus"]
+    peer = f"engine at {url}"
+    assert lines == [
+        ("WARNING", f"engine metrics polling with {peer} failed (HTTP 404); retrying, first in 0.5 s"),
+        ("DEBUG", f"engine metrics polling with {peer} still failing (HTTP 404)"),
+        ("DEBUG", f"engine metrics polling with {peer} still failing "
+                  "(the page has none of vLLM's or SGLang's load series)"),
+        ("INFO", f"engine metrics polling with {peer} established"),
+        ("WARNING", f"engine metrics polling with {peer} lost (HTTP 500); reconnecting"),
+    ]  # fmt: skip
 
 
 async def test_a_stock_engine_page_is_asked_for_uncompressed() -> None:
