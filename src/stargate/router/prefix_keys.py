@@ -50,8 +50,7 @@ class PrefixKeys:
         self._ends: dict[bytes, list[_Prompt]] = {}
         """digest of a prompt's last whole block -> the prompts that end in it, newest last."""
         self._prompts = 0
-        """Prompts in ``_ends``: the bound (a block held up to ``PER_BLOCK``, 10 times the memory
-        the bound was meant to allow)."""
+        """Prompts in ``_ends``, which ``capacity`` bounds (a block holds up to ``PER_BLOCK``)."""
 
     def __len__(self) -> int:
         return len(self._ends)
