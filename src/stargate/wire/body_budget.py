@@ -12,13 +12,15 @@ buffer limit.
 A body read whole takes room for its declared length before its first byte, so bodies that arrive
 at once never wait for each other's later bytes; one that then sends less than ``MIN_BODY_RATE``
 in a ``stall_s`` gives back the room it has not filled and from then on takes room for its bytes
-as they come. Forty connections that each declared 64 MiB and sent a byte every 20 s held all of a
-Pylon's room, and every other request waited for them.
+as they come, at once, up to twice the capacity (``take_arrived``). Forty connections that each
+declared 64 MiB and sent a byte every 20 s held all of a Pylon's room, and every other request
+waited for them; slow uploads now hold what they sent and still finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 from aiohttp import web
@@ -35,8 +37,8 @@ class BodyBudget:
     """Room for ``capacity`` bytes of request bodies (0 = no cap), shared by a process's requests.
 
     A caller takes its whole amount at once and gives it back when done: no request holds part of
-    the room while it waits for the rest, so waiters cannot block each other for ever (only bodies
-    that stalled take room piece by piece, ``read_whole``).
+    the room while it waits for the rest, so waiters cannot block each other for ever (bodies that
+    slowed down take room piece by piece without waiting, ``take_arrived``, up to twice the cap).
     """
 
     def __init__(self, capacity: int, wait_s: float | None, *, stall_s: float = STALL_S) -> None:
@@ -49,6 +51,16 @@ class BodyBudget:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def take_arrived(self, amount: int) -> bool:
+        """Room for bytes that arrived for a body that gave back the room it had not filled: at
+        once, without waiting, up to twice ``capacity``. A body waiting halfway could wait for
+        others that wait halfway for it: slow uploads that filled the room stood still until their
+        waits ran out."""
+        if self.capacity and self.used + amount > 2 * self.capacity:
+            return False
+        self.used += amount
+        return True
 
     def try_take(self, amount: int) -> bool:
         """Take ``amount`` if it fits now and nobody waits ahead."""
@@ -72,7 +84,8 @@ class BodyBudget:
                 self.give(amount)  # granted as the wait ended: not ours to keep
             else:
                 waiter.cancel()
-                self._waiters.remove(entry)
+                with contextlib.suppress(ValueError):  # a give() meanwhile may have dropped it
+                    self._waiters.remove(entry)
                 self._grant()  # those behind may fit now
             if isinstance(exc, TimeoutError):  # only a set wait times out
                 raise BodyBufferFull(
@@ -116,7 +129,8 @@ class BodyBudget:
                     raise PayloadTooLarge(f"request body is larger than {cap} bytes")
                 body += chunk
                 if len(body) > room:
-                    await self.take(len(body) - room)
+                    if not self.take_arrived(len(body) - room):
+                        await self.take(len(body) - room)
                     room = len(body)
         except BaseException:
             self.give(room)
@@ -129,10 +143,17 @@ class BodyBudget:
         self._grant()
 
     def _grant(self) -> None:
-        while self._waiters and self.used + self._waiters[0][0] <= self.capacity:
-            amount, waiter = self._waiters.popleft()
-            self.used += amount
-            waiter.set_result(None)
+        waiters = self._waiters
+        while waiters:
+            amount, waiter = waiters[0]
+            if waiter.done():  # its wait ended (timed out, cancelled) before its task could leave
+                waiters.popleft()
+            elif self.used + amount <= self.capacity:
+                waiters.popleft()
+                self.used += amount
+                waiter.set_result(None)
+            else:
+                return
 
 
 UNCAPPED = BodyBudget(0, 0.0)

@@ -112,12 +112,28 @@ async def test_a_body_that_stalls_gives_back_the_room_it_has_not_filled() -> Non
     slow.send(b"x" * 10)
     await until("the unfilled room given back", lambda: budget.used == 10)  # 90, then what came
     assert budget.try_take(85)  # another body fits now
-    slow.send(b"y" * 20)  # it takes room for what comes, waiting for it like anyone
-    await asyncio.sleep(0)
-    assert not reading.done()
-    budget.give(85)
+    # What it sends from then on takes room at once, past the cap if need be (up to twice it): a
+    # body that waited halfway could wait for others waiting halfway for it.
+    slow.send(b"y" * 20)
     slow.send(b"")
-    assert await reading == b"x" * 10 + b"y" * 20 and budget.used == 30
+    assert await reading == b"x" * 10 + b"y" * 20 and budget.used == 115
+    budget.give(115)
+    assert budget.take_arrived(200) and not budget.take_arrived(1)
+
+
+async def test_a_waiter_cancelled_while_room_is_given_back_is_skipped_not_granted() -> None:
+    """Waits that timed out together: a give() in between granted the cancelled waiter (a 500 and
+    room lost for good)."""
+    budget = BodyBudget(10, 5.0)
+    assert budget.try_take(10)
+    gone = await waiting(budget, 4)
+    behind = await waiting(budget, 6)
+    gone.cancel()  # its wait ends now; its task leaves the queue only when it next runs
+    budget.give(10)
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await behind
+    assert budget.used == 6 and budget.waiting == 0
 
 
 async def test_a_body_past_its_cap_is_too_large_and_holds_nothing() -> None:
