@@ -190,6 +190,27 @@ async def test_probe_loop_rechecks_sooner_after_a_failure(stand_in: StandIn) -> 
     assert sleeps[:6] == [1.0, 0.2, 0.2, 0.2, 1.0, 1.0]
 
 
+async def test_a_prober_stops_even_when_its_cancel_does_not_land(stand_in: StandIn) -> None:
+    """aiohttp turns a cancel that lands as a probe's timeout fires into that timeout: the loop
+    probed a departed backend for ever, and its router never exited on SIGTERM."""
+
+    async def sleep_that_swallows_a_cancel(seconds: float) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(seconds)
+
+    async with aiohttp.ClientSession() as session:
+        settings = HealthSettings(interval_s=0.01, timeout_s=0.5, recheck_s=0.01)
+        prober = HealthProber(
+            session, stand_in.url, "b1", settings=settings, sleep=sleep_that_swallows_a_cancel
+        )
+        prober.start()
+        await until("a first probe", lambda: prober.rtt_ns is not None)
+        task = prober.stop()
+        assert task is not None
+        await asyncio.wait_for(asyncio.shield(task), 2.0)
+        assert task.done()
+
+
 @dataclass
 class Plane:
     state: RoutingState

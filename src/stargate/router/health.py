@@ -25,7 +25,6 @@ half of the burst 503 while no backend was left in routing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -40,6 +39,7 @@ from stargate.wire import headers as h
 log = logging.getLogger(__name__)
 
 MAX_HEALTH_BODY_BYTES = 64 * 1024
+STOP_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +125,7 @@ class HealthProber:
         if via is not None:
             self._headers[h.VIA] = f"1.1 {via}"
         self._loop_seen = False
+        self._stopped = False
         self._settings = settings = settings or HealthSettings()
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
         self._clock_ns = clock_ns
@@ -217,7 +218,12 @@ class HealthProber:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"health {self._url}")
 
     def stop(self) -> asyncio.Task[None] | None:
-        """Cancel the background loop; returns the task so an owner can await its end."""
+        """End the background loop; returns the task so an owner can await its end.
+
+        The cancel alone is not enough: one that lands as a probe's timeout fires comes out of
+        aiohttp as that timeout, and the loop went on probing a backend whose registration had
+        ended, for ever, and its router never exited on SIGTERM. The loop also checks a flag."""
+        self._stopped = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -225,13 +231,14 @@ class HealthProber:
 
     async def _run(self) -> None:
         settings = self._settings
-        while True:
+        while not self._stopped:
             await self._sleep(settings.recheck_s if self.failures or self.late else settings.interval_s)
-            await self.probe()
+            if not self._stopped:
+                await self.probe()
 
 
 async def wait_stopped(tasks: list[asyncio.Task[None]]) -> None:
-    """Await cancelled probe loops so none outlives its owner."""
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    """Await stopped probe loops so none outlives its owner; each ends within a probe timeout, and
+    the wait is bounded whatever happens."""
+    if tasks:
+        await asyncio.wait(tasks, timeout=STOP_WAIT_S)
