@@ -222,13 +222,14 @@ class RouterMetrics:
             return pair
         return (OTHER_TARGET, OTHER_TARGET)
 
-    def set_active(self, target: Target, count: int) -> None:
+    def set_active(self, target: Target, count: int, advertised: bool = True) -> None:
         """A registration-side change of ``target``: ``count`` active backends serve it now (0 stays
-        visible, for alerts, until its series go with the target)."""
+        visible, for alerts); its series go ``DEPARTED_SERIES_TTL_S`` after no registration lists
+        it (``advertised``) any more."""
         pair = (target.routing_key or "", target.model_id)
         self._registered.add(pair)
         self._active(*pair).set(count)
-        self._gone_targets.mark(pair, count > 0)
+        self._gone_targets.mark(pair, advertised)
 
     def request_finished(self, target: Target, backend_id: str, status: int) -> None:
         self._requests(*self._tgt(target), backend_id, str(status)).inc()

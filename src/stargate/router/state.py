@@ -142,8 +142,9 @@ class _TargetState:
 class RoutingState:
     """Every live registration and routing target of this process.
 
-    ``on_active_count(target, n)`` runs after every registration-side change of a target with its
-    active backend count (0 once it is gone); reservations do not change the count and do not call it.
+    ``on_active_count(target, n, advertised)`` runs after every registration-side change of a target
+    with its active backend count (0 once it is gone) and whether a registration still lists it;
+    reservations do not change the count and do not call it.
     ``on_backend_live(backend_id, live)`` runs when a registration is admitted and when it ends.
     ``on_server_errors(backend_id, n)`` runs when a backend's last ``SERVER_ERRORS_IN_A_ROW``
     answers were server errors, another backend serves each of its models and few enough of their
@@ -156,7 +157,7 @@ class RoutingState:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        on_active_count: Callable[[Target, int], None] | None = None,
+        on_active_count: Callable[[Target, int, bool], None] | None = None,
         on_backend_live: Callable[[str, bool], None] = lambda _backend_id, _live: None,
     ) -> None:
         self._clock = clock
@@ -380,9 +381,8 @@ class RoutingState:
             return False
         routing_key = handle.routing_key
         listed = frozenset(models)
-        self._readvertise(routing_key, registration.advertised, listed)
+        touched = self._readvertise(routing_key, registration.advertised, listed)
         registration.advertised = listed
-        touched: list[Target] = []
         for model_id in [m for m in registration.active if m not in models]:
             target = Target(routing_key, model_id)
             self._remove_member(target, handle)
@@ -410,7 +410,7 @@ class RoutingState:
         touched = [Target(routing_key, m) for m in registration.active]
         for target in touched:
             self._remove_member(target, handle)
-        self._readvertise(routing_key, registration.advertised, frozenset())
+        touched += self._readvertise(routing_key, registration.advertised, frozenset())
         del self._live[handle.backend.inference_server_id]
         self._answered.pop(handle.backend.inference_server_id, None)
         self._server_errors.pop(handle.backend.inference_server_id, None)
@@ -431,7 +431,11 @@ class RoutingState:
             return None
         return registration
 
-    def _readvertise(self, routing_key: str | None, before: frozenset[str], after: frozenset[str]) -> None:
+    def _readvertise(
+        self, routing_key: str | None, before: frozenset[str], after: frozenset[str]
+    ) -> list[Target]:
+        """Count the registration's advertised models; the targets whose count changed."""
+        changed = []
         for model_id in before - after:
             target = Target(routing_key, model_id)
             remaining = self._advertised[target] - 1
@@ -439,9 +443,12 @@ class RoutingState:
                 self._advertised[target] = remaining
             else:
                 del self._advertised[target]
+            changed.append(target)
         for model_id in after - before:
             target = Target(routing_key, model_id)
             self._advertised[target] = self._advertised.get(target, 0) + 1
+            changed.append(target)
+        return changed
 
     def _upsert(self, target: Target, handle: RegistrationHandle, member: Member) -> None:
         state = self._targets.get(target)
@@ -518,7 +525,8 @@ class RoutingState:
             return
         for target in dict.fromkeys(targets):
             state = self._targets.get(target)
-            self._on_active_count(target, 0 if state is None else state.active_count())
+            count = 0 if state is None else state.active_count()
+            self._on_active_count(target, count, target in self._advertised)
 
 
 def _stats_json(stats: ModelStats) -> dict[str, object]:

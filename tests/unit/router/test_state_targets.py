@@ -19,9 +19,11 @@ T = Target(None, "model-a")
 class Gauge:
     def __init__(self) -> None:
         self.values: dict[Target, int] = {}
+        self.advertised: dict[Target, bool] = {}
 
-    def __call__(self, target: Target, count: int) -> None:
+    def __call__(self, target: Target, count: int, advertised: bool) -> None:
         self.values[target] = count
+        self.advertised[target] = advertised
 
 
 def make_state() -> tuple[RoutingState, Gauge]:
@@ -54,6 +56,21 @@ def test_81_inactive_stops_routing_but_stays_advertised() -> None:
     assert gauge.values[T] == 0
     state.apply_update(a, {"model-a": ModelStats()}, MS)
     assert ids(state) == ["a"]
+
+
+def test_the_gauge_callback_says_whether_a_registration_still_lists_the_target() -> None:
+    """The metrics drop a target's series once none does; one in no routing but listed stays."""
+    state, gauge = make_state()
+    a = join(state, "a")
+    state.apply_update(a, {"model-a": None}, MS)  # listed, not in routing
+    assert (gauge.values[T], gauge.advertised[T]) == (0, True)
+    state.remove(a)  # ended while not in routing: still reported
+    assert (gauge.values[T], gauge.advertised[T]) == (0, False)
+    b = join(state, "b")
+    state.apply_update(b, {"model-a": ModelStats()}, MS)
+    assert (gauge.values[T], gauge.advertised[T]) == (1, True)
+    state.apply_update(b, {}, MS)
+    assert (gauge.values[T], gauge.advertised[T]) == (0, False)
 
 
 def test_83_active_without_rtt_is_not_routable_until_rtt_returns() -> None:
