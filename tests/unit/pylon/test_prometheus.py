@@ -232,8 +232,8 @@ async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
     assert lines == [
         ("WARNING", f"engine metrics polling with {peer} failed (HTTP 404); retrying, first in 0.5 s"),
         ("DEBUG", f"engine metrics polling with {peer} still failing (HTTP 404)"),
-        ("DEBUG", f"engine metrics polling with {peer} still failing "
-                  "(the page has none of vLLM's or SGLang's load series)"),
+        ("WARNING", f"engine metrics polling with {peer} still failing, now: "
+                    "the page has none of vLLM's or SGLang's load series"),
         ("INFO", f"engine metrics polling with {peer} established"),
         ("WARNING", f"engine metrics polling with {peer} lost (HTTP 500); reconnecting"),
     ]  # fmt: skip
