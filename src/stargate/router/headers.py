@@ -147,7 +147,7 @@ def via_problem(headers: MultiMapping[str], name: str) -> StargateError | None:
         return None
     if name in h.via_names(values):
         return RequestLoop(name)
-    if sum(len(value) + 2 for value in values) > MAX_VIA_CHARS:
+    if len(", ".join(values)) > MAX_VIA_CHARS:
         return RequestError(f"via header is longer than {MAX_VIA_CHARS} characters")
     return None
 
