@@ -172,6 +172,7 @@ class PylonApp:
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
         self._session = session = client_session(connect_timeout_s=10.0, limit=4096)
+        stream: EngineStatsStream | None = None
         if s.stats_source is StatsSource.PROMETHEUS:
             self._spawn(
                 run_prometheus_poller(
@@ -257,6 +258,8 @@ class PylonApp:
             clock=self.clock,
         )
         await self._lifecycle.start()
+        if stream is not None:
+            stream.wake()  # the engine answers now: its stream too, most likely
         self.registration = RegistrationClient(
             snapshot=self.registration_message,
             interval_ms=s.min_update_interval_ms,

@@ -266,6 +266,16 @@ def test_an_engine_limit_reported_before_a_generation_applies_to_it() -> None:
     assert rig.hub.snapshot(newer).max_engine_concurrency == 25
 
 
+def test_a_new_effective_limit_is_published_promptly() -> None:
+    rig = make_rig(limit=25)
+    changes: list[int] = []
+    rig.hub.on_change = lambda: changes.append(rig.hub.effective_limit(rig.gen))
+    rig.hub.on_ping(PingEvent("llama", 40))
+    rig.hub.on_ping(PingEvent("llama", 40))  # the same limit again: nothing new to publish
+    rig.hub.on_ping(PingEvent("llama", 0))
+    assert changes == [40, 25]
+
+
 def test_concurrency_update_for_stale_generation_is_discarded() -> None:
     from stargate.pylon.stats.hub import ConcurrencyUpdate, LimitSource
 

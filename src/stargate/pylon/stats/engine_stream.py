@@ -2,8 +2,11 @@
 
 ``auto``: fall back to OpenAI chunk usage when the endpoint answers 404/405/501 before any valid
 event was ever seen (the task then ends normally); afterwards those statuses are retry reasons.
-``required``: reconnect forever. Reconnect delay: 100 ms doubling to 5 s, never reset. The log says
-once when the stream cannot be had or is lost, and once when it is back.
+``required``: reconnect forever. Reconnect delay: 100 ms doubling to 5 s, reset only by ``wake``:
+Pylon calls it once its engine answers health checks, so an engine that came up after its Pylon
+is read at once, not up to 5 s later (a new Pylon published no concurrency limit meanwhile, which
+a router reads as unlimited). The log says once when the stream cannot be had or is lost, and once
+when it is back.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class EngineStatsStream:
         self._hub = hub
         self._metrics = metrics
         self._sleep = sleep
-        self._backoff = backoff_start_s
+        self._backoff_start = self._backoff = backoff_start_s
+        self._woken = asyncio.Event()
         self._link = LinkLog(log, "engine stats stream", f"engine at {url}")
         self.valid_event_seen = False
 
@@ -110,5 +114,22 @@ class EngineStatsStream:
                 reason = "http_status"
             self._metrics.stream_reconnects.labels(reason).inc()
             self._link.failed(reason, self._backoff)
-            await self._sleep(self._backoff)
+            await self._wait(self._backoff)
+
+    def wake(self) -> None:
+        """Reconnect now if waiting to, and start the delays over."""
+        self._woken.set()
+
+    async def _wait(self, seconds: float) -> None:
+        sleeping = asyncio.ensure_future(self._sleep(seconds))
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait((sleeping, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            woken.cancel()
+        if self._woken.is_set():
+            self._woken.clear()
+            self._backoff = self._backoff_start
+        else:
             self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)

@@ -132,14 +132,19 @@ class StatsHub:
 
     # -- concurrency limit ([PR] §6.8) ----------------------------------------------------
     def apply_concurrency(self, update: ConcurrencyUpdate) -> bool:
+        """Apply a limit; a new effective limit is published promptly (``on_change``): routers
+        read an unknown one as unlimited."""
         state = self._state(update.generation)
         if state is None:
             return False
+        before = state.effective_limit
         if update.source is LimitSource.FALLBACK:
             state.fallback_limit = update.value
         else:
             state.engine_limit = update.value
         self._touch(state, str(update.source), "concurrency_limit")
+        if state.effective_limit != before:
+            self.on_change()
         return True
 
     # -- engine stats stream ----------------------------------------------------------------

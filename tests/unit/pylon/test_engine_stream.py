@@ -1,0 +1,53 @@
+"""The engine stats stream's reconnect delay, and its wake-up once the engine answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from support.loopback import serving
+from support.waiting import until
+
+from stargate.pylon.config import StatsStreamMode
+from stargate.pylon.metrics import PylonMetrics
+from stargate.pylon.stats.engine_stream import EngineStatsStream
+from stargate.wire.http_client import client_session
+
+from .helpers import make_rig
+
+
+async def test_wake_reconnects_at_once_and_starts_the_delays_over() -> None:
+    """An engine that came up after its Pylon was read up to 5 s later (the delay had grown while
+    it was down), and the Pylon published no concurrency limit meanwhile."""
+    answers = [503, 503, 200]
+    hits: list[int] = []
+
+    async def stream(_request: web.Request) -> web.StreamResponse:
+        status = answers[min(len(hits), len(answers) - 1)]
+        hits.append(status)
+        if status != 200:
+            return web.Response(status=status)
+        return web.Response(body=b'{"type":"ping","v":1,"model":"llama","max_engine_concurrency":7}\n')
+
+    app = web.Application()
+    app.router.add_get("/stats", stream)
+    rig = make_rig()
+    async with serving(app) as url, client_session(connect_timeout_s=5.0) as session:
+        reader = EngineStatsStream(
+            session=session,
+            url=url + "/stats",
+            mode=StatsStreamMode.REQUIRED,
+            hub=rig.hub,
+            metrics=PylonMetrics(),
+            backoff_start_s=60.0,  # without a wake-up the next attempt is a minute away
+        )
+        task = asyncio.create_task(reader.run())
+        try:
+            await until("a first attempt", lambda: len(hits) == 1)
+            reader.wake()
+            await until("a second attempt at once", lambda: len(hits) == 2)
+            reader.wake()
+            await until("the engine's limit", lambda: rig.hub.effective_limit(rig.gen) == 7)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
