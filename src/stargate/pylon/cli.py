@@ -11,8 +11,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine
-from typing import Any
 
 from stargate.errors import ConfigError, StargateError
 from stargate.pylon.app import PylonApp
@@ -30,7 +28,7 @@ async def _main(settings: PylonSettings) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        if not await _unless_stopped(app.start(), stop):
+        if not await runner.unless_set(app.start(), stop):
             return 0  # a signal while waiting for the engine (up to --upstream-health-wait-ms)
         return await app.run(stop)
     except StargateError as exc:
@@ -41,26 +39,6 @@ async def _main(settings: PylonSettings) -> int:
         return 1
     finally:
         await app.close()
-
-
-async def _unless_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
-    """Run ``work`` unless ``stop`` is set first (then cancel it): True when it completed."""
-    task = asyncio.ensure_future(work)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        stopped.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return False
-    task.result()  # its error, if any
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """The one way a console script runs its event loop: uvloop when installed (0-11% less CPU), with
-the process's open-file limit raised first; and the one format of its log lines."""
+the process's open-file limit raised first; the one format of its log lines; and work that an
+event cuts short (``unless_set``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -18,6 +19,27 @@ LOW_OPEN_FILES = 4096
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+async def unless_set(work: Awaitable[None], event: asyncio.Event) -> bool:
+    """Run ``work`` unless ``event`` is set first (then cancel it): True when it completed; its
+    error, if any, is raised."""
+    task = asyncio.ensure_future(work)
+    waiting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, waiting), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        waiting.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+    task.result()
+    return True
 
 
 def configure_logging(level: int | str) -> None:

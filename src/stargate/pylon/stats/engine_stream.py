@@ -22,6 +22,7 @@ from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.ndjson import Invalid, LineSplitter, PingEvent, StatsEvent, parse_line
 from stargate.wire.link_log import LinkLog
+from stargate.wire.runner import unless_set
 
 log = logging.getLogger("stargate.pylon.stats")
 UNSUPPORTED = frozenset({404, 405, 501})
@@ -121,15 +122,8 @@ class EngineStatsStream:
         self._woken.set()
 
     async def _wait(self, seconds: float) -> None:
-        sleeping = asyncio.ensure_future(self._sleep(seconds))
-        woken = asyncio.ensure_future(self._woken.wait())
-        try:
-            await asyncio.wait((sleeping, woken), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeping.cancel()
-            woken.cancel()
-        if self._woken.is_set():
+        if await unless_set(self._sleep(seconds), self._woken):
+            self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+        else:
             self._woken.clear()
             self._backoff = self._backoff_start
-        else:
-            self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
