@@ -193,21 +193,20 @@ async def test_probe_loop_rechecks_sooner_after_a_failure(stand_in: StandIn) -> 
 async def test_a_prober_stops_even_when_its_cancel_does_not_land(stand_in: StandIn) -> None:
     """aiohttp turns a cancel that lands as a probe's timeout fires into that timeout: the loop
     probed a departed backend for ever, and its router never exited on SIGTERM."""
+    parked = asyncio.Event()
 
-    async def sleep_that_swallows_a_cancel(seconds: float) -> None:
+    async def wait_that_swallows_a_cancel(_seconds: float) -> None:
+        parked.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(seconds)
+            await asyncio.Event().wait()  # until cancelled; the cancel then goes unseen
 
     async with aiohttp.ClientSession() as session:
-        settings = HealthSettings(interval_s=0.01, timeout_s=0.5, recheck_s=0.01)
-        prober = HealthProber(
-            session, stand_in.url, "b1", settings=settings, sleep=sleep_that_swallows_a_cancel
-        )
+        prober = HealthProber(session, stand_in.url, "b1", settings=FAST, sleep=wait_that_swallows_a_cancel)
         prober.start()
-        await until("a first probe", lambda: prober.rtt_ns is not None)
+        await asyncio.wait_for(parked.wait(), 2.0)
         task = prober.stop()
         assert task is not None
-        await asyncio.wait_for(asyncio.shield(task), 2.0)
+        await asyncio.wait_for(asyncio.shield(task), 2.0)  # without the stop flag: probes, parks again
         assert task.done()
 
 
