@@ -27,8 +27,8 @@ Attempt outcomes:
 * ``Answered`` (response headers arrived): not retryable, budget spent, retries used up or the body
   not replayable → ``Relay``; ``queue_estimate_mismatch`` → a sibling in the same cluster; any other
   retryable reason → the cluster is excluded and routing runs again. Not in the original: a request
-  that has a routing wait left and that ``queue_estimate_mismatch`` refusals would end (retries used
-  up, or every cluster excluded) is requeued once instead (``_requeues``): routed again with the
+  that ``queue_estimate_mismatch`` refusals would end (retries used up, or every cluster excluded)
+  and that is not past a routing wait is requeued once instead (``_requeues``): routed again with the
   refusing backends back in and sent without an expected queue, which Pylon admits.
 * ``SendFailed`` (no response): ``UpstreamNotSent`` / a broken connection → ``Reconnect`` the same
   backend, then the same backend again or (``Reconnected(False)``) a sibling; ``UpstreamTimeout``
@@ -439,11 +439,11 @@ class AttemptMachine:
 
 
 def _requeues(state: AttemptState, now: float) -> bool:
-    """Backends refused the request as busier than expected and the client allows a routing wait
-    (``x-max-wait-ms``, or ``--default-max-wait-ms``) that is not over: once, it is routed again
-    instead of failed (not in the original, where it ends 429 or 503)."""
+    """Backends refused the request as busier than expected and its routing wait (``x-max-wait-ms``
+    or ``--default-max-wait-ms``), if it has one, is not over: once, it is routed again instead of
+    failed (not in the original, where it ends 429 or 503 while an engine could have queued it)."""
     deadline = _routing_deadline(state.request)
-    return bool(state.mismatched) and state.expects_queue and deadline is not None and now < deadline
+    return bool(state.mismatched) and state.expects_queue and (deadline is None or now < deadline)
 
 
 def _routing_deadline(request: ProxyRequest) -> float | None:

@@ -146,10 +146,19 @@ def test_a_request_refused_everywhere_is_routed_again_within_its_routing_wait() 
     assert action == Relay() and state.notes == (Exhausted("busy"),)
 
 
-def test_without_a_routing_wait_or_past_it_a_refused_request_ends_as_in_the_original() -> None:
+def test_a_request_without_a_routing_wait_refused_everywhere_is_routed_again_once() -> None:
+    # An engine with no slot limit (or every backend busier than the router's view): failing the
+    # request would leave capacity unused, so it queues at Pylon like a request with a wait.
     mismatch = Answered(429, signal("queue_estimate_mismatch"), READY)
     state, action = step(_refused_everywhere(), mismatch)
-    assert action == Relay() and state.notes == (Exhausted("queue_estimate_mismatch"),)
+    assert action == Pick("c1", frozenset()) and not state.expects_queue
+    state, action = step(state, Picked(A))
+    state, action = step(state, mismatch)
+    assert action == Relay() and state.notes[-1] == Exhausted("queue_estimate_mismatch")
+
+
+def test_past_its_routing_wait_a_refused_request_ends_as_in_the_original() -> None:
+    mismatch = Answered(429, signal("queue_estimate_mismatch"), READY)
     state, action = step(_refused_everywhere(max_wait_ms=5000), mismatch, now=15.0)
     assert action == Relay() and state.notes == (Exhausted("queue_estimate_mismatch"),)
     # Other reasons are never requeued.
