@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, Candidate, ModelStats, valid_tps
@@ -89,7 +92,8 @@ def expected_queue_ms(candidate: Candidate, priority: int, load_aware: bool = Fa
     backend without a free slot is expected to queue for ``load_queue_ms`` (at the published rate,
     Pylon's): the published stats see a request only from the heartbeat after it reached Pylon,
     and a burst routed in between was expected to start at once where Pylon, counting it, found
-    every slot taken and rejected it."""
+    every slot taken and rejected it. A backend known to be full is expected to queue at least
+    1 ms: an expected 0 tells Pylon the request was sent for a free slot (``pylon.admission``)."""
     stats = candidate.stats
     if not load_aware:
         return effective_queue_ms(stats, priority)
@@ -99,7 +103,7 @@ def expected_queue_ms(candidate: Candidate, priority: int, load_aware: bool = Fa
         return 0
     if not math.isfinite(queue) or queue > U64_MAX:
         return effective_queue_ms(stats, priority)
-    return math.ceil(queue)
+    return max(1, math.ceil(queue))
 
 
 def queue_ms(stats: ModelStats, priority: int) -> float:
@@ -269,6 +273,26 @@ def slot_hold_s(candidate: Candidate, now: float) -> float:
         return measured
     since = candidate.slot_held_since
     return now - since if since < now else 0.0
+
+
+SLOT_SAMPLES = 32
+"""The measured slot time is the mean of this many latest requests'."""
+
+
+@dataclass(slots=True)
+class SlotMeter:
+    """How long a request holds an engine slot, on average (the router's per cluster, Pylon's per
+    engine): from dispatch to its end, for requests sent while a slot was free (their time is
+    service, not a wait) that had an answer. The wait for a slot at a full engine is a share of it
+    per request ahead. Streamed or not, the whole answer counts: a slot is held until the last
+    token."""
+
+    mean_s: float = 0.0
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=SLOT_SAMPLES))
+
+    def ended(self, held_s: float) -> None:
+        self.samples.append(held_s)
+        self.mean_s = statistics.fmean(self.samples)
 
 
 def slot_wait_ms(hold_s: float, running: int, limit: int) -> float:

@@ -118,7 +118,7 @@ class Candidate:
     to prefill their whole prompt (``router.clusters.PrefillMeter``)."""
     measured_slot_s: float = 0.0
     """How long this router's requests held an engine slot there, on average (0: none has ended
-    yet; ``router.clusters.SlotMeter``): what a request waiting for a slot waits for, shared by the
+    yet; ``estimates.SlotMeter``): what a request waiting for a slot waits for, shared by the
     slots."""
     slot_held_since: float = math.inf
     """Until one has ended there (``measured_slot_s`` 0): when the oldest of this router's requests

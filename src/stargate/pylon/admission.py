@@ -3,6 +3,13 @@
 Pylon's variant of the shared estimate: the same ``has_free_slot`` / ``queue_estimate`` rules of
 ``stargate.balancer.estimates``, evaluated on a stats view that excludes the incoming request's
 own reservation (its slot and its prompt work), so a request never queues behind itself.
+
+Not in the original: a request the router expected to start at once (an expected queue of 0) that
+finds every slot taken also counts the wait for a slot (``estimates.slot_wait_ms`` at the engine's
+measured slot time). The spec's snapshot math counts only prompt tokens waiting, so an engine whose
+slots all hold answers being decoded looked free, and a request that another router's burst or a
+canary had beaten to the last slot waited there for a whole answer while another engine had a free
+slot. Where the router too expected a queue, both sides compare the prompt work, as in the spec.
 """
 
 from __future__ import annotations
@@ -104,6 +111,9 @@ def decide(
     actual = estimates.effective_queue_ms(view, priority)
     if actual is None:
         return Decision(Result.UNKNOWN_LOCAL_ESTIMATE, expected)
+    if expected == 0 and limit > 0 and not estimates.has_free_slot(view):
+        wait = estimates.slot_wait_ms(load.slot_hold_s(gen), view.num_running_queries, limit)
+        actual = min(U64_MAX, actual + math.ceil(wait))
     threshold = threshold_ms(expected, config.min_delta_ms, config.tolerance_factor)
     result = Result.REJECTED if actual > threshold else Result.ACCEPTED
     return Decision(result, expected, actual, threshold)

@@ -70,7 +70,7 @@ class PylonApp:
         self.metrics = PylonMetrics(clock=self.clock.monotonic)
         self.registry = ModelRegistry()
         self.relay: Relay | None = None
-        self.load = LiveLoad(prefix_caching=settings.engine_prefix_caching)
+        self.load = LiveLoad(prefix_caching=settings.engine_prefix_caching, clock=self.clock.monotonic)
         self.ids = RequestIds()
         self.hub = StatsHub(
             registry=self.registry,
@@ -243,6 +243,7 @@ class PylonApp:
                 clock=self.clock,
                 produced=relay.produced_within,
                 work_ahead=relay.work_ahead_s,
+                occupying=self.load.occupying,
             )
         canaries = self.canaries
         self._lifecycle = ModelLifecycle(

@@ -46,7 +46,7 @@ LATE = "no answer within the timeout"
 async def send_canary(
     session: aiohttp.ClientSession,
     base_url: str,
-    ids: RequestIds,
+    request_id: str,
     gen: Generation,
     *,
     threshold: int,
@@ -55,7 +55,7 @@ async def send_canary(
     """One canary; None when it passed, else why it failed (transport, status, body, runaway)."""
     body, headers = engine_chat(
         gen.model_id,
-        ids.new(CANARY, gen.seq),
+        request_id,
         CANARY_PROMPT,
         max_tokens=threshold,
         input_tokens=CANARY_INPUT_TOKENS,
@@ -106,10 +106,15 @@ class CanaryRunner:
         clock: Clock | None = None,
         produced: Callable[[str, float], bool] = lambda _model_id, _seconds: False,
         work_ahead: Callable[[Generation], float] = lambda _gen: 0.0,
+        occupying: Callable[[str, Generation], contextlib.AbstractContextManager[None]] = (
+            lambda _request_id, _gen: contextlib.nullcontext()
+        ),
     ) -> None:
         """``produced(model_id, seconds)``: whether the engine produced output for the model within
         the last ``seconds`` (``Relay.produced_within``); ``work_ahead(gen)``: seconds of prompt
-        work ahead of a request sent now (``Relay.work_ahead_s``)."""
+        work ahead of a request sent now (``Relay.work_ahead_s``); ``occupying(request_id, gen)``:
+        counts a canary in Pylon's load while it runs (``LiveLoad.occupying``): it holds an engine
+        slot that a request admitted beside it would otherwise be expected to find free."""
         self._session = session
         self._base = base_url
         self._ids = ids
@@ -122,6 +127,7 @@ class CanaryRunner:
         self._clock = clock or SystemClock()
         self._produced = produced
         self._work_ahead = work_ahead
+        self._occupying = occupying
         self._tasks: dict[Generation, asyncio.Task[None]] = {}
 
     def start(self, gen: Generation) -> None:
@@ -138,9 +144,11 @@ class CanaryRunner:
     async def canary(self, gen: Generation) -> str | None:
         """Why the canary failed, or None; a late one passes while the engine produces output."""
         timeout_s = self._timeout_s + min(self._work_ahead(gen), MAX_WORK_AHEAD_S)
-        failure = await send_canary(
-            self._session, self._base, self._ids, gen, threshold=self._threshold, timeout_s=timeout_s
-        )
+        request_id = self._ids.new(CANARY, gen.seq)
+        with self._occupying(request_id, gen):
+            failure = await send_canary(
+                self._session, self._base, request_id, gen, threshold=self._threshold, timeout_s=timeout_s
+            )
         if failure == LATE and self._produced(gen.model_id, timeout_s):
             log.debug("canary for model %s queued past its timeout behind answered requests", gen.model_id)
             return None

@@ -19,13 +19,16 @@ holds another request of such a key for that prefill, whichever router sent the 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import TypeVar
 
+from stargate.balancer.estimates import SlotMeter
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
 from stargate.wire.limits import U64_MAX, sat_u64
@@ -51,6 +54,7 @@ class _Tracked:
     input_tokens: int
     work_tokens: int  # the prompt work the engine still has to do (input tokens minus its cache)
     key: str | None = None
+    slot_since: float | None = None  # sent to the engine with a slot free: its hold is measured
 
     @property
     def work_priority(self) -> int | None:
@@ -66,6 +70,7 @@ class _GenerationLoad:
     total_input: int = 0
     work_by_priority: dict[int, int] = field(default_factory=dict)
     prefilling_keys: dict[str, int] = field(default_factory=dict)  # key -> requests before first byte
+    slots: SlotMeter = field(default_factory=SlotMeter)
 
     def add(self, t: _Tracked, sign: int) -> None:
         self.phase_counts[t.phase] += sign
@@ -136,7 +141,8 @@ class LiveLoad:
     startup), so the change can be published without waiting for the next heartbeat.
     """
 
-    def __init__(self, *, prefix_caching: bool = False) -> None:
+    def __init__(self, *, prefix_caching: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._requests: dict[str, _Tracked] = {}
         self._generations: dict[Generation, _GenerationLoad] = {}
         self._prefix_caching = prefix_caching
@@ -190,12 +196,17 @@ class LiveLoad:
         agg.add(t, 1)
         self.on_change(t.generation)
 
-    def sent(self, request_id: str) -> None:
-        """The request goes to the engine now (admitted): with ``prefix_caching`` its prompt is the
-        key's cached prefix for the key's next prompt here (most recently used last). Keys too long
-        to publish are not kept: the memory stays bounded in bytes."""
+    def sent(self, request_id: str, limit: int = 0) -> None:
+        """The request goes to the engine now (admitted). Sent while one of the engine's ``limit``
+        slots was free, its time there is measured (``slot_hold_s``). With ``prefix_caching`` its
+        prompt is the key's cached prefix for the key's next prompt here (most recently used last).
+        Keys too long to publish are not kept: the memory stays bounded in bytes."""
         t = self._requests.get(request_id)
-        if t is None or not self._prefix_caching or not t.key or len(t.key) > MAX_AFFINITY_KEY_CHARS:
+        if t is None:
+            return
+        if limit > 0 and self.active_requests(t.generation, exclude_request_id=request_id) < limit:
+            t.slot_since = self._clock()
+        if not self._prefix_caching or not t.key or len(t.key) > MAX_AFFINITY_KEY_CHARS:
             return
         prompt = (t.generation, t.key)
         prompts = self._prompts
@@ -207,8 +218,33 @@ class LiveLoad:
     def release(self, request_id: str) -> None:
         t = self._requests.pop(request_id, None)
         if t is not None:
-            self._generations[t.generation].add(t, -1)
+            agg = self._generations[t.generation]
+            agg.add(t, -1)
+            if t.slot_since is not None and t.phase is Phase.OUTPUT_GENERATION:
+                agg.slots.ended(max(0.0, self._clock() - t.slot_since))
             self.on_change(t.generation)
+
+    def slot_hold_s(self, generation: Generation) -> float:
+        """How long a request holds one of the engine's slots (``estimates.slot_hold_s``, as the
+        router measures it): the mean of the latest answered requests, or before any ended, how
+        long the oldest still running has held one; 0 when nothing is known."""
+        agg = self._generations.get(generation)
+        if agg is not None and agg.slots.mean_s > 0.0:
+            return agg.slots.mean_s
+        since = [t.slot_since for t in self._requests.values() if t.generation == generation]
+        oldest = min((at for at in since if at is not None), default=None)
+        return 0.0 if oldest is None else max(0.0, self._clock() - oldest)
+
+    @contextlib.contextmanager
+    def occupying(self, request_id: str, generation: Generation) -> Iterator[None]:
+        """Count a request Pylon sends itself (a canary) as holding a slot while it runs: it adds
+        no prompt work worth counting, but a request admitted beside it may wait for its slot."""
+        self.track(request_id, generation, 0, 0)
+        self.advance(request_id, Phase.OUTPUT_GENERATION)
+        try:
+            yield
+        finally:
+            self.release(request_id)
 
     def generation_of(self, request_id: str) -> Generation | None:
         t = self._requests.get(request_id)

@@ -386,7 +386,7 @@ class Relay:
         if decision.rejected:
             return self._reject(decision)
         if observer is not None:
-            self.load.sent(request_id)
+            self.load.sent(request_id, self.hub.effective_limit(gen))
             self.hub.on_admitted(gen, key, observer.input_tokens)
         headers = upstream_headers(
             request.headers.items(),

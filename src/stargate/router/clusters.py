@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from stargate.balancer import with_reservation, with_reservations
+from stargate.balancer.estimates import SlotMeter
 from stargate.balancer.types import NO_IN_FLIGHT, Candidate, InFlight, ModelStats, Target, valid_tps
 from stargate.wire.limits import MAX_PLAUSIBLE_TOKENS, MAX_PLAUSIBLE_TPS, sat_u64
 from stargate.wire.proto import CACHED_PROMPT_WORK
@@ -146,25 +147,6 @@ class PrefillMeter:
         if sample <= MAX_PLAUSIBLE_TPS:
             self.samples.append(sample)
             self.rate = statistics.median_low(self.samples)
-
-
-SLOT_SAMPLES = 32
-"""The measured slot time is the mean of this many latest requests'."""
-
-
-@dataclass(slots=True)
-class SlotMeter:
-    """How long a request of this router holds an engine slot on the cluster, on average: from
-    dispatch to its end, for requests sent while a slot was free (their time is service, not a
-    wait) that had an answer. The wait for a slot at a full engine is a share of it per request
-    ahead. Streamed or not, the whole answer counts: a slot is held until the last token."""
-
-    mean_s: float = 0.0
-    samples: deque[float] = field(default_factory=lambda: deque(maxlen=SLOT_SAMPLES))
-
-    def ended(self, held_s: float) -> None:
-        self.samples.append(held_s)
-        self.mean_s = statistics.fmean(self.samples)
 
 
 def _add(counts: dict[str, int], key: str, change: int) -> int:

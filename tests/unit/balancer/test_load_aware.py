@@ -61,6 +61,10 @@ def test_the_expected_queue_header_sees_this_routers_requests_under_load_aware()
     full = with_in_flight(candidate, 4, 3, 2500)
     assert expected_queue_ms(full, 0) == 0  # the spec's rule: published stats only
     assert expected_queue_ms(full, 0, load_aware=True) == 2500  # 2500 tokens ahead at 1000 tok/s
+    # Full with nothing ahead (every slot decoding): still not the 0 that promises a free slot.
+    decoding = make_candidate("a", tps=1000.0, max_concurrency=4, running=4, queued=0)
+    assert expected_queue_ms(decoding, 0) == 0
+    assert expected_queue_ms(decoding, 0, load_aware=True) == 1
     # Without a usable rate the load-aware queue is unknown: the spec's estimate stands.
     unknown = with_in_flight(make_candidate("a", tps=0.0, max_concurrency=4, running=4, queued=5), 4, 1, 9)
     assert expected_queue_ms(unknown, 0, load_aware=True) is None

@@ -31,8 +31,8 @@ def make_rig(
     floor_s: float = 0.010,
 ) -> Rig:
     registry = ModelRegistry()
-    load = LiveLoad()
     clock = ManualClock()
+    load = LiveLoad(clock=clock.monotonic)
     hub = StatsHub(
         registry=registry,
         load=load,

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from stargate.pylon.admission import AdmissionConfig, Decision, Result, decide
 from stargate.pylon.load import Phase
 
@@ -123,3 +125,70 @@ def test_priority_estimate_counts_only_more_urgent_work() -> None:
     rig.load.track("low", rig.gen, 5, 1000)
     d = decision(rig, "0", priority=2)
     assert (d.result, d.actual_ms) == (Result.ACCEPTED, 0)
+
+
+def _decoding(rig: Rig, rid: str, *, held_s: float) -> None:
+    """``rid`` took a free slot, has its first token and has held the slot for ``held_s``."""
+    rig.load.track(rid, rig.gen, 0, 10)
+    rig.load.sent(rid, rig.hub.effective_limit(rig.gen))
+    rig.load.advance(rid, Phase.OUTPUT_GENERATION)
+    rig.clock.advance(held_s)
+
+
+def test_a_request_expected_to_start_at_once_counts_the_wait_for_a_slot() -> None:
+    # The only slot holds an answer being decoded: no prompt work waits, yet the request would.
+    rig = make_rig(initial_input_tps=100, limit=1)
+    _decoding(rig, "a", held_s=0.5)
+    rig.load.track("new", rig.gen, 0, 10)
+    d = decision(rig, "0")
+    assert (d.result, d.actual_ms, d.threshold_ms) == (Result.REJECTED, 500, 25)
+    # Where the router expected a queue too, both sides compare prompt work, as in the spec.
+    d = decision(rig, "40")
+    assert (d.result, d.actual_ms) == (Result.ACCEPTED, 0)
+
+
+def test_the_slot_wait_uses_the_measured_slot_time_once_requests_ended() -> None:
+    rig = make_rig(initial_input_tps=100, limit=2)
+    _decoding(rig, "a", held_s=0.0)
+    _decoding(rig, "b", held_s=0.3)
+    rig.load.release("a")  # held 0.3 s
+    rig.load.release("b")  # held 0.3 s
+    assert rig.load.slot_hold_s(rig.gen) == pytest.approx(0.3)
+    _decoding(rig, "c", held_s=0.0)
+    _decoding(rig, "d", held_s=5.0)  # the oldest running no longer decides
+    rig.load.track("new", rig.gen, 0, 10)
+    d = decision(rig, "0")
+    assert d.result is Result.REJECTED and d.actual_ms in (150, 151)  # a slot frees every 0.3 s / 2
+
+
+def test_a_slot_just_taken_is_no_reason_to_refuse() -> None:
+    # A burst that just filled the engine: nothing known of how long a slot is held.
+    rig = make_rig(initial_input_tps=100, limit=1)
+    _decoding(rig, "a", held_s=0.0)
+    rig.load.track("new", rig.gen, 0, 10)
+    assert decision(rig, "0").result is Result.ACCEPTED
+
+
+def test_requests_queued_at_the_engine_and_refused_ones_are_not_slot_time() -> None:
+    rig = make_rig(initial_input_tps=100, limit=1)
+    _decoding(rig, "a", held_s=0.0)
+    rig.load.track("queued", rig.gen, 0, 10)
+    rig.load.sent("queued", 1)  # no slot free: its time includes a wait
+    rig.load.advance("queued", Phase.OUTPUT_GENERATION)
+    rig.load.track("refused", rig.gen, 0, 10)  # never sent
+    rig.clock.advance(1.0)
+    rig.load.release("queued")
+    rig.load.release("refused")
+    assert rig.load.slot_hold_s(rig.gen) == pytest.approx(1.0)  # still the oldest running, "a"
+    rig.load.release("a")
+    assert rig.load.slot_hold_s(rig.gen) == pytest.approx(1.0)
+
+
+def test_a_canary_holds_a_slot_while_it_runs() -> None:
+    rig = make_rig(initial_input_tps=100, limit=1)
+    with rig.load.occupying("canary-1", rig.gen):
+        snap = rig.hub.snapshot(rig.gen)
+        assert (snap.num_running_queries, snap.queue_size, snap.queued_input_size) == (1, 0, 0)
+        rig.load.track("new", rig.gen, 0, 10)
+        assert decision(rig, "0").actual_ms == 0  # full; how long a canary takes is not known
+    assert rig.load.active_requests(rig.gen, exclude_request_id="new") == 0

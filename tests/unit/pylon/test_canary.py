@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,8 @@ from support.waiting import until
 
 from stargate.pylon.canary import LATE, CanaryRunner, send_canary
 from stargate.pylon.health import HealthProber
-from stargate.pylon.ids import RequestIds
+from stargate.pylon.ids import CANARY, RequestIds
+from stargate.pylon.load import LiveLoad
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
 from stargate.wire.clock import ManualClock
 
@@ -36,9 +37,12 @@ class Engine:
     health_hits: int = 0
     url: str = ""
     runner: web.AppRunner | None = None
+    on_chat: Callable[[web.Request], Awaitable[web.Response]] | None = None
 
     async def _chat(self, request: web.Request) -> web.Response:
         self.chats.append((CIMultiDict(request.headers), orjson.loads(await request.read())))
+        if self.on_chat is not None:
+            return await self.on_chat(request)
         await asyncio.sleep(self.chat_delay_s)
         return web.Response(status=self.chat_status, body=self.chat_body, content_type="application/json")
 
@@ -74,9 +78,9 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def canary(session: aiohttp.ClientSession, url: str, threshold: int = 237) -> str | None:
-    return await send_canary(
-        session, url, RequestIds(UUID), Generation("llama", 3), threshold=threshold, timeout_s=2
-    )
+    request_id = RequestIds(UUID).new(CANARY, 3)
+    gen = Generation("llama", 3)
+    return await send_canary(session, url, request_id, gen, threshold=threshold, timeout_s=2)
 
 
 async def test_canary_request_shape_and_success(engine: Engine, session: aiohttp.ClientSession) -> None:
@@ -225,3 +229,26 @@ async def test_a_canary_waits_out_the_work_queued_ahead_of_it_before_its_timeout
 
     assert await runner(0.0).canary(gen) == LATE
     assert await runner(1.0).canary(gen) is None  # queued behind a second of prompt work
+
+
+async def test_a_canary_counts_in_pylons_load_while_it_runs(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    load = LiveLoad()
+    registry = ModelRegistry()
+    gen = registry.allocate("llama")
+    registry.publish(gen)
+    seen: list[int] = []
+
+    async def chat_seen(request: web.Request) -> web.Response:  # the load while the engine runs it
+        seen.append(load.active_requests(gen))
+        return web.Response(body=engine.chat_body, content_type="application/json")
+
+    engine.on_chat = chat_seen
+    runner = CanaryRunner(
+        session=session, base_url=engine.url, ids=RequestIds(UUID), registry=registry,
+        prober=HealthProber(session, engine.url, ("/health",)), interval_s=5.0,
+        threshold=237, timeout_s=2.0, occupying=load.occupying,
+    )  # fmt: skip
+    assert await runner.canary(gen) is None
+    assert seen == [1] and load.active_requests(gen) == 0
