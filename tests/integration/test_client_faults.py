@@ -242,6 +242,8 @@ async def test_client_abandoning_a_stream_through_stargate_logs_one_warning(
     assert client_lines(caplog, "test.router.clients") == [
         "client closed the connection mid-response (request id gone-1)"
     ]
+    cut = {"routing_key": "", "model": "m", "inference_server_id": "b1", "by": "client"}
+    assert sg.metric("stargate_responses_cut_total", **cut) == 1
     assert_quiet(caplog)
 
 

@@ -737,6 +737,9 @@ async def test_upstream_dying_mid_stream_aborts_the_client_connection(sg: Harnes
         "the request counted",
         lambda: sg.metric("stargate_requests_total", **labels(inference_server_id="b1", status="200")) == 1,
     )
+    # Its status was 200; the cut is counted apart, so a dashboard sees answers that broke.
+    assert sg.metric("stargate_responses_cut_total", **labels(inference_server_id="b1", by="backend")) == 1
+    assert sg.metric("stargate_responses_cut_total", **labels(inference_server_id="b1", by="client")) == 0
 
 
 @contextlib.asynccontextmanager

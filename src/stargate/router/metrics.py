@@ -62,6 +62,12 @@ class RouterMetrics:
             (*tgt, "inference_server_id", "status"),
             registry=reg,
         )
+        self.responses_cut_total = Counter(
+            _counter_name(prefix, "responses_cut_total"),
+            "Answers that ended after their status was sent, before their end: by the backend or the client.",
+            (*tgt, "inference_server_id", "by"),
+            registry=reg,
+        )
         self.proxy_attempts_total = Counter(
             _counter_name(prefix, "proxy_attempts_total"),
             "Upstream attempts.",
@@ -159,6 +165,7 @@ class RouterMetrics:
 
         self._requests = LabelChildren(self.requests_total)
         self._attempts = LabelChildren(self.proxy_attempts_total)
+        self._cut = LabelChildren(self.responses_cut_total)
         self._retries = LabelChildren(self.proxy_retries_total)
         self._exhausted = LabelChildren(self.proxy_retry_exhausted_total)
         self._selections = LabelChildren(self.routing_selections_total)
@@ -172,12 +179,12 @@ class RouterMetrics:
         self._reconnects = LabelChildren(self.quic_hot_path_reconnect_total)
         # every family labelled by backend, with the position of that label
         self._per_backend = (
-            (self._requests, 2), (self._attempts, 2), (self._proxy_duration, 2),
+            (self._requests, 2), (self._attempts, 2), (self._cut, 2), (self._proxy_duration, 2),
             (self._evictions, 0), (self._reconnects, 0),
         )  # fmt: skip
         # every family labelled by target, with routing_key and model first
         self._per_target = (
-            self._requests, self._attempts, self._retries, self._exhausted, self._selections,
+            self._requests, self._attempts, self._cut, self._retries, self._exhausted, self._selections,
             self._kv_fallbacks, self._admission, self._proxy_duration, self._routing_duration,
             self._active,
         )  # fmt: skip
@@ -233,6 +240,12 @@ class RouterMetrics:
 
     def request_finished(self, target: Target, backend_id: str, status: int) -> None:
         self._requests(*self._tgt(target), backend_id, str(status)).inc()
+
+    def response_cut(self, target: Target, backend_id: str, by: str) -> None:
+        """The answer's status went out (``requests_total`` counts it) and its body did not end:
+        ``by`` is ``backend`` (its answer broke; the client's connection was aborted) or
+        ``client`` (it hung up mid-answer)."""
+        self._cut(*self._tgt(target), backend_id, by).inc()
 
     def attempt(self, target: Target, backend_id: str, result: str) -> None:
         self._attempts(*self._tgt(target), backend_id, result).inc()

@@ -258,14 +258,21 @@ class ProxyHandler:
             )
             if request.transport is not None:
                 request.transport.abort()
+            self._metrics.response_cut(target, backend.inference_server_id, "backend")
         except ConnectionError:
             # The client went away; nothing left to tell it.
-            report_client_gone(self._faults, request, parsed.request_id, started=started)
+            self._client_gone(request, parsed, backend.inference_server_id, started)
         except asyncio.CancelledError:
-            report_client_gone(self._faults, request, parsed.request_id, started=started)
+            self._client_gone(request, parsed, backend.inference_server_id, started)
             raise
         finally:
             upstream.release()
             self._driver.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response
+
+    def _client_gone(
+        self, request: web.Request, parsed: ProxyRequest, backend_id: str, started: bool
+    ) -> None:
+        if report_client_gone(self._faults, request, parsed.request_id, started=started) and started:
+            self._metrics.response_cut(parsed.target, backend_id, "client")
