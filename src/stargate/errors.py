@@ -68,7 +68,8 @@ class StargateError(Exception):
         super().__init__(message)
 
     def retry_headers(self) -> Mapping[str, str]:
-        """Headers that tell Stargate whether to retry elsewhere (Pylon's refusals only)."""
+        """Headers that tell the caller whether and when to retry: Stargate whether to go elsewhere
+        (Pylon's refusals), a client when (Stargate's refusals that backends timed)."""
         return {}
 
     def extra_fields(self) -> Mapping[str, object]:
@@ -172,11 +173,24 @@ class ModelNotFound(StargateError):
 
 
 class RoutingError(StargateError):
-    """No backend could be chosen for the request (registered but inactive, all clusters failed...)."""
+    """No backend could be chosen for the request (registered but inactive, all clusters failed...).
+    ``retry_after_ms``: every backend refused it and the soonest said to try again then; the client
+    gets it as ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms`` (the OpenAI SDKs
+    read both)."""
 
     status = 503
     code = "no_selectable_backend"
     kind = "service_unavailable_error"
+
+    def __init__(self, message: str = "", *, retry_after_ms: int | None = None) -> None:
+        self.retry_after_ms = retry_after_ms
+        super().__init__(message)
+
+    def retry_headers(self) -> Mapping[str, str]:
+        after = self.retry_after_ms
+        if after is None:
+            return {}
+        return {"Retry-After": str(-(-after // 1000)), "retry-after-ms": str(after)}
 
 
 class NoEligibleCandidates(RoutingError):

@@ -399,6 +399,18 @@ async def test_p110_bare_503_retried_without_required_signal() -> None:
         assert sg.metric("stargate_proxy_retries_total", **labels(reason="retryable_upstream_response")) == 1
 
 
+async def test_a_request_every_backend_refused_tells_the_client_when_to_try_again(sg: Harness) -> None:
+    """Engines that asked for a pause (Pylon's ``x-stargate-retry-after-ms``) and a 503 of the
+    router's own: the client learns the soonest, as an OpenAI SDK reads it, not an arbitrary backoff."""
+    for name, cluster, after in (("a", "c1", "4000"), ("b", "c2", "2500")):
+        refusal = rejection("engine_overloaded", status=503)
+        refusal.headers["x-stargate-retry-after-ms"] = after
+        await sg.backend(name, refusal, cluster_id=cluster)
+    status, headers, body = await sg.post()
+    assert (status, orjson.loads(body)["error"]["code"]) == (503, "no_selectable_backend")
+    assert (headers["retry-after"], headers["retry-after-ms"]) == ("3", "2500")
+
+
 async def test_p111_retry_limit_returns_second_429() -> None:
     async with running(retry=RetrySettings(max_request_retries=1)) as sg:
         await sg.backend("a", rejection("upstream_admission_rejected"), cluster_id="c1")

@@ -240,6 +240,9 @@ class AttemptState:
     """(backend id, cluster id) of each backend that answered ``queue_estimate_mismatch``."""
     expects_queue: bool = True
     """False once the request was requeued past its mismatches: it is sent without an estimate."""
+    retry_after_ms: int | None = None
+    """The soonest a backend that refused the request said to try again; the client is told it
+    when every backend refused."""
     notes: tuple[Note, ...] = field(default=(), compare=False)
 
     @property
@@ -362,7 +365,7 @@ class AttemptMachine:
             return state, Fail(NoEligibleCandidates(), "")
         if state.any_failure:
             state = _noted(state, Exhausted("no_eligible_backend"))
-        return state, Fail(RoutingError(reason), "")
+        return state, Fail(RoutingError(reason, retry_after_ms=state.retry_after_ms), "")
 
     def _picked(
         self,
@@ -387,6 +390,10 @@ class AttemptMachine:
         signal = event.signal
         if not signal.retryable:
             return state, Relay()
+        if signal.retry_after_ms is not None:
+            soonest = state.retry_after_ms
+            if soonest is None or signal.retry_after_ms < soonest:
+                state = replace(state, retry_after_ms=signal.retry_after_ms)
         if self._budget_spent(state, now):
             return _noted(state, Exhausted("retry_budget_exhausted")), Relay()
         backend = _current(state)

@@ -9,17 +9,22 @@ from stargate.errors import QueueEstimateMismatch
 from stargate.wire import headers as h
 
 RETRYABLE_STATUSES = frozenset({429, 503})
+MAX_RETRY_AFTER_MS = 3_600_000
+"""A refusal's retry delay past an hour is not read (as an invalid one is not)."""
 QUEUE_ESTIMATE_MISMATCH = QueueEstimateMismatch.code
 DEFAULT_RETRY_REASON = "retryable_upstream_response"
 
 
 @dataclass(frozen=True, slots=True)
 class RetrySignal:
-    """Retryable with a reason, and whether this attempt's reservation ends now."""
+    """Retryable with a reason, whether this attempt's reservation ends now, and when the backend
+    said to try it again (``x-stargate-retry-after-ms``, Pylon's form of the engine's
+    ``Retry-After``)."""
 
     retryable: bool
     reason: str
     release_reservation: bool
+    retry_after_ms: int | None = None
 
 
 NOT_RETRYABLE = RetrySignal(False, DEFAULT_RETRY_REASON, False)
@@ -41,4 +46,5 @@ def retry_signal(status: int, header: Callable[[str], str | None], require_signa
     if status not in RETRYABLE_STATUSES:
         return RetrySignal(False, reason, release)
     retryable = explicit_true if flag is not None else not require_signal
-    return RetrySignal(retryable, reason, release)
+    after = h.optional_unsigned(header(h.RETRY_AFTER_MS), MAX_RETRY_AFTER_MS) if retryable else None
+    return RetrySignal(retryable, reason, release, after)

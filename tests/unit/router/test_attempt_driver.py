@@ -172,6 +172,15 @@ def test_retry_signal_rules_p110() -> None:
     assert not retry_signal(400, hdr({"x-stargate-retryable": "true"}), False).retryable
 
 
+def test_a_retryable_refusal_carries_when_to_try_again() -> None:
+    def after(value: str, retryable: str = "true") -> int | None:
+        headers = {"x-stargate-retryable": retryable, "x-stargate-retry-after-ms": value}
+        return retry_signal(503, headers.get, True).retry_after_ms
+
+    assert (after("2500"), after("0"), after("soon"), after("3600001")) == (2500, 0, None, None)
+    assert after("2500", retryable="false") is None  # relayed as it is
+
+
 async def test_p108_retryable_429_retries_other_cluster() -> None:
     runner, state, transport, metrics = make_runner(
         {"c1": ["r"], "c2": ["ok"]}, {"r": [retryable()], "ok": [FakeResponse(200)]}

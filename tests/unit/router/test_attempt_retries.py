@@ -179,3 +179,17 @@ def test_a_request_whose_last_cluster_refused_it_is_routed_again_within_its_rout
     state, action = step(state, Picked(None))
     assert isinstance(action, Pick) and not state.expects_queue
     assert state.failed_backend_ids == frozenset()
+
+
+def test_a_request_every_backend_refused_tells_its_client_the_soonest_retry_after() -> None:
+    state, action = step(sending(), Answered(503, RetrySignal(True, "busy", False, 3000), READY))
+    assert action == Pick("c2", frozenset())
+    state, action = step(state, Picked(backend("z", "c2")))
+    state, action = step(state, Answered(503, RetrySignal(True, "busy", False, 1500), READY))
+    assert isinstance(action, Fail) and action.error.status == 503
+    assert action.error.retry_headers() == {"Retry-After": "2", "retry-after-ms": "1500"}
+    # Refusals that named no time leave the answer as it was.
+    state, action = step(sending(), Answered(503, signal("busy"), READY))
+    state, action = step(state, Picked(backend("z", "c2")))
+    state, action = step(state, Answered(503, signal("busy"), READY))
+    assert isinstance(action, Fail) and action.error.retry_headers() == {}
