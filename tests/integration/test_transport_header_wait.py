@@ -40,6 +40,16 @@ class SlowBackend:
         await response.write_eof()
         return response
 
+    async def stream_then_hang(self, request: web.Request) -> web.StreamResponse:
+        """A token, then nothing until released (a Pylon frozen mid-answer), then the rest."""
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first token")
+        await asyncio.wait_for(self.release.wait(), 10)
+        await response.write(b", the rest")
+        await response.write_eof()
+        return response
+
 
 @pytest.fixture
 async def backend() -> AsyncIterator[SlowBackend]:
@@ -47,6 +57,7 @@ async def backend() -> AsyncIterator[SlowBackend]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", slow.handle)
     app.router.add_post("/v1/responses", slow.stream)
+    app.router.add_post("/v1/completions", slow.stream_then_hang)
     async with serving(app) as slow.url:
         yield slow
         slow.release.set()
@@ -104,3 +115,25 @@ async def test_a_first_body_byte_is_waited_for_while_the_backend_is_in_routing(b
         in_routing = False  # it hung after its headers and was ejected
         with pytest.raises(UpstreamError, match=r"sent no body byte within 0\.05 s and left routing"):
             await send(transport, backend, "/v1/responses")
+
+
+async def test_a_body_gone_silent_ends_once_its_backend_left_routing(backend: SlowBackend) -> None:
+    in_routing = True
+    asked: list[str] = []
+
+    def alive(backend_id: str) -> bool:
+        asked.append(backend_id)
+        return in_routing
+
+    async with aiohttp.ClientSession() as session:
+        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=alive)
+        # In routing, a long pause between tokens is a long generation: waited for.
+        answer = asyncio.create_task(send(transport, backend, "/v1/completions"))
+        await until("three silent periods", lambda: len(asked) >= 3)
+        backend.release.set()
+        assert await answer == "first token, the rest"
+
+        backend.release.clear()
+        in_routing = False  # frozen mid-answer and ejected: the stream ends instead of hanging
+        with pytest.raises(UpstreamError, match=r"sent nothing for [\d.]+ s mid-body and left routing"):
+            await send(transport, backend, "/v1/completions")

@@ -49,6 +49,7 @@ class UpstreamResponse(Protocol):
     def complete(self) -> bool:
         """True once the whole body has been read: the relay then ends the client stream in one write."""
         ...
+
     def release(self) -> None: ...
 
 
@@ -91,14 +92,54 @@ class _LeftRouting(TimeoutError):
         self.waited_s = waited_s
 
 
+SILENCE_RECHECK_S = 1.0
+"""How often a body silent for a whole period is checked again while its backend is in routing."""
+
+
+class _Silence:
+    """Ends a body that sent nothing for a whole period while its backend is out of routing (the
+    rest of a body has no deadline of its own: long generations are legitimate). One timer per
+    response, not one per chunk: the relay stamps each chunk's time (``last``)."""
+
+    __slots__ = ("_alive", "_content", "_loop", "_period", "_timer", "last")
+
+    def __init__(self, content: aiohttp.StreamReader, period_s: float, alive: Callable[[], bool]) -> None:
+        self._content = content
+        self._period = period_s
+        self._alive = alive
+        self._loop = asyncio.get_running_loop()
+        self.last = self._loop.time()
+        self._timer = self._loop.call_at(self.last + period_s, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        due = self.last + self._period
+        if now < due:
+            self._timer = self._loop.call_at(due, self._check)
+        elif self._alive():
+            self._timer = self._loop.call_at(now + SILENCE_RECHECK_S, self._check)
+        else:
+            self._content.set_exception(_LeftRouting(now - self.last))
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 class _AiohttpResponse:
-    __slots__ = ("_guard", "_resp")
+    __slots__ = ("_alive", "_guard", "_period", "_resp", "_silence")
 
     def __init__(
-        self, resp: aiohttp.ClientResponse, guard: Callable[[Awaitable[bytes]], Awaitable[bytes]]
+        self,
+        resp: aiohttp.ClientResponse,
+        guard: Callable[[Awaitable[bytes]], Awaitable[bytes]],
+        period_s: float,
+        alive: Callable[[], bool],
     ) -> None:
         self._resp = resp
         self._guard = guard
+        self._period = period_s
+        self._alive = alive
+        self._silence: _Silence | None = None
 
     @property
     def status(self) -> int:
@@ -117,25 +158,42 @@ class _AiohttpResponse:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; the wait for its first byte is guarded like the headers' (a
-        backend that sent headers at once and then hung, and left routing, fails the attempt)."""
+        backend that sent headers at once and then hung, and left routing, fails the attempt), and
+        the rest ends once the backend, out of routing, sent nothing for a whole period
+        (``_Silence``): a frozen Pylon left its client's stream open for as long as it stayed
+        frozen, long after it had left routing."""
         content = self._resp.content
         try:
             first = await self._guard(content.readany())
-            if not first:
-                return
-            yield first
-            async for chunk in content.iter_any():
-                yield chunk
         except _LeftRouting as exc:
             message = f"upstream sent no body byte within {exc.waited_s:g} s and left routing"
             raise UpstreamError(message) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamError(f"upstream body failed: {exc!r}") from exc
+        if not first:
+            return
+        yield first
+        silence = self._silence = _Silence(content, self._period, self._alive)
+        try:
+            clock = asyncio.get_running_loop().time
+            async for chunk in content.iter_any():
+                silence.last = clock()
+                yield chunk
+        except _LeftRouting as exc:
+            self._resp.close()
+            message = f"upstream sent nothing for {exc.waited_s:.3g} s mid-body and left routing"
+            raise UpstreamError(message) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(f"upstream body failed: {exc!r}") from exc
+        finally:
+            silence.cancel()
 
     def complete(self) -> bool:
         return self._resp.content.at_eof()
 
     def release(self) -> None:
+        if self._silence is not None:
+            self._silence.cancel()
         self._resp.release()
 
 
@@ -154,7 +212,8 @@ class HttpTransport:
     time, up to ``MAX_HEADER_WAIT_S``: an engine sends a non-streamed answer's headers with its end,
     and a request queued behind a saturated engine's work gets its first byte late; failing them
     over ran them twice and failed every answer longer than the period (not in the original). The
-    rest of the body has no deadline: long generations are legitimate.
+    rest of the body has no deadline while its backend stays in routing (long generations are
+    legitimate); once it left, a whole period of silence ends it.
     """
 
     def __init__(
@@ -190,10 +249,13 @@ class HttpTransport:
             message = f"backend {backend_id} sent no response headers within {waited:g} s"
             raise UpstreamTimeout(message) from exc
         except (aiohttp.ClientError, OSError, ValueError) as exc:
-            raise UpstreamError(
-                f"connection to backend {backend_id} failed before a response"
-            ) from exc
-        return _AiohttpResponse(resp, functools.partial(self._guarded, backend_id))
+            raise UpstreamError(f"connection to backend {backend_id} failed before a response") from exc
+        return _AiohttpResponse(
+            resp,
+            functools.partial(self._guarded, backend_id),
+            self._request_timeout_s,
+            functools.partial(self._alive, backend_id),
+        )
 
     async def _guarded(self, backend_id: str, awaitable: Awaitable[T]) -> T:
         """``awaitable``, given another ``request_timeout_s`` each time one passes while the backend
