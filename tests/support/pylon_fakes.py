@@ -54,9 +54,9 @@ class FakeEngine:
         body = await request.read()
         self.requests.append((request.method, request.path_qs, CIMultiDict(request.headers), body))
         obj = orjson.loads(body)
+        if self.hold_canaries and request.headers.get("x-request-id", "").startswith("canary-"):
+            await self._hold()
         if not obj.get("stream"):
-            if self.hold_canaries and request.headers.get("x-request-id", "").startswith("canary-"):
-                await self._hold()
             await asyncio.sleep(0.015)
             if (
                 request.headers.get("x-request-id", "").startswith("calibration-")

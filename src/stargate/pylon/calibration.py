@@ -31,22 +31,24 @@ _TOO_LONG = ("prompt too long", "context length", "maximum context")
 
 
 def engine_chat(
-    model_id: str, request_id: str, content: str, *, max_tokens: int, input_tokens: int
+    model_id: str, request_id: str, content: str, *, max_tokens: int, input_tokens: int, stream: bool = False
 ) -> tuple[bytes, dict[str, str]]:
-    """Body and headers of Pylon's own non-streaming chat to the engine (calibration and canaries).
+    """Body and headers of Pylon's own chat to the engine (calibration and canaries).
 
     Both use the original's fixed sampling (seed 33, temperature 0.7, top_p 1.0) so engines see
-    the same request shape from either.
+    the same request shape from either; a streamed one asks for its usage in the last event.
     """
-    body = {
+    body: dict[str, object] = {
         "model": model_id,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "seed": 33,
         "temperature": 0.7,
         "top_p": 1.0,
-        "stream": False,
+        "stream": stream,
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     headers = {
         "content-type": "application/json",
         h.REQUEST_ID: request_id,

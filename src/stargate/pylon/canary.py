@@ -41,6 +41,46 @@ MAX_WORK_AHEAD_S = 120.0
 """The most a canary's timeout is extended for the work queued ahead of it: an engine that hangs
 with a deep queue is still found (its health probes find one that stops answering at all)."""
 LATE = "no answer within the timeout"
+MAX_GENERATION_S = 600.0
+"""The longest a streamed canary may take after its first byte, tokens coming or not."""
+MAX_EVENT_BYTES = 64 * 1024
+"""The longest event line a streamed canary reads (a token's chunk is well under 1 KiB)."""
+
+
+def _completion_tokens(obj: object) -> int | None:
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return None
+    return tokens
+
+
+async def _streamed_tokens(resp: aiohttp.ClientResponse, threshold: int) -> int | str:
+    """The completion tokens of a streamed answer (its usage event, else its chunks), or why it
+    failed. Reading stops past the threshold: a runaway need not be read to its end."""
+    usage: int | None = None
+    chunks = 0
+    async for raw in resp.content:  # one line each; longer than the reader's limit raises ValueError
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return "stream event is not JSON"
+        tokens = _completion_tokens(obj)
+        if tokens is not None:
+            usage = tokens
+        elif isinstance(obj, dict) and obj.get("choices"):
+            chunks += 1
+            if chunks > threshold:
+                return threshold
+    if usage is None and chunks == 0:
+        return "stream has no usage.completion_tokens and no chunks"
+    return usage if usage is not None else chunks
 
 
 async def send_canary(
@@ -52,38 +92,50 @@ async def send_canary(
     threshold: int,
     timeout_s: float,
 ) -> str | None:
-    """One canary; None when it passed, else why it failed (transport, status, body, runaway)."""
+    """One canary; None when it passed, else why it failed (transport, status, body, runaway).
+
+    Streamed (not in the original, whose canary waits for the whole answer): ``timeout_s`` bounds
+    the wait for the first byte and each wait for the next, so an engine that generates slowly but
+    steadily passes, and one that stops generating fails as before. A whole answer took longer than
+    the timeout on an engine below about 47 tokens/s (237 in 5 s): its model went INACTIVE, got no
+    traffic, and its recovery canaries failed the same way for as long as it ran. An engine that
+    ignores ``stream`` and answers JSON is read as before."""
     body, headers = engine_chat(
         gen.model_id,
         request_id,
         CANARY_PROMPT,
         max_tokens=threshold,
         input_tokens=CANARY_INPUT_TOKENS,
+        stream=True,
     )
+    answer: int | str
     try:
         async with session.post(
             base_url + "/v1/chat/completions",
             data=body,
             headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            timeout=aiohttp.ClientTimeout(total=timeout_s + MAX_GENERATION_S, sock_read=timeout_s),
+            read_bufsize=MAX_EVENT_BYTES,
         ) as resp:
-            payload = await resp.read()
-            status = resp.status
+            if not 200 <= resp.status < 300:
+                return f"HTTP {resp.status}"
+            if resp.content_type == "text/event-stream":
+                answer = await _streamed_tokens(resp, threshold)
+            else:
+                try:
+                    obj = orjson.loads(await resp.read())
+                except orjson.JSONDecodeError:
+                    return "body is not JSON"
+                tokens = _completion_tokens(obj)
+                answer = "body has no usage.completion_tokens" if tokens is None else tokens
     except TimeoutError:
         return LATE
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, ValueError) as exc:
         return f"request failed: {exc!r}"
-    if not 200 <= status < 300:
-        return f"HTTP {status}"
-    try:
-        obj = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return "body is not JSON"
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-        return "body has no usage.completion_tokens"
-    if tokens == threshold:
+    if isinstance(answer, str):
+        return answer
+    tokens = answer
+    if tokens >= threshold:
         return f"runaway generation ({tokens} tokens, the canary maximum)"
     return None
 

@@ -93,7 +93,8 @@ async def test_canary_request_shape_and_success(engine: Engine, session: aiohttp
         "seed": 33,
         "temperature": 0.7,
         "top_p": 1.0,
-        "stream": False,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     assert headers["x-request-id"].startswith(f"canary-{UUID}-g3-")
     assert headers["x-model"] == "llama" and headers["x-input-tokens"] == "4"
@@ -252,3 +253,62 @@ async def test_a_canary_counts_in_pylons_load_while_it_runs(
     )  # fmt: skip
     assert await runner.canary(gen) is None
     assert seen == [1] and load.active_requests(gen) == 0
+
+
+def sse(*events: object) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(event) + b"\n\n" for event in events) + b"data: [DONE]\n\n"
+
+
+TOKEN = {"choices": [{"index": 0, "delta": {"content": "2"}}]}
+
+
+async def streamed(
+    engine: Engine,
+    session: aiohttp.ClientSession,
+    body: bytes,
+    gap_s: float = 0.0,
+    threshold: int = 237,
+    timeout_s: float = 2.0,
+) -> str | None:
+    """A canary against an engine that streams ``body`` one event at a time, ``gap_s`` apart."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for event in body.split(b"\n\n")[:-1]:
+            await asyncio.sleep(gap_s)
+            await response.write(event + b"\n\n")
+        await response.write_eof()
+        return response
+
+    engine.on_chat = stream
+    request_id = RequestIds(UUID).new(CANARY, 3)
+    gen = Generation("llama", 3)
+    return await send_canary(session, engine.url, request_id, gen, threshold=threshold, timeout_s=timeout_s)
+
+
+async def test_a_streamed_canary_reads_its_usage_or_counts_its_chunks(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    usage = {"choices": [], "usage": {"completion_tokens": 237}}
+    assert (
+        await streamed(engine, session, sse(TOKEN, TOKEN, {"choices": [], "usage": {"completion_tokens": 2}}))
+        is None
+    )
+    failure = await streamed(engine, session, sse(TOKEN, usage))
+    assert failure is not None and "runaway" in failure
+    assert await streamed(engine, session, sse(TOKEN, TOKEN, TOKEN), threshold=4) is None  # no usage event
+    failure = await streamed(engine, session, sse(*[TOKEN] * 5), threshold=4)
+    assert failure is not None and "runaway" in failure
+    failure = await streamed(engine, session, sse({"choices": []}))
+    assert failure is not None and "no usage.completion_tokens" in failure
+    failure = await streamed(engine, session, b"data: {oops\n\n")
+    assert failure == "stream event is not JSON"
+
+
+async def test_a_slow_engine_passes_while_its_tokens_come_and_a_stalled_one_is_late(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    # Six tokens 0.1 s apart: 0.6 s in all, past the 0.25 s timeout, which no single wait reaches.
+    assert await streamed(engine, session, sse(*[TOKEN] * 6), gap_s=0.1, timeout_s=0.25) is None
+    assert await streamed(engine, session, sse(TOKEN, TOKEN), gap_s=0.5, timeout_s=0.25) == LATE
