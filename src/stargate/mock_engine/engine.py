@@ -78,7 +78,7 @@ class Slots:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # the slot was handed over just before the cancellation
-            else:
+            elif waiter in self._waiters:  # a release may have dropped it, cancelled, already
                 self._waiters.remove(waiter)
             raise
 

@@ -98,7 +98,10 @@ class StatsHub:
         if len(self._subscribers) >= MAX_SUBSCRIBERS:
             raise web.HTTPServiceUnavailable(text="too many stats stream subscribers")
         response = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionError:  # the subscriber left before its headers went out
+            return response
         subscriber = _Subscriber()
         self._subscribers.append(subscriber)
         loop = asyncio.get_running_loop()
