@@ -130,21 +130,26 @@ class _Stall:
     """Closes an upstream response that will not end on its own while the relay waits for it: its
     body began and then sent nothing for ``limit_s`` (time spent writing to a slow client does not
     count), or its connection is gone short of the body's end (aiohttp's C parser drops a malformed
-    chunk without failing the read, which then waited for ``read_s``)."""
+    chunk without failing the read, which then waited for ``read_s``). Bytes that reached the
+    connection since the relay began to wait count as an answer: after the whole process was
+    stopped (SIGSTOP, a paused VM) the check runs before the relay reads what arrived meanwhile,
+    and it cut streams the engine had finished."""
 
-    __slots__ = ("_began", "_check_handle", "_limit_s", "_loop", "_since", "_upstream")
+    __slots__ = ("_began", "_check_handle", "_fed", "_limit_s", "_loop", "_since", "_upstream")
 
     def __init__(self, upstream: aiohttp.ClientResponse, limit_s: float) -> None:
         self._upstream = upstream
         self._limit_s = limit_s
         self._loop = asyncio.get_running_loop()
         self._since: float | None = self._loop.time()  # waiting for the first chunk
+        self._fed = upstream.content.total_bytes
         self._began = False
         self._check_handle = self._loop.call_later(limit_s / 3, self._check)
 
     def waiting(self) -> None:
         """The relay waits for the next chunk."""
         self._since = self._loop.time()
+        self._fed = self._upstream.content.total_bytes
 
     def arrived(self) -> None:
         self._since = None
@@ -152,7 +157,13 @@ class _Stall:
 
     def _check(self) -> None:
         since = self._since
-        silent = self._began and since is not None and self._loop.time() - since >= self._limit_s
+        silent = (
+            self._began
+            and since is not None
+            and self._loop.time() - since >= self._limit_s
+            and self._upstream.content.total_bytes == self._fed
+            and not self._upstream.content.is_eof()
+        )
         if since is not None and (silent or self._cut_off()):
             self._upstream.close()  # the pending read fails: the relay aborts the stream
             return
