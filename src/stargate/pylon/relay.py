@@ -130,21 +130,24 @@ class _Stall:
     """Closes an upstream response that will not end on its own while the relay waits for it: its
     body began and then sent nothing for ``limit_s`` (time spent writing to a slow client does not
     count), or its connection is gone short of the body's end (aiohttp's C parser drops a malformed
-    chunk without failing the read, which then waited for ``read_s``). Bytes that reached the
-    connection since the relay began to wait count as an answer: after the whole process was
-    stopped (SIGSTOP, a paused VM) the check runs before the relay reads what arrived meanwhile,
-    and it cut streams the engine had finished."""
+    chunk without failing the read, which then waited for ``read_s``). After the whole process
+    was stopped (SIGSTOP, a paused VM) the check runs late, before the relay has read what
+    arrived meanwhile, and it cut streams the engine had finished: a late check only re-arms, and
+    bytes that reached the connection since the relay began to wait count as an answer."""
 
-    __slots__ = ("_began", "_check_handle", "_fed", "_limit_s", "_loop", "_since", "_upstream")
+    __slots__ = ("_began", "_check_handle", "_due", "_fed", "_limit_s", "_loop", "_since", "_upstream")
 
-    def __init__(self, upstream: aiohttp.ClientResponse, limit_s: float) -> None:
+    def __init__(
+        self, upstream: aiohttp.ClientResponse, limit_s: float, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self._upstream = upstream
         self._limit_s = limit_s
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop or asyncio.get_running_loop()
         self._since: float | None = self._loop.time()  # waiting for the first chunk
         self._fed = upstream.content.total_bytes
         self._began = False
-        self._check_handle = self._loop.call_later(limit_s / 3, self._check)
+        self._due = self._loop.time() + limit_s / 3
+        self._check_handle = self._loop.call_at(self._due, self._check)
 
     def waiting(self) -> None:
         """The relay waits for the next chunk."""
@@ -156,18 +159,21 @@ class _Stall:
         self._began = True
 
     def _check(self) -> None:
+        now = self._loop.time()
+        late = now - self._due > self._limit_s / 3
         since = self._since
-        silent = (
+        silent = not late and (
             self._began
             and since is not None
-            and self._loop.time() - since >= self._limit_s
+            and now - since >= self._limit_s
             and self._upstream.content.total_bytes == self._fed
             and not self._upstream.content.is_eof()
         )
         if since is not None and (silent or self._cut_off()):
             self._upstream.close()  # the pending read fails: the relay aborts the stream
             return
-        self._check_handle = self._loop.call_later(self._limit_s / 3, self._check)
+        self._due = now + self._limit_s / 3
+        self._check_handle = self._loop.call_at(self._due, self._check)
 
     def _cut_off(self) -> bool:
         connection = self._upstream.connection
