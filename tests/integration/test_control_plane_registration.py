@@ -197,6 +197,21 @@ async def test_134_idle_timeout_closes_registration_and_frees_id() -> None:
         again.cancel()
 
 
+async def test_an_update_sent_while_the_router_was_stopped_past_the_idle_timeout_keeps_it() -> None:
+    """A router stopped longer than the idle timeout (SIGSTOP, a paused VM) finds on resume the
+    timer fired and the Pylon's heartbeats still to be read: it reads them instead of dropping the
+    registration (every request then answered 404 until the Pylons registered again)."""
+    clock = ManualClock()
+    async with make_harness(clock, idle_timeout_floor_ms=1000, idle_timeout_cap_ms=1000) as harness:
+        call = harness.open()
+        await send(call, message(harness.health.url))
+        await clock.sleeping(2)
+        clock.advance(5.0)  # far past the deadline: the router did not run meanwhile
+        await send(call, message(harness.health.url))  # the heartbeat sent during the stop
+        assert harness.state.is_registered("srv-1")
+        call.cancel()
+
+
 async def test_caps_on_models_and_registrations() -> None:
     async with make_harness(max_registrations=1, max_models_per_registration=2) as harness:
         error = await rejected(harness.open(), message(harness.health.url, models=("a", "b", "c")))

@@ -54,6 +54,12 @@ _add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServi
 
 _EMPTY_ACK = stargate_pb2.InferenceServerAck()
 SHUTDOWN_MESSAGE = "stargate is shutting down"
+STALL_S = 1.0
+"""An idle timer that fires this much past its deadline means the router was not running."""
+STALL_GRACE_S = 1.0
+"""How long a stream whose idle timer fired late is given to deliver what it sent meanwhile: a
+router stopped for longer than the idle timeout (SIGSTOP, a paused VM) dropped every registration
+on resume before reading their heartbeats, and answered 404 until the Pylons registered again."""
 UNDECODABLE_MESSAGE = "registration message is not a valid InferenceServerRegistration"
 
 
@@ -377,11 +383,18 @@ class ControlPlane:
         """The next message; ``None`` at end of stream. Idle timeout, shutdown and undecodable bytes
         raise ``_StreamEnd``; shutdown wins over a message that is already there."""
         read = asyncio.ensure_future(context.read())
-        waits = {read, asyncio.ensure_future(self._stopping.wait())}
+        stop = asyncio.ensure_future(self._stopping.wait())
+        waits = {read, stop}
+        started = self._clock.monotonic()
         if idle_s is not None:  # on the injected clock, so tests drive the idle timeout
             waits.add(asyncio.ensure_future(self._clock.sleep(idle_s)))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            late = idle_s is not None and self._clock.monotonic() - started > idle_s + STALL_S
+            if late and not read.done():
+                # The router itself was stopped past the deadline: updates sent meanwhile are
+                # still to be read, after the timer that fired first.
+                await asyncio.wait({read, stop}, timeout=STALL_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiting in waits:
                 if not waiting.done():
