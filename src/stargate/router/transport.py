@@ -101,7 +101,7 @@ class _Silence:
     rest of a body has no deadline of its own: long generations are legitimate). One timer per
     response, not one per chunk: the relay stamps each chunk's time (``last``)."""
 
-    __slots__ = ("_alive", "_content", "_loop", "_period", "_timer", "last")
+    __slots__ = ("_alive", "_content", "_due", "_loop", "_period", "_timer", "last")
 
     def __init__(self, content: aiohttp.StreamReader, period_s: float, alive: Callable[[], bool]) -> None:
         self._content = content
@@ -109,17 +109,18 @@ class _Silence:
         self._alive = alive
         self._loop = asyncio.get_running_loop()
         self.last = self._loop.time()
-        self._timer = self._loop.call_at(self.last + period_s, self._check)
+        self._due = self.last + period_s
+        self._timer = self._loop.call_at(self._due, self._check)
 
     def _check(self) -> None:
         now = self._loop.time()
+        late = now - self._due > SILENCE_RECHECK_S  # the router itself was stopped: read first
         due = self.last + self._period
-        if now < due:
-            self._timer = self._loop.call_at(due, self._check)
-        elif self._alive():
-            self._timer = self._loop.call_at(now + SILENCE_RECHECK_S, self._check)
-        else:
+        if now >= due and not late and not self._alive():
             self._content.set_exception(_LeftRouting(now - self.last))
+            return
+        self._due = due if now < due else now + SILENCE_RECHECK_S
+        self._timer = self._loop.call_at(self._due, self._check)
 
     def cancel(self) -> None:
         self._timer.cancel()
