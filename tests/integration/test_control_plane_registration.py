@@ -212,6 +212,33 @@ async def test_an_update_sent_while_the_router_was_stopped_past_the_idle_timeout
         call.cancel()
 
 
+async def test_a_registration_out_of_routing_is_replaced_by_a_new_one_of_its_id() -> None:
+    """A Pylon restarted under the same id while its old process hangs (a pod rescheduled off a
+    stuck node): the old registration is out of routing, so the new one takes the id at once
+    instead of ``ALREADY_EXISTS`` until the old stream's idle timeout."""
+    probing = HealthSettings(interval_s=0.0, recheck_s=0.0, timeout_s=2.0)
+    async with make_harness(health=probing) as harness:
+        old = harness.open()
+        await send(old, message(harness.health.url))
+        error = await rejected(harness.open(), message(harness.health.url))
+        assert error.code() == grpc.StatusCode.ALREADY_EXISTS  # in routing: the first keeps its id
+        harness.health.healthy = False
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            while harness.state.view(T) is not None:  # its health probes take it out
+                harness.health.probed.clear()
+                await harness.health.probed.wait()
+        new = harness.open()  # (same health URL, still failing: registered, not yet routable)
+        await send(new, message(harness.health.url))
+        with pytest.raises(aio.AioRpcError) as info:
+            await old.read()
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.ABORTED,
+            "replaced by a new registration of the same inference_server_id",
+        )
+        assert harness.state.is_registered("srv-1")
+        new.cancel()
+
+
 async def test_caps_on_models_and_registrations() -> None:
     async with make_harness(max_registrations=1, max_models_per_registration=2) as harness:
         error = await rejected(harness.open(), message(harness.health.url, models=("a", "b", "c")))

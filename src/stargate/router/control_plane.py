@@ -14,6 +14,7 @@ succeeds again (``router/health.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ _add_discovery: _AddServicer = stargate_pb2_grpc.add_StargateModelDiscoveryServi
 
 _EMPTY_ACK = stargate_pb2.InferenceServerAck()
 SHUTDOWN_MESSAGE = "stargate is shutting down"
+REPLACED_MESSAGE = "replaced by a new registration of the same inference_server_id"
+REPLACE_WAIT_S = 5.0
+"""How long a new registration waits for the out-of-routing one it replaces to end."""
 STALL_S = 1.0
 """An idle timer that fires this much past its deadline means the router was not running."""
 STALL_GRACE_S = 1.0
@@ -101,6 +105,16 @@ class ControlPlaneSettings:
                     watch.url_key(raw)
                 except ValueError as exc:
                     raise ConfigError(f"invalid URL {raw.strip()!r}", path="--remote-stargate-url") from exc
+
+
+@dataclass(slots=True)
+class _LiveStream:
+    """A registration stream being served: whether its health probes took it out of routing, and
+    the events by which a new registration of its id replaces it (``ControlPlane._replaced``)."""
+
+    ejected: bool = False
+    replaced: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class _StreamEnd(Exception):
@@ -156,6 +170,7 @@ class ControlPlane:
         self._poller: asyncio.Task[None] | None = None
         self._loop_lag = LoopLag(settings.health.late_loop_s)
         self._hold_outs: dict[str, Callable[[int], None]] = {}  # per live backend: take it out a while
+        self._streams: dict[str, _LiveStream] = {}  # per live backend: its registration stream
         state.on_server_errors = self._server_errors
         self._loop_lag_task: asyncio.Task[None] | None = None
         self._control_port = 0
@@ -288,6 +303,10 @@ class ControlPlane:
         handle = self._state.admit(
             identity.inference_server_id, identity.inference_server_url, first.cluster_id, routing_key
         )
+        if handle is None and await self._replaced(identity.inference_server_id):
+            handle = self._state.admit(
+                identity.inference_server_id, identity.inference_server_url, first.cluster_id, routing_key
+            )
         if handle is None:
             await _abort(
                 context,
@@ -308,14 +327,18 @@ class ControlPlane:
         backend_id = identity.inference_server_id
         latest: dict[str, ModelStats | None] = {}  # the last update, re-applied when a backend returns
 
+        stream = self._streams[backend_id] = _LiveStream()
+
         def eject(failures: int) -> None:
             log.warning(
                 "backend %s out of routing: %d health probes in a row failed", backend_id, failures
             )
+            stream.ejected = True
             self._state.apply_update(handle, dict.fromkeys(latest), None)
 
         def restore(rtt_ns: int) -> None:
             log.warning("backend %s back in routing: its health probe succeeded", backend_id)
+            stream.ejected = False
             self._state.apply_update(handle, latest, rtt_ns)
 
         def hold_out(errors: int) -> None:
@@ -351,7 +374,7 @@ class ControlPlane:
                 self._state.apply_update(handle, updates, rtt_ns)
                 prober.start()
                 await context.write(_EMPTY_ACK)
-                message = await self._read(context, idle_s)
+                message = await self._read(context, idle_s, stream.replaced)
                 if message is not None:
                     check_identity(identity, message)
         except RegistrationRejected as exc:
@@ -359,7 +382,10 @@ class ControlPlane:
         except _StreamEnd as end:
             ended = end
         finally:
+            if self._streams.get(backend_id) is stream:
+                del self._streams[backend_id]
             self._end(prober, handle)
+            stream.ended.set()
         if ended is not None:
             # Sent only now: a client that sees the stream end finds its routes already gone.
             await _abort(context, ended.code, ended.message)
@@ -377,14 +403,34 @@ class ControlPlane:
             task.add_done_callback(self._probe_tasks.discard)
         self._state.remove(handle)
 
+    async def _replaced(self, backend_id: str) -> bool:
+        """End the live registration of ``backend_id`` for a new one when its health probes took it
+        out of routing, and report whether it ended (not in the original: a Pylon restarted under
+        the same id, a pod rescheduled while its old node hangs, was refused until the old
+        stream's idle timeout, 60 s and more, although the old backend was long out of routing)."""
+        stream = self._streams.get(backend_id)
+        if stream is None or not stream.ejected:
+            return False
+        log.warning("backend %s registered again while out of routing: the new one replaces it", backend_id)
+        stream.replaced.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REPLACE_WAIT_S):
+                await stream.ended.wait()
+        return stream.ended.is_set()
+
     async def _read(
-        self, context: aio.ServicerContext[object, object], idle_s: float | None
+        self,
+        context: aio.ServicerContext[object, object],
+        idle_s: float | None,
+        replaced: asyncio.Event | None = None,
     ) -> stargate_pb2.InferenceServerRegistration | None:
-        """The next message; ``None`` at end of stream. Idle timeout, shutdown and undecodable bytes
-        raise ``_StreamEnd``; shutdown wins over a message that is already there."""
+        """The next message; ``None`` at end of stream. Idle timeout, shutdown, replacement and
+        undecodable bytes raise ``_StreamEnd``; shutdown wins over a message that is already there."""
         read = asyncio.ensure_future(context.read())
         stop = asyncio.ensure_future(self._stopping.wait())
         waits = {read, stop}
+        if replaced is not None:
+            waits.add(asyncio.ensure_future(replaced.wait()))
         started = self._clock.monotonic()
         if idle_s is not None:  # on the injected clock, so tests drive the idle timeout
             waits.add(asyncio.ensure_future(self._clock.sleep(idle_s)))
@@ -401,6 +447,8 @@ class ControlPlane:
                     waiting.cancel()
         if self._stopping.is_set():
             raise _StreamEnd(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+        if replaced is not None and replaced.is_set():
+            raise _StreamEnd(grpc.StatusCode.ABORTED, REPLACED_MESSAGE)
         if not read.done():
             raise _StreamEnd(grpc.StatusCode.DEADLINE_EXCEEDED, f"no registration update within {idle_s:g} s")
         try:
