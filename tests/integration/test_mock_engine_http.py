@@ -153,9 +153,13 @@ async def test_s9_18_and_s9_19_responses_stream_events_and_kv_headers() -> None:
             assert response.headers["x-kv-cache-uncached-input-tokens"] == "7"
             frames = await sse(response)
     names = [frame.split(b"\n", 1)[0] for frame in frames]
-    assert names == [b"event: response.created"] + [b"event: response.output_text.delta"] * 2 + [
-        b"event: response.completed"
-    ]
+    # The spec's created, deltas and completed, with the item and part events the OpenAI SDK needs.
+    assert names == [
+        b"event: response.created", b"event: response.in_progress", b"event: response.output_item.added",
+        b"event: response.content_part.added", *[b"event: response.output_text.delta"] * 2,
+        b"event: response.output_text.done", b"event: response.content_part.done",
+        b"event: response.output_item.done", b"event: response.completed",
+    ]  # fmt: skip
     completed = orjson.loads(frames[-1].split(b"data: ", 1)[1])
     assert completed["response"]["usage"] == {"input_tokens": 7, "output_tokens": 2, "total_tokens": 9}
     assert b"[DONE]" not in b"".join(frames)

@@ -80,6 +80,11 @@ async def test_plain_client_mode_serves_the_openai_sdk_without_headers(plain: st
         events = await client.responses.create(model=MODEL, input="hi", stream=True)
         kinds = [event.type async for event in events]
         assert kinds[-1] == "response.completed"
+        # The SDK's stream helper rebuilds the response from the item and part events.
+        async with client.responses.stream(model=MODEL, input="hi", max_output_tokens=4) as helper:
+            texts = [event.delta async for event in helper if event.type == "response.output_text.delta"]
+            final = await helper.get_final_response()
+        assert final.output_text == "".join(texts) and final.output_text.strip()
 
         completion = await client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
         assert completion.choices[0].text.strip()

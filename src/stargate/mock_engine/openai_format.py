@@ -130,32 +130,62 @@ def response_body(
 
 
 class ResponsesStream:
-    __slots__ = ("_created", "_ident", "_model", "_prefix")
+    """The Responses API's event stream as OpenAI and vLLM send it: the response, its message item
+    and text part announced before the first token (``response.output_text.delta`` each), each
+    closed before ``response.completed``; every event numbered (``sequence_number``). The OpenAI
+    SDK's ``responses.stream`` helper needs the item and part before the first delta."""
+
+    __slots__ = ("_created", "_ident", "_item", "_model", "_prefix")
+
+    _PREAMBLE = 4  # events before the first delta
 
     def __init__(self, ident: str, model: str, created: int) -> None:
         self._ident = ident
         self._model = model
         self._created = created
+        self._item = "msg-" + ident
         self._prefix = (
             b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","response_id":%s,'
-            % orjson.dumps(ident)
-            + b'"output_index":0,"content_index":0,"delta":'
+            b'"item_id":%s,"output_index":0,"content_index":0,"logprobs":[],"sequence_number":'
+            % (orjson.dumps(ident), orjson.dumps(self._item))
         )
 
     def preamble(self) -> bytes:
         response = _response_object(self._ident, self._model, self._created, "in_progress")
         response["output"] = []
         response["usage"] = None
-        event = {"type": "response.created", "response": response}
-        return b"event: response.created\ndata: " + orjson.dumps(event) + b"\n\n"
+        item: dict[str, Any] = {"id": self._item, "type": "message", "status": "in_progress"}
+        item.update(role="assistant", content=[])
+        return b"".join((
+            _event(0, "response.created", response=response),
+            _event(1, "response.in_progress", response=response),
+            _event(2, "response.output_item.added", output_index=0, item=item),
+            _event(3, "response.content_part.added", item_id=self._item, output_index=0, content_index=0,
+                   part={"type": "output_text", "text": "", "annotations": []}),
+        ))  # fmt: skip
 
     def token(self, index: int) -> bytes:
-        return self._prefix + TOKEN_JSON[index % 30] + b"}\n\n"
+        return self._prefix + b'%d,"delta":' % (self._PREAMBLE + index) + TOKEN_JSON[index % 30] + b"}\n\n"
 
     def finish(self, input_tokens: int, output_tokens: int) -> bytes:
         response = response_body(self._ident, self._model, self._created, input_tokens, output_tokens)
-        event = {"type": "response.completed", "response": response}
-        return b"event: response.completed\ndata: " + orjson.dumps(event) + b"\n\n"
+        item = response["output"][0]
+        part = item["content"][0]
+        seq = self._PREAMBLE + output_tokens
+        text = {"item_id": self._item, "output_index": 0, "content_index": 0}
+        return b"".join((
+            _event(seq, "response.output_text.done", **text, text=part["text"], logprobs=[]),
+            _event(seq + 1, "response.content_part.done", **text, part=part),
+            _event(seq + 2, "response.output_item.done", output_index=0, item=item),
+            _event(seq + 3, "response.completed", response=response),
+        ))  # fmt: skip
+
+
+def _event(sequence: int, kind: str, **fields: Any) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (
+        kind.encode(),
+        orjson.dumps({"type": kind, **fields, "sequence_number": sequence}),
+    )
 
 
 def chat_body(

@@ -82,15 +82,24 @@ def _event_data(raw: bytes) -> tuple[bytes | None, bytes]:
 
 
 def is_output(raw: bytes) -> bool:
+    """Whether an SSE event carries generated output. Of the Responses API's typed events (by
+    ``event:`` name, else the data's ``type``) only the ``*.delta`` ones do (not in the original,
+    where every event but ``response.created`` counts): an engine sends ``response.in_progress``,
+    ``response.output_item.added`` and ``response.content_part.added`` before its first token, and
+    counted as output they put the first token, and the input rate measured from it, at the start."""
     name, data = _event_data(raw)
-    if not data or data == b"[DONE]" or name == b"response.created":
+    if not data or data == b"[DONE]":
         return False
-    if b"response.created" in data:
+    kind = name
+    if kind is None and b'"response.' in data:
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
             return True
-        return not (isinstance(obj, dict) and obj.get("type") == "response.created")
+        typed = obj.get("type") if isinstance(obj, dict) else None
+        kind = typed.encode() if isinstance(typed, str) else None
+    if kind is not None and kind.startswith(b"response."):
+        return kind.endswith(b".delta")
     return True
 
 

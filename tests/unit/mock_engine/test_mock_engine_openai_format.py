@@ -59,12 +59,22 @@ def test_s9_22_embedding_encodings() -> None:
 
 def test_responses_stream_events() -> None:
     stream = fmt.ResponsesStream("resp-1", "m", 5)
-    created = stream.preamble()
-    assert created.startswith(b"event: response.created\ndata: ")
-    delta = orjson.loads(stream.token(1).split(b"data: ", 1)[1])
-    assert delta["delta"] == "," and delta["response_id"] == "resp-1"
-    completed = orjson.loads(stream.finish(7, 2).split(b"data: ", 1)[1])
-    assert completed["response"]["usage"] == {"input_tokens": 7, "output_tokens": 2, "total_tokens": 9}
+    frames = [*events(stream.preamble()), stream.token(0), stream.token(1), *events(stream.finish(7, 2))]
+    parsed = [orjson.loads(frame.split(b"data: ", 1)[1]) for frame in frames]
+    assert [event["type"] for event in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert [event["sequence_number"] for event in parsed] == list(range(10))
+    assert [frame.split(b"\n", 1)[0].removeprefix(b"event: ").decode() for frame in frames] == [
+        event["type"] for event in parsed
+    ]
+    delta = parsed[5]
+    assert (delta["delta"], delta["response_id"], delta["item_id"]) == (",", "resp-1", "msg-resp-1")
+    assert parsed[6]["text"] == "Hello,"
+    assert parsed[-1]["response"]["usage"] == {"input_tokens": 7, "output_tokens": 2, "total_tokens": 9}
 
 
 def test_completions_chunks() -> None:
@@ -77,7 +87,7 @@ def test_usage_totals_stay_within_u64_for_the_largest_claimed_prompt() -> None:
     """x-input-tokens may claim u64::MAX: the total saturates instead of failing to encode."""
     top = U64_MAX
     responses = fmt.ResponsesStream("id-1", "m", 1).finish(top, 3)
-    completed = orjson.loads(events(responses)[0].split(b"data: ", 1)[1])
+    completed = orjson.loads(events(responses)[-1].split(b"data: ", 1)[1])
     assert completed["response"]["usage"]["total_tokens"] == top
     chat = fmt.ChatStream("id-1", "m", "fp", 1, include_usage=True).finish(top, 3)
     assert orjson.loads(events(chat)[1].removeprefix(b"data: "))["usage"]["total_tokens"] == top

@@ -29,6 +29,19 @@ def test_b98_response_created_is_not_output() -> None:
     assert s.feed(b'event: response.output_text.delta\ndata: {"type":"x","delta":"hi"}\n\n')
 
 
+def test_only_the_deltas_of_a_responses_stream_are_output() -> None:
+    # As vLLM and OpenAI send it: four structural events before the first token.
+    s = SseScanner()
+    for kind in ("response.created", "response.in_progress", "response.output_item.added"):
+        assert not s.feed(b'event: %s\ndata: {"type":"%s"}\n\n' % (kind.encode(), kind.encode()))
+    assert not s.feed(b'data: {"type":"response.content_part.added","part":{"text":""}}\n\n')  # no name
+    assert s.feed(b'data: {"type":"response.output_text.delta","delta":"2"}\n\n')
+    assert s.tokens == 1
+    s = SseScanner()  # a tool call's first token is its arguments' first delta
+    assert not s.feed(b'event: response.output_item.added\ndata: {"type":"response.output_item.added"}\n\n')
+    assert s.feed(b'event: response.function_call_arguments.delta\ndata: {"delta":"{"}\n\n')
+
+
 def test_b99_crlf_comment_and_split_chunks() -> None:
     s = SseScanner()
     assert not s.feed(b': keepalive\r\n\r\ndata: {"choices":')
