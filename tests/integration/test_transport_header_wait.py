@@ -63,6 +63,18 @@ async def backend() -> AsyncIterator[SlowBackend]:
         slow.release.set()
 
 
+class Routing:
+    """The router's answer to "is this backend, at this URL, still in routing?", and who asked."""
+
+    def __init__(self) -> None:
+        self.in_routing = True
+        self.asked: list[tuple[str, str]] = []
+
+    def __call__(self, backend_id: str, url: str) -> bool:  # asked once per period without an answer
+        self.asked.append((backend_id, url))
+        return self.in_routing
+
+
 async def send(transport: HttpTransport, backend: SlowBackend, path: str = "/v1/chat/completions") -> str:
     ref = Backend("b1", backend.url, "c1")
     response = await transport.send(ref, "POST", path, CIMultiDict(), b"{}")
@@ -73,67 +85,49 @@ async def send(transport: HttpTransport, backend: SlowBackend, path: str = "/v1/
 
 
 async def test_a_backend_in_routing_is_waited_for_and_one_that_left_is_not(backend: SlowBackend) -> None:
-    asked: list[str] = []
-    in_routing = True
-
-    def alive(backend_id: str) -> bool:  # asked once per period without headers
-        asked.append(backend_id)
-        return in_routing
-
+    routing = Routing()
     async with aiohttp.ClientSession() as session:
-        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=alive)
+        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=routing)
         answer = asyncio.create_task(send(transport, backend))
-        await until("three periods without headers", lambda: len(asked) >= 3)
+        await until("three periods without headers", lambda: len(routing.asked) >= 3)
         backend.release.set()
         assert await answer == "whole answer"
-        assert set(asked) == {"b1"}
+        assert set(routing.asked) == {("b1", backend.url)}  # this registration, not just its id
 
         backend.release.clear()
-        in_routing = False  # ejected by its health probes meanwhile: the spec's timeout applies
-        asked.clear()
+        routing.in_routing = False  # ejected by its health probes meanwhile: the spec's timeout applies
+        routing.asked.clear()
         with pytest.raises(UpstreamTimeout, match=r"no response headers within 0\.05 s"):
             await send(transport, backend)
-        assert asked == ["b1"]
+        assert routing.asked == [("b1", backend.url)]
 
 
 async def test_a_first_body_byte_is_waited_for_while_the_backend_is_in_routing(backend: SlowBackend) -> None:
-    asked: list[str] = []
-    in_routing = True
-
-    def alive(backend_id: str) -> bool:
-        asked.append(backend_id)
-        return in_routing
-
+    routing = Routing()
     async with aiohttp.ClientSession() as session:
-        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=alive)
+        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=routing)
         answer = asyncio.create_task(send(transport, backend, "/v1/responses"))
-        await until("three periods without a body byte", lambda: len(asked) >= 3)
+        await until("three periods without a body byte", lambda: len(routing.asked) >= 3)
         backend.release.set()
         assert await answer == "first token"
 
         backend.release.clear()
-        in_routing = False  # it hung after its headers and was ejected
+        routing.in_routing = False  # it hung after its headers and was ejected
         with pytest.raises(UpstreamError, match=r"sent no body byte within 0\.05 s and left routing"):
             await send(transport, backend, "/v1/responses")
 
 
 async def test_a_body_gone_silent_ends_once_its_backend_left_routing(backend: SlowBackend) -> None:
-    in_routing = True
-    asked: list[str] = []
-
-    def alive(backend_id: str) -> bool:
-        asked.append(backend_id)
-        return in_routing
-
+    routing = Routing()
     async with aiohttp.ClientSession() as session:
-        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=alive)
+        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=routing)
         # In routing, a long pause between tokens is a long generation: waited for.
         answer = asyncio.create_task(send(transport, backend, "/v1/completions"))
-        await until("three silent periods", lambda: len(asked) >= 3)
+        await until("three silent periods", lambda: len(routing.asked) >= 3)
         backend.release.set()
         assert await answer == "first token, the rest"
 
         backend.release.clear()
-        in_routing = False  # frozen mid-answer and ejected: the stream ends instead of hanging
+        routing.in_routing = False  # frozen mid-answer and ejected: the stream ends instead of hanging
         with pytest.raises(UpstreamError, match=r"sent nothing for [\d.]+ s mid-body and left routing"):
             await send(transport, backend, "/v1/completions")

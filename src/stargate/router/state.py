@@ -260,10 +260,14 @@ class RoutingState:
     def is_registered(self, inference_server_id: str) -> bool:
         return inference_server_id in self._live
 
-    def is_routable(self, inference_server_id: str) -> bool:
-        """Registered and in routing for some model: not ejected by its health probes."""
+    def is_routable(self, inference_server_id: str, url: str | None = None) -> bool:
+        """Registered and in routing for some model: not ejected by its health probes, nor with
+        every model advertised INACTIVE. With ``url``, the registration must be the one at that
+        address: a new registration may have taken the id of one that hung."""
         registration = self._live.get(inference_server_id)
-        return registration is not None and bool(registration.active)
+        if registration is None or (url is not None and registration.handle.backend.url != url):
+            return False
+        return bool(registration.active)
 
     # ---- reservations (§1.9) and the router's own in-flight count --------------------------------
 

@@ -209,7 +209,8 @@ class HttpTransport:
     ``connect_timeout_s`` bounds connection establishment (``--quic-connect-timeout-ms``);
     ``request_timeout_s`` bounds the time until response headers (``--quic-request-timeout-ms``),
     and then until the body's first byte, from a backend that left routing meanwhile (``alive``
-    false: ejected by its health probes, or gone). One still in routing gets another period each
+    false for its id and URL: ejected by its health probes, every model advertised INACTIVE, or
+    gone, also when a new registration took its id). One still in routing gets another period each
     time, up to ``MAX_HEADER_WAIT_S``: an engine sends a non-streamed answer's headers with its end,
     and a request queued behind a saturated engine's work gets its first byte late; failing them
     over ran them twice and failed every answer longer than the period (not in the original). The
@@ -223,7 +224,7 @@ class HttpTransport:
         *,
         connect_timeout_s: float,
         request_timeout_s: float,
-        alive: Callable[[str], bool] = lambda _backend_id: False,
+        alive: Callable[[str, str], bool] = lambda _backend_id, _url: False,
     ) -> None:
         self._session = session
         self._connect_timeout_s = connect_timeout_s
@@ -242,7 +243,7 @@ class HttpTransport:
         backend_id = backend.inference_server_id
         try:
             request = self._session.request(method, url, headers=headers, data=body, allow_redirects=False)
-            resp = await self._guarded(backend_id, request)
+            resp = await self._guarded(backend, request)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, ConnectionRefusedError) as exc:
             raise UpstreamNotSent(f"could not connect to backend {backend_id}") from exc
         except TimeoutError as exc:
@@ -253,16 +254,17 @@ class HttpTransport:
             raise UpstreamError(f"connection to backend {backend_id} failed before a response") from exc
         return _AiohttpResponse(
             resp,
-            functools.partial(self._guarded, backend_id),
+            functools.partial(self._guarded, backend),
             self._request_timeout_s,
-            functools.partial(self._alive, backend_id),
+            functools.partial(self._alive, backend_id, backend.url),
         )
 
-    async def _guarded(self, backend_id: str, awaitable: Awaitable[T]) -> T:
+    async def _guarded(self, backend: BackendRef, awaitable: Awaitable[T]) -> T:
         """``awaitable``, given another ``request_timeout_s`` each time one passes while the backend
         is still in routing, up to ``MAX_HEADER_WAIT_S``; else ``_LeftRouting``."""
         loop = asyncio.get_running_loop()
         period = self._request_timeout_s
+        alive = functools.partial(self._alive, backend.inference_server_id, backend.url)
         waited = 0.0
         timer: asyncio.TimerHandle | None = None
         try:
@@ -271,7 +273,7 @@ class HttpTransport:
                 def each_period() -> None:
                     nonlocal waited, timer
                     waited += period
-                    if waited >= MAX_HEADER_WAIT_S or not self._alive(backend_id):
+                    if waited >= MAX_HEADER_WAIT_S or not alive():
                         deadline.reschedule(loop.time())  # give up now
                     else:
                         timer = loop.call_later(period, each_period)

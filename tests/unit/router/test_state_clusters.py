@@ -638,6 +638,19 @@ def test_a_backend_is_routable_while_it_serves_a_model_with_an_rtt() -> None:
     assert not state.is_routable("a") and not state.is_routable("never")
 
 
+def test_a_registration_that_took_a_hung_ones_id_does_not_make_the_old_address_routable() -> None:
+    state, _ = make_state()
+    old = join(state, "a")
+    publish(state, old, ModelStats())
+    assert state.is_routable("a", "http://a:9000")
+    state.remove(old)  # replaced: the new registration is at another address
+    new = state.admit("a", "http://a-2:9000", "c1", None)
+    assert new is not None
+    publish(state, new, ModelStats())
+    assert state.is_routable("a", "http://a-2:9000") and state.is_routable("a")
+    assert not state.is_routable("a", "http://a:9000")  # a request still out to the old one
+
+
 def test_server_errors_in_a_row_are_reported_once_while_another_backend_serves() -> None:
     state, _ = make_state()
     reported: list[tuple[str, int]] = []
