@@ -158,15 +158,15 @@ class CanaryRunner:
         clock: Clock | None = None,
         produced: Callable[[str, float], bool] = lambda _model_id, _seconds: False,
         work_ahead: Callable[[Generation], float] = lambda _gen: 0.0,
-        occupying: Callable[[str, Generation], contextlib.AbstractContextManager[None]] = (
-            lambda _request_id, _gen: contextlib.nullcontext()
+        occupying: Callable[[Generation], contextlib.AbstractContextManager[None]] = (
+            lambda _gen: contextlib.nullcontext()
         ),
     ) -> None:
         """``produced(model_id, seconds)``: whether the engine produced output for the model within
         the last ``seconds`` (``Relay.produced_within``); ``work_ahead(gen)``: seconds of prompt
-        work ahead of a request sent now (``Relay.work_ahead_s``); ``occupying(request_id, gen)``:
-        counts a canary in Pylon's load while it runs (``LiveLoad.occupying``): it holds an engine
-        slot that a request admitted beside it would otherwise be expected to find free."""
+        work ahead of a request sent now (``Relay.work_ahead_s``); ``occupying(gen)``: counts a
+        canary in Pylon's admission while it runs (``LiveLoad.occupying``): it holds an engine slot
+        that a request admitted beside it would otherwise be expected to find free."""
         self._session = session
         self._base = base_url
         self._ids = ids
@@ -197,7 +197,7 @@ class CanaryRunner:
         """Why the canary failed, or None; a late one passes while the engine produces output."""
         timeout_s = self._timeout_s + min(self._work_ahead(gen), MAX_WORK_AHEAD_S)
         request_id = self._ids.new(CANARY, gen.seq)
-        with self._occupying(request_id, gen):
+        with self._occupying(gen):
             failure = await send_canary(
                 self._session, self._base, request_id, gen, threshold=self._threshold, timeout_s=timeout_s
             )

@@ -71,6 +71,7 @@ class _GenerationLoad:
     work_by_priority: dict[int, int] = field(default_factory=dict)
     prefilling_keys: dict[str, int] = field(default_factory=dict)  # key -> requests before first byte
     slots: SlotMeter = field(default_factory=SlotMeter)
+    own: int = 0  # slots held by Pylon's own requests (canaries): admission counts them, stats do not
 
     def add(self, t: _Tracked, sign: int) -> None:
         self.phase_counts[t.phase] += sign
@@ -236,15 +237,17 @@ class LiveLoad:
         return 0.0 if oldest is None else max(0.0, self._clock() - oldest)
 
     @contextlib.contextmanager
-    def occupying(self, request_id: str, generation: Generation) -> Iterator[None]:
-        """Count a request Pylon sends itself (a canary) as holding a slot while it runs: it adds
-        no prompt work worth counting, but a request admitted beside it may wait for its slot."""
-        self.track(request_id, generation, 0, 0)
-        self.advance(request_id, Phase.OUTPUT_GENERATION)
+    def occupying(self, generation: Generation) -> Iterator[None]:
+        """Count a request Pylon sends itself (a canary) as holding a slot while it runs, for
+        admission only: a request sent for a free slot that finds it taken is refused and goes
+        elsewhere. The published load leaves it out: a router that saw the slot taken answered a
+        client without a routing wait 503 where the request could have waited for the canary."""
+        agg = self._generations.setdefault(generation, _GenerationLoad())
+        agg.own += 1
         try:
             yield
         finally:
-            self.release(request_id)
+            agg.own -= 1
 
     def generation_of(self, request_id: str) -> Generation | None:
         t = self._requests.get(request_id)
@@ -308,8 +311,9 @@ class LiveLoad:
         return out
 
     def active_requests(self, generation: Generation, *, exclude_request_id: str | None = None) -> int:
+        """Requests holding or waiting for one of the engine's slots, Pylon's own included."""
         agg = self._generations.get(generation)
-        active = sum(agg.phase_counts) if agg is not None else 0
+        active = sum(agg.phase_counts) + agg.own if agg is not None else 0
         own = self._requests.get(exclude_request_id) if exclude_request_id else None
         if own is not None and own.generation == generation:
             active -= 1

@@ -42,7 +42,13 @@ from stargate.pylon.health import HealthProber
 from stargate.pylon.load import LiveLoad, Phase
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
-from stargate.pylon.observer import EventTooLarge, RequestObserver, SseScanner, json_usage
+from stargate.pylon.observer import (
+    PROGRESS_INTERVAL_S,
+    EventTooLarge,
+    RequestObserver,
+    SseScanner,
+    json_usage,
+)
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
@@ -237,9 +243,12 @@ class Relay:
 
     def produced_within(self, model_id: str, seconds: float) -> bool:
         """Whether the engine produced output for ``model_id`` (a token, or a completed answer)
-        within the last ``seconds``: a canary it answers late is queued, not failed."""
+        within the last ``seconds``: a canary it answers late is queued, not failed. An answer being
+        streamed reports its progress once per ``PROGRESS_INTERVAL_S``, so its tokens are that much
+        older than what is known of them: with a canary timeout of 1 s or less, one queued behind a
+        decoding answer failed."""
         at = self._produced.get(model_id)
-        return at is not None and self.clock.monotonic() - at <= seconds
+        return at is not None and self.clock.monotonic() - at <= seconds + PROGRESS_INTERVAL_S
 
     def work_ahead_s(self, gen: Generation) -> float:
         """Seconds of prompt work the engine has in hand for ``gen`` at the measured input rate (0

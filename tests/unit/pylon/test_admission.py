@@ -184,11 +184,13 @@ def test_requests_queued_at_the_engine_and_refused_ones_are_not_slot_time() -> N
     assert rig.load.slot_hold_s(rig.gen) == pytest.approx(1.0)
 
 
-def test_a_canary_holds_a_slot_while_it_runs() -> None:
+def test_a_canary_holds_a_slot_for_admission_not_in_the_published_load() -> None:
     rig = make_rig(initial_input_tps=100, limit=1)
-    with rig.load.occupying("canary-1", rig.gen):
-        snap = rig.hub.snapshot(rig.gen)
-        assert (snap.num_running_queries, snap.queue_size, snap.queued_input_size) == (1, 0, 0)
+    _decoding(rig, "a", held_s=0.4)
+    rig.load.release("a")  # slots are held 0.4 s here
+    with rig.load.occupying(rig.gen):
+        assert rig.hub.snapshot(rig.gen).num_running_queries == 0  # routers may send a request...
         rig.load.track("new", rig.gen, 0, 10)
-        assert decision(rig, "0").actual_ms == 0  # full; how long a canary takes is not known
-    assert rig.load.active_requests(rig.gen, exclude_request_id="new") == 0
+        d = decision(rig, "0")  # ...which, sent for the slot, is refused and tried elsewhere
+        assert d.result is Result.REJECTED and d.actual_ms in (400, 401)
+    assert decision(rig, "0").result is Result.ACCEPTED
