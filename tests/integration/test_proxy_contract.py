@@ -608,14 +608,38 @@ async def test_debug_routing_shows_candidates_and_member_stats(sg: Harness) -> N
 
 
 async def test_p124_health_and_readiness_then_drain(sg: Harness) -> None:
+    await sg.backend("b1")
     for path in ("/healthz", "/readyz"):
         async with sg.http.get(sg.base + path) as resp:
             assert (resp.status, await resp.read()) == (200, b"")
+    assert "connection" not in (await sg.post())[1]  # keep-alive while serving
     sg.server.begin_drain()
     async with sg.http.get(sg.base + "/readyz") as resp:
         assert resp.status == 503
     async with sg.http.get(sg.base + "/healthz") as resp:
         assert resp.status == 200
+    # Still served while draining, each connection closed after its answer: a client that keeps
+    # connections open opens its next one where the load balancer sends it now.
+    status, headers, _ = await sg.post()
+    assert (status, headers["connection"]) == (200, "close")
+
+
+async def test_a_drained_router_stops_listening_before_it_drops_registrations(sg: Harness) -> None:
+    """A request arriving as the drain ends finds no listener (its client retries elsewhere), not
+    a router without registrations answering 404 "not served", which clients do not retry."""
+    await sg.backend("b1")
+    plane = sg.server.control_plane
+    assert plane is not None
+    stopped_with_listeners: list[bool] = []
+    stop = plane.stop
+
+    async def stop_noting(grace_s: float) -> None:
+        stopped_with_listeners.append(bool(sg.server._runners))
+        await stop(grace_s)
+
+    plane.stop = stop_noting  # type: ignore[method-assign]
+    assert await sg.server.shutdown(drain_timeout_s=1.0) is True
+    assert stopped_with_listeners == [False]
 
 
 async def test_metrics_served_on_separate_port_with_prefix() -> None:

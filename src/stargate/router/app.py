@@ -236,12 +236,14 @@ class StargateServer:
         return drained
 
     async def _close(self) -> None:
-        if self.control_plane is not None:
-            await self.control_plane.stop(grace_s=0.5)
-            self.control_plane = None
+        # Listeners first: with the control plane gone first, a request arriving meanwhile found no
+        # registration and was answered 404 (the model is not served), which clients do not retry.
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+        if self.control_plane is not None:
+            await self.control_plane.stop(grace_s=0.5)
+            self.control_plane = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -277,7 +279,16 @@ class StargateServer:
         for path in paths:
             app.router.add_post(path, proxy.handle)
         self.endpoints.add_routes(app)
+        app.on_response_prepare.append(self._close_while_draining)
         return app
+
+    async def _close_while_draining(self, _request: web.Request, response: web.StreamResponse) -> None:
+        """A draining router closes each connection after its answer (``Connection: close``): a
+        client or gateway that keeps connections open opens its next one where it is routed now,
+        another replica once the load balancer has read ``/readyz``."""
+        if self.endpoints.draining:
+            response.force_close()
+            response.headers["Connection"] = "close"  # the head is built before this hook runs
 
     def _metrics_app(self) -> web.Application:
         async def render(request: web.Request) -> web.Response:
