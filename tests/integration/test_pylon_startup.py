@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
+import sys
 
 import pytest
 from support.pylon_fakes import FakeEngine, FakeStargate
@@ -264,3 +266,25 @@ async def test_b31_failed_polls_keep_last_known_good_models(
         await until("llama retired", lambda: app.registry.current("llama") is None)
     finally:
         await app.close()
+
+
+async def test_a_listen_address_in_use_names_its_flag_and_exits_2() -> None:
+    """As the router does: the operator's fix is that flag, so it is a usage error, not a crash."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        port = busy.getsockname()[1]
+        code = "import sys; from stargate.pylon.cli import main; sys.exit(main(sys.argv[1:]))"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, "--upstream-http-base-url", "http://127.0.0.1:9", "--model-name", "m",
+            "--http-listen-addr", f"127.0.0.1:{port}", "--disable-bringup", "--upstream-health-wait-ms", "0",
+            "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+            stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        busy.close()
+    assert proc.returncode == 2
+    assert f"pylon: error: --http-listen-addr: cannot listen on 127.0.0.1:{port}" in err.decode()
+    assert "Traceback" not in err.decode()

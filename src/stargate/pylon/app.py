@@ -15,6 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from stargate.errors import ConfigError
 from stargate.proto import stargate_pb2
 from stargate.pylon.calibration import Calibrator
 from stargate.pylon.canary import CanaryRunner
@@ -109,7 +110,7 @@ class PylonApp:
         else:
             self._optional.append(task)
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+    async def _serve(self, app: web.Application, host: str, port: int, flag: str) -> int:
         # Bodies pass through as received: no decompression of request bodies (bytes in, bytes out).
         runner = GuardedAppRunner(
             app,
@@ -124,7 +125,12 @@ class PylonApp:
             handle_signals=False,
             auto_decompress=False,
         )
-        bound = await listen(runner, host, port)
+        try:
+            bound = await listen(runner, host, port)
+        except OSError as exc:
+            await runner.cleanup()
+            reason = f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}"
+            raise ConfigError(reason, path=flag) from exc
         self._runners.append(runner)
         return bound
 
@@ -170,7 +176,7 @@ class PylonApp:
             self.tracing = setup_tracing(s.otel_endpoint, s.otel_service_name)
         metrics_app = web.Application(middlewares=[json_route_errors])
         metrics_app.router.add_get("/metrics", self._metrics_handler)
-        self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port)
+        self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port, "--metrics-port")
         self._session = session = client_session(connect_timeout_s=10.0, limit=4096)
         stream: EngineStatsStream | None = None
         if s.stats_source is StatsSource.PROMETHEUS:
@@ -214,7 +220,7 @@ class PylonApp:
             tracing=self.tracing,
             client_faults=self.client_faults,
         )
-        port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port)
+        port = await self._serve(relay.app(), s.http_listen_host, s.http_listen_port, "--http-listen-addr")
         self.http_url = "http://" + (s.http_advertise_addr or join_host_port(s.http_listen_host, port))
         calibrator = None
         if s.do_calibration:

@@ -31,6 +31,9 @@ async def _main(settings: PylonSettings) -> int:
         if not await runner.unless_set(app.start(), stop):
             return 0  # a signal while waiting for the engine (up to --upstream-health-wait-ms)
         return await app.run(stop)
+    except ConfigError as exc:  # a listener's address in use: the flag is the operator's to change
+        print(f"pylon: error: {exc}", file=sys.stderr)
+        return 2
     except StargateError as exc:
         print(f"pylon: {exc}", file=sys.stderr)
         return 1

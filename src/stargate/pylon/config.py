@@ -162,6 +162,21 @@ def _stargate_url(raw: str) -> str:
     return address if "://" in address else "http://" + address
 
 
+def _advertise_addr(raw: str) -> str:
+    """``host:port`` Stargate dials (a name or an IP, port 1-65535): registered as ``http://host:port``."""
+    try:
+        host, port = split_host_port(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {raw!r}") from None
+    if port == 0 or not host.strip() or any(c.isspace() or c in "/?#@" for c in host):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port above 0, got {raw!r}")
+    return raw.strip()
+
+
+_at_least_one = _checked(int, lambda v: v >= 1, "an integer >= 1")
+_prompt_units = _checked(int, lambda v: v >= 256, "an integer >= 256")
+
+
 def _listen_addr(raw: str) -> tuple[str, int]:
     try:
         host, port = split_host_port(raw.strip())
@@ -192,7 +207,7 @@ def parse_status_codes(raw: str) -> frozenset[int]:
         entry = entry.strip()
         if not entry:
             continue
-        if not entry.isdigit() or not 100 <= int(entry) <= 999:
+        if not entry.isdigit() or not 100 <= int(entry) <= 599:
             raise argparse.ArgumentTypeError(f"invalid status code {entry!r}")
         codes.add(int(entry))
     return frozenset(codes)
@@ -222,7 +237,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--max-buffered-body-bytes", type=non_negative_int, default=MAX_BUFFERED_BODY_BYTES,
       help=f"request body bytes held in memory at once, all requests together; 0 = no cap, else "
       f"at least {MAX_BODY_BYTES} (one body)")
-    a("--http-advertise-addr", default=None, help="host:port registered with Stargate (default: bound addr)")
+    a("--http-advertise-addr", type=_advertise_addr, default=None,
+      help="host:port registered with Stargate (default: bound addr)")
     a("--model-name", type=_non_blank, action="append", default=[],
       help="static model (repeatable); none = discovery")
     a("--model-discovery-provider", choices=["dynamo"], default="dynamo",
@@ -231,7 +247,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--model-discovery-request-timeout-ms", type=positive_int, default=5000, help="discovery poll timeout")
     a("--stargate-address", type=_stargate_url, default="127.0.0.1:50071",
       help="seed Stargate for WatchStargates")
-    a("--inference-server-id", default="pylon", help="backend identity registered with Stargate")
+    a("--inference-server-id", type=_non_blank, default="pylon",
+      help="backend identity registered with Stargate")
     a("--cluster-id", default=None, help="cluster identity (default: the inference server id)")
     a("--disable-bringup", action="store_true", help="no canaries and no startup health probe")
     a("--upstream-health-path", action="append", default=[], help="health path tried first (repeatable)")
@@ -242,10 +259,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--benchmark-pin-input-tps", action="store_true", help=argparse.SUPPRESS)
     a("--active-canary-interval-ms", type=non_negative_int, default=5000,
       help="canary period; 0 disables canaries")
-    a("--canary-max-generation-threshold", type=int, default=237, help="canary max_tokens; reached = runaway")
+    a("--canary-max-generation-threshold", type=_at_least_one, default=237,
+      help="canary max_tokens; reached = runaway")
     a("--calibration-requests", type=int, default=5, help="requests of the first calibration step")
-    a("--calibration-prompt-units", type=int, default=4096, help="largest calibration prompt (chars, >= 256)")
-    a("--calibration-max-concurrency", type=int, default=4, help="calibration requests in flight")
+    a("--calibration-prompt-units", type=_prompt_units, default=4096,
+      help="largest calibration prompt (chars, >= 256)")
+    a("--calibration-max-concurrency", type=_at_least_one, default=4, help="calibration requests in flight")
     a("--bringup-canary-timeout-ms", type=non_negative_int, default=5000,
       help="canary and health probe timeout")
     a("--bringup-calibration-timeout-ms", type=non_negative_int, default=30000,

@@ -70,6 +70,27 @@ def test_b07_invalid_initial_tps(value: str) -> None:
         parse(f"--initial-input-tps={value}")
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--http-advertise-addr", "bad"),  # registered as http://bad: never routable
+        ("--http-advertise-addr", "pylon-0:0"),
+        ("--inference-server-id", " "),  # every registration refused, for ever
+        ("--canary-max-generation-threshold", "0"),  # every canary a runaway: INACTIVE for ever
+        ("--calibration-prompt-units", "255"),
+        ("--calibration-max-concurrency", "0"),
+        ("--pylon-retryable-upstream-status-codes", "999"),
+    ],
+)
+def test_values_that_can_never_work_are_refused_at_start(flag: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        parse(flag, value)
+
+
+def test_an_advertised_address_may_be_a_name() -> None:
+    assert parse("--http-advertise-addr", "pylon-0.pylons:9001").http_advertise_addr == "pylon-0.pylons:9001"
+
+
 def test_b08_pin_requires_initial_tps() -> None:
     with pytest.raises(ConfigError, match="--benchmark-pin-input-tps"):
         parse("--benchmark-pin-input-tps")
