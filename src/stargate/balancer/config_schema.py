@@ -64,7 +64,7 @@ def describe_json(value: object) -> str:
 class Fields(BaseModel):
     """Fields every algorithm takes; each algorithm's schema adds its own."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     require_cache_affinity_key: bool = False
     require_input_tokens: bool = False

@@ -121,6 +121,8 @@ def _check_out(args: argparse.Namespace) -> None:
     if out is None:
         return
     directory = out.parent if args.command == "gen-trace" else out  # gen-trace writes one file
+    if args.command == "gen-trace" and (out.is_dir() or not out.name):
+        raise ConfigError(f"{str(out) or repr('')} is a directory, not a file to write", path="--out")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK):

@@ -430,3 +430,12 @@ def test_any_entry_parses_or_raises_config_error(entry: dict[str, object]) -> No
         parse_lb_config({"models": {"m": entry}, "request_algorithms": {"random": entry}})
     except ConfigError as error:
         assert error.reason and error.path.startswith("$")
+
+
+def test_a_number_too_large_for_a_float_is_rejected_not_read_as_infinity(tmp_path: Any) -> None:
+    path = tmp_path / "lb.json"
+    path.write_text('{"models": {"m": {"algorithm": "power-of-n", "max_input_work_seconds": 1e400}}}')
+    with pytest.raises(ConfigError) as info:
+        load_lb_config(str(path))
+    assert info.value.file == str(path) and "$.models.m.max_input_work_seconds" in str(info.value)
+    assert "finite" in info.value.reason

@@ -94,3 +94,10 @@ def test_an_out_it_cannot_write_to_is_a_usage_error(
     out = taken / "trace.jsonl" if command == ["gen-trace"] else taken
     assert main([*command, "--out", str(out)]) == 2
     assert f"error: --out: cannot write to {taken}" in capsys.readouterr().out
+
+
+def test_a_trace_written_to_a_directory_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["gen-trace", "--out", str(tmp_path)]) == 2  # was IsADirectoryError, a traceback
+    assert f"error: --out: {tmp_path} is a directory, not a file to write" in capsys.readouterr().out
