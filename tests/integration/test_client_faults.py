@@ -208,6 +208,29 @@ async def test_malformed_requests_to_stargate_log_the_burst_at_warning_without_t
     assert_burst_of_malformed_lines(caplog, "test.router.clients")
 
 
+@pytest.mark.parametrize(
+    ("data", "logged"),
+    [
+        (
+            b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40,
+            "Received HTTPS traffic on an HTTP port",
+        ),
+        (b"GARBAGE / HTTP/9.9\r\n\r\n", "Invalid method encountered"),
+    ],
+)
+async def test_bytes_that_are_not_http_are_logged_too(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture, data: bytes, logged: str
+) -> None:
+    """A client using https:// on the plain port, or anything that is not HTTP: aiohttp logged
+    these at DEBUG only, so the operator never saw why that client got nothing it could read."""
+    caplog.set_level(logging.WARNING)
+    reader = await conns.open(sg.base, data)
+    assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.0 400 Bad Request")
+    (line,) = client_lines(caplog, "test.router.clients")
+    assert line.startswith("rejected a malformed request from 127.0.0.1:") and logged in line
+    assert_quiet(caplog)
+
+
 async def test_an_oversized_body_gets_413_and_logs_nothing(
     sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
 ) -> None:

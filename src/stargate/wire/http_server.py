@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import HttpVersion11, web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from stargate.errors import HandlerTimedOut, RequestError, StargateError
@@ -168,6 +168,10 @@ class GuardedRequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         """aiohttp's answer to a request it could not parse, or whose handler raised, as the JSON
         error body; the connection still closes after it."""
+        if self._request_count == 1 and isinstance(exc, BadHttpMethod):
+            # aiohttp logs this one at DEBUG only (non-HTTP bytes, often TLS to a plain port), where
+            # an operator never sees why a client got nothing it could read.
+            self.log_exception("Error handling request", exc_info=exc)
         super().handle_error(request, status, exc, message)  # logs; raises once an answer began
         error: StargateError
         if isinstance(exc, LineTooLong):
