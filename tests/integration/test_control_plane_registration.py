@@ -6,6 +6,7 @@ Conformance 81, 83, 85, 97, 128-131, 134, 136 (and §5.3 authentication, caps an
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -116,6 +117,21 @@ async def test_85_stream_close_removes_routes_and_id(harness: Harness) -> None:
     assert harness.state.view(T) is None
     assert not harness.state.is_advertised(T)
     assert not harness.state.is_registered("srv-1")
+
+
+async def test_a_backend_registering_and_leaving_is_logged_with_its_address(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stargate.router.control_plane")
+    call = harness.open()
+    await send(call, message(harness.health.url))
+    await call.done_writing()
+    assert await call.read() is aio.EOF
+    lines = [r.getMessage() for r in caplog.records if r.name == "stargate.router.control_plane"]
+    assert lines == [
+        f"backend srv-1 registered at {harness.health.url} (cluster srv-1)",
+        f"backend srv-1 at {harness.health.url} left routing: its registration stream ended",
+    ]
 
 
 async def test_97_duplicate_id_gets_already_exists_and_first_keeps_routing(harness: Harness) -> None:

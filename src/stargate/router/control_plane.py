@@ -328,10 +328,12 @@ class ControlPlane:
         latest: dict[str, ModelStats | None] = {}  # the last update, re-applied when a backend returns
 
         stream = self._streams[backend_id] = _LiveStream()
+        url = identity.inference_server_url
+        log.info("backend %s registered at %s (cluster %s)", backend_id, url, handle.backend.cluster_id)
 
         def eject(failures: int) -> None:
             log.warning(
-                "backend %s out of routing: %d health probes in a row failed", backend_id, failures
+                "backend %s out of routing: %d health probes in a row of %s failed", backend_id, failures, url
             )
             stream.ejected = True
             self._state.apply_update(handle, dict.fromkeys(latest), None)
@@ -386,6 +388,8 @@ class ControlPlane:
                 del self._streams[backend_id]
             self._end(prober, handle)
             stream.ended.set()
+            how = "its registration stream ended" if ended is None else ended.message
+            log.info("backend %s at %s left routing: %s", backend_id, url, how)
         if ended is not None:
             # Sent only now: a client that sees the stream end finds its routes already gone.
             await _abort(context, ended.code, ended.message)
