@@ -102,32 +102,27 @@ async def test_a_backend_in_routing_is_waited_for_and_one_that_left_is_not(backe
         assert routing.asked == [("b1", backend.url)]
 
 
-async def test_a_first_body_byte_is_waited_for_while_the_backend_is_in_routing(backend: SlowBackend) -> None:
+@pytest.mark.parametrize(
+    ("path", "answer", "cut"),
+    [
+        # Headers at once and the first byte late (a queued prompt), or hung after the headers.
+        ("/v1/responses", "first token", r"sent no body byte within 0\.05 s and left routing"),
+        # A long pause between tokens (a long generation), or frozen mid-answer.
+        ("/v1/completions", "first token, the rest", r"sent nothing for [\d.]+ s mid-body and left routing"),
+    ],
+)
+async def test_a_silent_body_is_waited_for_in_routing_and_ends_once_its_backend_left(
+    backend: SlowBackend, path: str, answer: str, cut: str
+) -> None:
     routing = Routing()
     async with aiohttp.ClientSession() as session:
         transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=routing)
-        answer = asyncio.create_task(send(transport, backend, "/v1/responses"))
-        await until("three periods without a body byte", lambda: len(routing.asked) >= 3)
-        backend.release.set()
-        assert await answer == "first token"
-
-        backend.release.clear()
-        routing.in_routing = False  # it hung after its headers and was ejected
-        with pytest.raises(UpstreamError, match=r"sent no body byte within 0\.05 s and left routing"):
-            await send(transport, backend, "/v1/responses")
-
-
-async def test_a_body_gone_silent_ends_once_its_backend_left_routing(backend: SlowBackend) -> None:
-    routing = Routing()
-    async with aiohttp.ClientSession() as session:
-        transport = HttpTransport(session, connect_timeout_s=1.0, request_timeout_s=0.05, alive=routing)
-        # In routing, a long pause between tokens is a long generation: waited for.
-        answer = asyncio.create_task(send(transport, backend, "/v1/completions"))
+        sent = asyncio.create_task(send(transport, backend, path))
         await until("three silent periods", lambda: len(routing.asked) >= 3)
         backend.release.set()
-        assert await answer == "first token, the rest"
+        assert await sent == answer
 
         backend.release.clear()
-        routing.in_routing = False  # frozen mid-answer and ejected: the stream ends instead of hanging
-        with pytest.raises(UpstreamError, match=r"sent nothing for [\d.]+ s mid-body and left routing"):
-            await send(transport, backend, "/v1/completions")
+        routing.in_routing = False  # ejected by its health probes meanwhile
+        with pytest.raises(UpstreamError, match=cut):
+            await send(transport, backend, path)

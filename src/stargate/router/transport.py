@@ -241,9 +241,10 @@ class HttpTransport:
     ) -> UpstreamResponse:
         url = URL(backend.url.rstrip("/") + path_qs, encoded=True)
         backend_id = backend.inference_server_id
+        alive = functools.partial(self._alive, backend_id, backend.url)  # this registration, not the id
         try:
             request = self._session.request(method, url, headers=headers, data=body, allow_redirects=False)
-            resp = await self._guarded(backend, request)
+            resp = await self._guarded(alive, request)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, ConnectionRefusedError) as exc:
             raise UpstreamNotSent(f"could not connect to backend {backend_id}") from exc
         except TimeoutError as exc:
@@ -252,19 +253,13 @@ class HttpTransport:
             raise UpstreamTimeout(message) from exc
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise UpstreamError(f"connection to backend {backend_id} failed before a response") from exc
-        return _AiohttpResponse(
-            resp,
-            functools.partial(self._guarded, backend),
-            self._request_timeout_s,
-            functools.partial(self._alive, backend_id, backend.url),
-        )
+        return _AiohttpResponse(resp, functools.partial(self._guarded, alive), self._request_timeout_s, alive)
 
-    async def _guarded(self, backend: BackendRef, awaitable: Awaitable[T]) -> T:
+    async def _guarded(self, alive: Callable[[], bool], awaitable: Awaitable[T]) -> T:
         """``awaitable``, given another ``request_timeout_s`` each time one passes while the backend
-        is still in routing, up to ``MAX_HEADER_WAIT_S``; else ``_LeftRouting``."""
+        is still in routing (``alive``), up to ``MAX_HEADER_WAIT_S``; else ``_LeftRouting``."""
         loop = asyncio.get_running_loop()
         period = self._request_timeout_s
-        alive = functools.partial(self._alive, backend.inference_server_id, backend.url)
         waited = 0.0
         timer: asyncio.TimerHandle | None = None
         try:
