@@ -9,7 +9,8 @@ default and the variable's name.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -68,10 +69,29 @@ class FlagSet:
             raw = self.env[env_var]
             kw["default"] = [raw] if kw.get("action") == "append" else raw
             kw.pop("required", None)
+            if callable(kw.get("type")):
+                kw["type"] = _naming_env(kw["type"], raw, env_var)
         if kw.get("help") != argparse.SUPPRESS:
             notes = [kw.get("help") or "", _describe_default(kw), f"(env {env_var})" if env_var else ""]
             kw["help"] = " ".join(n for n in notes if n) or None
         self.parser.add_argument(flag, *aliases, **kw)
+
+
+def _naming_env(convert: Callable[[str], Any], raw: str, env_var: str) -> Callable[[str], Any]:
+    """``convert`` that names ``env_var`` when the value it rejects is the variable's: argparse
+    reports a bad default under the flag's name, and the operator never typed that flag."""
+
+    @functools.wraps(convert)
+    def checked(value: str) -> Any:
+        try:
+            return convert(value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            if value != raw:
+                raise
+            reason = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else f"invalid value {value!r}"
+            raise argparse.ArgumentTypeError(f"{reason} (from environment variable {env_var})") from None
+
+    return checked
 
 
 def _describe_default(kw: Mapping[str, Any]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from stargate.errors import ConfigError
 
@@ -35,6 +36,9 @@ def setup_tracing(endpoint: str | None, service_name: str, flag: str = "--otel-e
     url = (endpoint or "").strip()
     if not url:
         return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"expected an http:// or https:// URL of an OTLP collector, got {url!r}", path=flag)
     try:
         otel = importlib.import_module("stargate.otel")  # the optional extra, loaded only when tracing
     except ImportError as exc:

@@ -78,6 +78,7 @@ async def test_consecutive_failures_eject_and_one_success_restores(stand_in: Sta
         stand_in.hanging = True
         assert await prober.probe() is None and events == []  # one failure is not enough
         assert await prober.probe() is None and events == [("eject", 2)]
+        assert prober.last_error == "no answer within 0.05 s"
         assert await prober.probe() is None and events == [("eject", 2)]  # ejected once
         stand_in.hanging = False
         rtt = await prober.probe()
@@ -128,6 +129,7 @@ async def test_a_refused_probe_counts_even_while_the_router_runs_late() -> None:
         prober = recording_prober(session, url, events, loop_late=lambda _seconds: True)
         assert await prober.probe() is None and await prober.probe() is None
         assert (prober.late, events) == (False, [("eject", 2)])
+        assert "Cannot connect to host 127.0.0.1" in prober.last_error
 
 
 async def test_a_backend_held_out_stays_out_until_the_hold_passes(stand_in: StandIn) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -60,6 +61,8 @@ def test_bad_flag_value_names_the_flag(capsys: pytest.CaptureFixture[str]) -> No
     [
         (["--token-delay-ms", "NaN"], "--token-delay-ms"),
         (["--decode-slowdown", "inf"], "--decode-slowdown"),
+        (["--prefill-tokens-per-s", "-5"], "--prefill-tokens-per-s"),
+        (["--port", "70000"], "--port"),
         (["--request-log", "/nonexistent-dir/requests.jsonl"], "--request-log"),
         (["--arrival-log", "/"], "--arrival-log"),
     ],
@@ -92,3 +95,12 @@ def test_process_prints_address_serves_and_stops_on_sigterm() -> None:
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+def test_an_address_in_use_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["--port", str(taken.getsockname()[1])]) == 2
+    error = capsys.readouterr().err
+    assert "--http-listen-addr: cannot listen on 127.0.0.1:" in error

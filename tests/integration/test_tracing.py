@@ -23,6 +23,7 @@ from support.stargate_harness import Reply, ScriptedBackend, registration, rejec
 from support.waiting import until
 
 from stargate import otel
+from stargate.errors import ConfigError
 from stargate.otel import Tracing, traces_url
 from stargate.proto import stargate_pb2_grpc
 from stargate.pylon.app import PylonApp
@@ -167,6 +168,12 @@ def test_tracing_is_off_without_an_endpoint_and_exports_to_the_traces_path() -> 
     tracing = setup_tracing("http://127.0.0.1:9", "stargate")
     assert tracing is not None
     tracing.shutdown()
+
+
+@pytest.mark.parametrize("endpoint", ["collector:4318", "grpc://127.0.0.1:4317", "http://"])
+def test_an_endpoint_that_is_no_http_url_is_a_config_error_naming_the_flag(endpoint: str) -> None:
+    with pytest.raises(ConfigError, match=r"--otel-endpoint: expected an http:// or https:// URL"):
+        setup_tracing(endpoint, "pylon")
 
 
 def test_without_tracing_no_opentelemetry_module_is_loaded() -> None:

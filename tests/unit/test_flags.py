@@ -67,3 +67,11 @@ def test_bench_and_mock_engine_flags_go_through_the_flag_set() -> None:
     engine = engine_parser({})
     assert engine.parse_args(["--model", "m"]).model == "m"
     assert "(default: dummy-model)" in engine.format_help()
+
+
+def test_a_bad_environment_value_names_its_variable() -> None:
+    with pytest.raises(argparse.ArgumentError, match=r"--retries.*-1.*environment variable T_RETRIES"):
+        flag_set({"T_RETRIES": "-1"}).parse_args([])
+    with pytest.raises(argparse.ArgumentError) as bad_flag:
+        flag_set({"T_RETRIES": "5"}).parse_args(["--retries", "x"])
+    assert "T_RETRIES" not in str(bad_flag.value)

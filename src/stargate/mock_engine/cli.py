@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stargate.flags import FlagSet
+from stargate.flags import port as port_number
 from stargate.wire import runner
-from stargate.wire.address import split_ip_port
+from stargate.wire.address import join_host_port, split_ip_port
 
 from .app import start_server
 from .engine import Engine, EngineConfig
@@ -57,7 +58,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a = FlagSet(p, env or {}).add
     a("--http-listen-addr", default="127.0.0.1:8090", help="IP:PORT to listen on (port 0: any)")
     a("--host", help="listen host (overrides the host of --http-listen-addr)")
-    a("--port", type=int, help="listen port (overrides the port of --http-listen-addr)")
+    a("--port", type=port_number, help="listen port (overrides the port of --http-listen-addr)")
     a("--model-name", "--model", dest="model", default=_E.model, help="model id served")
     a(
         "--backend-id",
@@ -81,7 +82,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     )
     a(
         "--prefill-tokens-per-s",
-        type=float,
+        type=_non_negative(float),
         default=_T.prefill_tokens_per_s,
         help="prefill speed of uncached tokens; 0 = free",
     )
@@ -204,7 +205,9 @@ def config_from_args(
     return config, host, port
 
 
-async def serve(config: EngineConfig, host: str, port: int) -> None:
+async def serve(config: EngineConfig, host: str, port: int) -> int:
+    """Serves until SIGTERM/SIGINT; 2 (a usage error: the address is the operator's to change)
+    when it cannot listen."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -213,24 +216,24 @@ async def serve(config: EngineConfig, host: str, port: int) -> None:
         engine = Engine(config)
         runner, url = await start_server(engine, host, port)
     except OSError as exc:
-        raise SystemExit(
-            f"stargate-mock-engine: cannot listen on {host}:{port}: {exc.strerror or exc}"
-        ) from exc
+        reason = f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}"
+        print(f"stargate-mock-engine: error: --http-listen-addr: {reason}", file=sys.stderr)
+        return 2
     print(LISTEN_LINE + url, flush=True)
     log.info("serving model %s as %s", config.model, engine.backend_id)
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     config, host, port = config_from_args(build_parser(os.environ), argv)
     try:
-        runner.run(serve(config, host, port))
+        return runner.run(serve(config, host, port))
     except KeyboardInterrupt:
         return 0
-    return 0
 
 
 if __name__ == "__main__":

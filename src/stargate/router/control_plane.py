@@ -333,8 +333,9 @@ class ControlPlane:
 
         def eject(failures: int) -> None:
             log.warning(
-                "backend %s out of routing: %d health probes in a row of %s failed", backend_id, failures, url
-            )
+                "backend %s out of routing: %d health probes in a row of %s failed, the last: %s",
+                backend_id, failures, url, prober.last_error,
+            )  # fmt: skip
             stream.ejected = True
             self._state.apply_update(handle, dict.fromkeys(latest), None)
 

@@ -139,6 +139,8 @@ class HealthProber:
         """Latest status: the RTT of the last successful probe (``Ready``), ``None`` for ``Pending``."""
         self.failures = 0
         """Probes failed in a row."""
+        self.last_error = ""
+        """Why the last failed probe failed, for the ejection's log line."""
         self.ejected = False
         self.late = False
         """The last probe failed while the backend answered requests, or timed out while this
@@ -150,6 +152,7 @@ class HealthProber:
         the backend is ``answering`` requests meanwhile)."""
         started = self._clock_ns()
         ok = timed_out = False
+        error = ""
         try:
             async with self._session.get(self._url, headers=self._headers, timeout=self._timeout) as resp:
                 received = 0
@@ -158,6 +161,7 @@ class HealthProber:
                     if received > MAX_HEALTH_BODY_BYTES:
                         raise ValueError("health body too large")
                 ok = 200 <= resp.status < 300
+                error = f"HTTP {resp.status}"
                 if resp.headers.get(h.RETRY_REASON) == RequestLoop.code and not self._loop_seen:
                     self._loop_seen = True
                     log.warning(
@@ -166,8 +170,9 @@ class HealthProber:
                     )  # fmt: skip
         except TimeoutError:
             timed_out = True
-        except (aiohttp.ClientError, ValueError):
-            pass
+            error = f"no answer within {self._settings.timeout_s:g} s"
+        except (aiohttp.ClientError, ValueError) as exc:
+            error = str(exc) or type(exc).__name__
         waited_s = (self._clock_ns() - started) / 1e9
         self.late = not ok and (
             (self._answering is not None and self._answering(waited_s))
@@ -176,6 +181,8 @@ class HealthProber:
         if self.late:
             return self.rtt_ns
         self.rtt_ns = self._clock_ns() - started if ok else None
+        if not ok:
+            self.last_error = error
         self._count(self.rtt_ns)
         return self.rtt_ns
 
