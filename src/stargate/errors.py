@@ -31,7 +31,7 @@ StargateError                      status 500 internal_error: anything raised on
  └── PeerInstallError              a peer router for the bench could not be installed
 
 Private control-flow signals that never leave their module stay beside it, each saying so:
-``PromptTooLong`` (pylon/calibration.py), ``EventTooLarge`` (pylon/observer.py), ``QueueFull``
+``PromptTooLong`` (pylon/calibration.py), ``EventTooLarge`` (wire/sse.py), ``QueueFull``
 (mock_engine/steps.py), ``_StreamEnd`` (router/control_plane.py: how a registration stream ends with
 its gRPC status), ``InvalidNumber`` (wire/headers.py, always re-raised as a ``RequestError``).
 

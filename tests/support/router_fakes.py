@@ -75,6 +75,8 @@ class FakeState:
     finished: list[int] = field(default_factory=list)
     first_bytes: list[tuple[int, bool]] = field(default_factory=list)
     """(reservation, answered) of each relayed response's first body byte."""
+    prefills: list[int] = field(default_factory=list)
+    """Reservations whose prefill ended, in order: at their first byte or their first output."""
 
     def view(self, target: Target) -> FakeView | None:
         return self.current
@@ -97,8 +99,13 @@ class FakeState:
     def release(self, reservation: int) -> None:
         self.released.append(reservation)
 
-    def first_byte(self, reservation: int, answered: bool = True) -> None:
+    def first_byte(self, reservation: int, answered: bool = True, prefilled: bool = True) -> None:
         self.first_bytes.append((reservation, answered))
+        if prefilled:
+            self.prefills.append(reservation)
+
+    def prefilled(self, reservation: int) -> None:
+        self.prefills.append(reservation)
 
     def finish(self, reservation: int) -> None:
         self.finished.append(reservation)

@@ -10,26 +10,21 @@ fields (one per streamed piece) until an explicit counter replaces them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import orjson
 
 from stargate.pylon.models import Generation
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
+from stargate.wire.sse import event_data, is_output, iter_events, split_complete
 
-MAX_PENDING_EVENT = 1024 * 1024
 PROGRESS_INTERVAL_S = 1.0
-_DELIMS = (b"\r\n\r\n", b"\n\n")
 _TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
 _EMPTY_MARKERS = (b'"content":""', b'"content": ""', b'"delta":""', b'"delta": ""')
 _MARKER_PAIRS = tuple(zip(_TEXT_MARKERS, _EMPTY_MARKERS, strict=True))
 # /v1/completions chunks carry their text in "text" (chat and responses use content/delta).
 _COMPLETION_PAIRS = ((b'"text":"', b'"text":""'), (b'"text": "', b'"text": ""'))
-
-
-class EventTooLarge(Exception):
-    """Private signal to the relay: an unterminated SSE event exceeded 1 MiB, so the stream ends."""
 
 
 def _uint(value: object) -> int | None:
@@ -69,40 +64,6 @@ def _explicit_counters(data: bytes) -> tuple[int | None, int | None]:
     return output, prompt
 
 
-def _event_data(raw: bytes) -> tuple[bytes | None, bytes]:
-    """(event name, data lines joined with ``\\n``) of one raw SSE event."""
-    name: bytes | None = None
-    data: list[bytes] = []
-    for line in raw.splitlines():
-        if line.startswith(b"data:"):
-            data.append(line[5:].lstrip())
-        elif line.startswith(b"event:") and name is None:
-            name = line[6:].strip()
-    return name, b"\n".join(data)
-
-
-def is_output(raw: bytes) -> bool:
-    """Whether an SSE event carries generated output. Of the Responses API's typed events (by
-    ``event:`` name, else the data's ``type``) only the ``*.delta`` ones do (not in the original,
-    where every event but ``response.created`` counts): an engine sends ``response.in_progress``,
-    ``response.output_item.added`` and ``response.content_part.added`` before its first token, and
-    counted as output they put the first token, and the input rate measured from it, at the start."""
-    name, data = _event_data(raw)
-    if not data or data == b"[DONE]":
-        return False
-    kind = name
-    if kind is None and b'"response.' in data:
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return True
-        typed = obj.get("type") if isinstance(obj, dict) else None
-        kind = typed.encode() if isinstance(typed, str) else None
-    if kind is not None and kind.startswith(b"response."):
-        return kind.endswith(b".delta")
-    return True
-
-
 def json_usage(body: bytes) -> tuple[int | None, int | None]:
     """``(output, prompt)`` tokens of a whole JSON answer (non-streaming chat, completions, responses)."""
     return _explicit_counters(body)
@@ -123,18 +84,13 @@ class SseScanner:
 
     def feed(self, chunk: bytes) -> bool:
         """Scan one chunk; True when the first output message completed in it."""
-        buf = self._tail + chunk if self._tail else chunk
-        lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
-        cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        complete, self._tail = buf[:cut], buf[cut:]
-        if len(self._tail) > MAX_PENDING_EVENT:
-            raise EventTooLarge
+        complete, self._tail = split_complete(self._tail + chunk if self._tail else chunk)
         if not complete:
             return False
         first = False
         if not self.output_seen:
             consumed = 0
-            for raw in _iter_events(complete):
+            for raw in iter_events(complete):
                 consumed += len(raw)
                 if is_output(raw):
                     self.output_seen = first = True
@@ -144,7 +100,7 @@ class SseScanner:
                 return False
             complete = complete[consumed:]
         if b'_tokens"' in complete or b"_so_far" in complete:
-            for raw in _iter_events(complete):
+            for raw in iter_events(complete):
                 self._count(raw)
         elif complete:
             # No usage counter here: counting the events together equals counting them one by one.
@@ -153,7 +109,7 @@ class SseScanner:
 
     def _count(self, raw: bytes) -> None:
         if b'_tokens"' in raw or b"_so_far" in raw:
-            _, data = _event_data(raw)
+            _, data = event_data(raw)
             value, prompt = _explicit_counters(data)
             if prompt is not None:
                 self.prompt_tokens = prompt
@@ -172,27 +128,6 @@ def _pieces(raw: bytes, pairs: tuple[tuple[bytes, bytes], ...]) -> int:
         if found:
             pieces += found - raw.count(empty)
     return pieces
-
-
-def _iter_events(blob: bytes) -> Iterator[bytes]:
-    """Raw events of ``blob``, each with its delimiter; a plain ``split`` when no CR is present."""
-    if b"\r" not in blob:
-        parts = blob.split(b"\n\n")
-        last = parts.pop()
-        for part in parts:
-            yield part + b"\n\n"
-        if last:
-            yield last
-        return
-    start = 0
-    while start < len(blob):
-        ends = [(i, len(d)) for d in _DELIMS if (i := blob.find(d, start)) >= 0]
-        if not ends:
-            yield blob[start:]
-            return
-        i, n = min(ends)
-        yield blob[start : i + n]
-        start = i + n
 
 
 class RequestObserver:

@@ -42,13 +42,7 @@ from stargate.pylon.health import HealthProber
 from stargate.pylon.load import LiveLoad, Phase
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
-from stargate.pylon.observer import (
-    PROGRESS_INTERVAL_S,
-    EventTooLarge,
-    RequestObserver,
-    SseScanner,
-    json_usage,
-)
+from stargate.pylon.observer import PROGRESS_INTERVAL_S, RequestObserver, SseScanner, json_usage
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.responses import error_response
@@ -59,6 +53,7 @@ from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
 from stargate.wire.http_server import report_client_gone
 from stargate.wire.limits import MAX_BODY_BYTES
+from stargate.wire.sse import EventTooLarge
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue

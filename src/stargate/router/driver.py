@@ -57,6 +57,9 @@ from stargate.router.retry_signal import retry_signal
 from stargate.router.transport import BackendRef, Transport, UpstreamResponse
 from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
+from stargate.wire.sse import FirstOutput
+
+RESPONSES_PATH = "/v1/responses"
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,8 @@ class RoutingStateView(Protocol):
         key: str | None,
     ) -> Any: ...
     def release(self, reservation: Any) -> None: ...
-    def first_byte(self, reservation: Any, answered: bool = True) -> None: ...
+    def first_byte(self, reservation: Any, answered: bool = True, prefilled: bool = True) -> None: ...
+    def prefilled(self, reservation: Any) -> None: ...
     def finish(self, reservation: Any) -> None: ...
 
 
@@ -215,7 +219,11 @@ class AttemptDriver:
                     self._state.finish(reservation)
                     raise
                 if first is not None:
-                    self._state.first_byte(reservation, answered=response.status < 500)
+                    watch = _first_output_watch(path_qs, response)
+                    prefilled = watch is None or watch.feed(first)
+                    self._state.first_byte(reservation, answered=response.status < 500, prefilled=prefilled)
+                    if watch is not None and not prefilled:
+                        rest = self._until_output(rest, watch, reservation)
                 return Passthrough(response, state.backend, first, rest, reservation)
             else:
                 return LocalFailure(action.error, action.backend_id)
@@ -292,6 +300,15 @@ class AttemptDriver:
     def finish(self, outcome: Passthrough) -> None:
         self._state.finish(outcome.reservation)
 
+    async def _until_output(
+        self, rest: AsyncIterator[bytes], watch: FirstOutput, reservation: Any
+    ) -> AsyncIterator[bytes]:
+        """``rest``, ending the attempt's prefill in routing state at its first output event."""
+        async for chunk in rest:
+            if not watch.seen and watch.feed(chunk):
+                self._state.prefilled(reservation)
+            yield chunk
+
     def _snapshot(self, target: Target) -> Snapshot:
         view = self._state.view(target)
         return view if view is not None else NoTarget(self._state.is_advertised(target), self._state.starting)
@@ -310,3 +327,14 @@ class AttemptDriver:
                 metrics.eviction(note.backend_id, "proxy_error")
             elif isinstance(note, AdmissionRejected):
                 metrics.admission_rejected(target, note.reason)
+
+
+def _first_output_watch(path_qs: str, response: UpstreamResponse) -> FirstOutput | None:
+    """A watch for a Responses API event stream, whose first bytes are not its first token: an
+    engine sends ``response.created`` and ``response.in_progress`` as it takes the request, before
+    its prefill, and a prefill taken for over would hide that prompt's work from load-aware
+    routing. Other answers' first byte is their first token (or all of them)."""
+    if response.status >= 300 or path_qs.partition("?")[0] != RESPONSES_PATH:
+        return None
+    content_type = response.header("content-type") or ""
+    return FirstOutput() if content_type.startswith("text/event-stream") else None

@@ -300,10 +300,11 @@ class RoutingState:
         """End only the optimistic load (the backend refused the attempt: §1.9 (c))."""
         self._change(reservation, ClusterState.release)
 
-    def first_byte(self, reservation: Reservation, answered: bool = True) -> None:
-        """The attempt's first response byte arrived: it no longer counts as prefill work.
-        ``answered``: the response is no server error, so the backend is alive (``answered_within``);
-        a Pylon whose engine is down answers 5xx at once."""
+    def first_byte(self, reservation: Reservation, answered: bool = True, prefilled: bool = True) -> None:
+        """The attempt's first response byte arrived. ``answered``: the response is no server
+        error, so the backend is alive (``answered_within``); a Pylon whose engine is down answers
+        5xx at once. ``prefilled``: the byte is its first token, so it no longer counts as prefill
+        work (else ``prefilled`` follows)."""
         backend_id = reservation.backend_id
         if backend_id in self._live:
             if answered:
@@ -315,6 +316,11 @@ class RoutingState:
                     del self._server_errors[backend_id]
                     self._held[backend_id] = self._clock() + SERVER_ERROR_HOLD_S
                     self.on_server_errors(backend_id, errors)
+        if prefilled:
+            self._change(reservation, ClusterState.first_byte)
+
+    def prefilled(self, reservation: Reservation) -> None:
+        """The attempt's first token arrived after other bytes: its prefill is over."""
         self._change(reservation, ClusterState.first_byte)
 
     def _may_hold(self, backend_id: str) -> bool:

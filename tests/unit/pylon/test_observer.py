@@ -7,15 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stargate.pylon.models import Generation
-from stargate.pylon.observer import (
-    MAX_PENDING_EVENT,
-    EventTooLarge,
-    RequestObserver,
-    SseScanner,
-    json_usage,
-)
+from stargate.pylon.observer import RequestObserver, SseScanner, json_usage
 from stargate.pylon.stats.observation import Endpoint, Observation, State, embedding_item_count
 from stargate.wire.clock import ManualClock
+from stargate.wire.sse import MAX_PENDING_EVENT, EventTooLarge
 
 
 def test_b97_oversize_unterminated_event_aborts() -> None:

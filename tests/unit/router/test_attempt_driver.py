@@ -43,6 +43,7 @@ class FakeResponse:
     reason: str | None = None
     broken: bool = False  # the body breaks before its first byte
     hold: asyncio.Event | None = None  # when set: the first byte waits for it
+    more: tuple[bytes, ...] = ()  # chunks after ``body``
 
     @property
     def headers(self) -> Iterable[tuple[str, str]]:
@@ -57,6 +58,8 @@ class FakeResponse:
         if self.broken:
             raise UpstreamError("reset before the body")
         yield self.body
+        for chunk in self.more:
+            yield chunk
 
     def complete(self) -> bool:
         return True
@@ -227,6 +230,37 @@ async def test_only_a_relayed_answer_below_500_shows_the_backend_alive_to_its_he
     assert isinstance(await run(runner), Passthrough)  # a Pylon whose engine is down answers at once
     assert isinstance(await run(runner), Passthrough)
     assert state.first_bytes == [(0, False), (1, True)]
+
+
+CREATED = b'event: response.created\ndata: {"type":"response.created"}\n\n'
+DELTA = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'
+EVENTS = {"content-type": "text/event-stream"}
+
+
+async def relayed_until_prefilled(path: str, response: FakeResponse) -> list[int]:
+    """How many chunks of ``response`` the client had been sent when the prefill ended."""
+    runner, state, *_ = make_runner({"c1": ["r"]}, {"r": [response]})
+    request = make_request(received_at=10.0, definition=DEFINITION)
+    outcome = await runner.run(request, "POST", path, CIMultiDict(), ReplayBody(chunks(b"{}"), 1000))
+    assert isinstance(outcome, Passthrough) and outcome.first is not None
+    sent = [len(state.prefills)]
+    async for _ in outcome.rest:
+        sent.append(len(state.prefills))
+    return sent
+
+
+async def test_a_responses_stream_ends_its_prefill_at_its_first_output_event() -> None:
+    """An engine sends ``response.created`` as it takes the request, before its prefill."""
+    stream = FakeResponse(200, EVENTS, CREATED, more=(DELTA[:20], DELTA[20:], DELTA))
+    assert await relayed_until_prefilled("/v1/responses", stream) == [0, 0, 1, 1]
+    at_once = FakeResponse(200, EVENTS, CREATED + DELTA, more=(DELTA,))
+    assert await relayed_until_prefilled("/v1/responses?x=1", at_once) == [1, 1]
+    for other in (
+        ("/v1/chat/completions", FakeResponse(200, EVENTS, b'data: {"choices":[]}\n\n', more=(DELTA,))),
+        ("/v1/responses", FakeResponse(200, {"content-type": "application/json"}, b"{}", more=(b"{}",))),
+        ("/v1/responses", FakeResponse(400, EVENTS, CREATED, more=(CREATED,))),
+    ):  # their first byte is their first token, or no token comes
+        assert await relayed_until_prefilled(*other) == [1, 1]
 
 
 async def test_p111_request_retry_limit_returns_last_rejection() -> None:

@@ -318,6 +318,23 @@ def test_in_flight_counts_prefill_until_first_byte_and_requests_until_finish() -
     assert (flight.requests, flight.prefilling, flight.prefill_tokens) == (0, 0, 0)
 
 
+def test_a_first_byte_before_the_first_token_keeps_the_prefill_in_flight() -> None:
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=8))
+    reservation = state.reserve(T, "a", 300, 0)
+    state.first_byte(reservation, prefilled=False)  # ``response.created``, before the prefill
+    flight = only_candidate(state).in_flight
+    assert (flight.prefilling, flight.prefill_tokens, flight.decoding) == (1, 300, 0)
+    assert state.answered_within("a", 1.0)
+    state.prefilled(reservation)
+    flight = only_candidate(state).in_flight
+    assert (flight.prefilling, flight.prefill_tokens, flight.decoding) == (0, 0, 1)
+    state.finish(reservation)
+    state.prefilled(reservation)  # after its end: nothing to change
+    assert only_candidate(state).in_flight.requests == 0
+
+
 def test_in_flight_names_the_keys_still_prefilling_and_counts_each_keys_requests() -> None:
     state, _ = make_state()
     a = join(state, "a")

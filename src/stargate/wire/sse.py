@@ -1,0 +1,110 @@
+"""Server-sent events as router and Pylon read them: where an event ends, and which events carry
+generated output. Both mark a request's prefill over at its first output event; a Responses API
+stream sends typed events (``response.created``, ``response.in_progress``) before that, at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import orjson
+
+MAX_PENDING_EVENT = 1024 * 1024
+"""An unterminated event longer than this is no event stream a reader can follow."""
+
+_DELIMS = (b"\r\n\r\n", b"\n\n")
+
+
+class EventTooLarge(Exception):
+    """An unterminated SSE event exceeded ``MAX_PENDING_EVENT``."""
+
+
+def split_complete(buf: bytes) -> tuple[bytes, bytes]:
+    """``buf`` as (its complete events, the unterminated rest); raises ``EventTooLarge`` when the
+    rest outgrows ``MAX_PENDING_EVENT``."""
+    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+    cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    if len(buf) - cut > MAX_PENDING_EVENT:
+        raise EventTooLarge
+    return buf[:cut], buf[cut:]
+
+
+def iter_events(blob: bytes) -> Iterator[bytes]:
+    """Raw events of ``blob``, each with its delimiter; a plain ``split`` when no CR is present."""
+    if b"\r" not in blob:
+        parts = blob.split(b"\n\n")
+        last = parts.pop()
+        for part in parts:
+            yield part + b"\n\n"
+        if last:
+            yield last
+        return
+    start = 0
+    while start < len(blob):
+        ends = [(i, len(d)) for d in _DELIMS if (i := blob.find(d, start)) >= 0]
+        if not ends:
+            yield blob[start:]
+            return
+        i, n = min(ends)
+        yield blob[start : i + n]
+        start = i + n
+
+
+def event_data(raw: bytes) -> tuple[bytes | None, bytes]:
+    """(event name, data lines joined with ``\\n``) of one raw SSE event."""
+    name: bytes | None = None
+    data: list[bytes] = []
+    for line in raw.splitlines():
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip())
+        elif line.startswith(b"event:") and name is None:
+            name = line[6:].strip()
+    return name, b"\n".join(data)
+
+
+def is_output(raw: bytes) -> bool:
+    """Whether an SSE event carries generated output. Of the Responses API's typed events (by
+    ``event:`` name, else the data's ``type``) only the ``*.delta`` ones do (not in the original,
+    where every event but ``response.created`` counts): an engine sends ``response.in_progress``,
+    ``response.output_item.added`` and ``response.content_part.added`` before its first token, and
+    counted as output they put the first token, and the input rate measured from it, at the start."""
+    name, data = event_data(raw)
+    if not data or data == b"[DONE]":
+        return False
+    kind = name
+    if kind is None and b'"response.' in data:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return True
+        typed = obj.get("type") if isinstance(obj, dict) else None
+        kind = typed.encode() if isinstance(typed, str) else None
+    if kind is not None and kind.startswith(b"response."):
+        return kind.endswith(b".delta")
+    return True
+
+
+class FirstOutput:
+    """Watches a stream's chunks for the end of its first output event."""
+
+    __slots__ = ("_tail", "seen")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.seen = False
+
+    def feed(self, chunk: bytes) -> bool:
+        """True once the first output event has completed, in this chunk or an earlier one; an
+        event too large to follow counts as output (the watch ends, its memory with it)."""
+        if self.seen:
+            return True
+        try:
+            complete, self._tail = split_complete(self._tail + chunk if self._tail else chunk)
+        except EventTooLarge:
+            complete, self._tail = b"", b""
+            self.seen = True
+        else:
+            self.seen = any(is_output(raw) for raw in iter_events(complete))
+        if self.seen:
+            self._tail = b""
+        return self.seen
