@@ -12,6 +12,7 @@ import orjson
 import pytest
 from support.pylon_fakes import FakeEngine
 from support.waiting import until
+from yarl import URL
 
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
@@ -131,9 +132,14 @@ async def test_b87_b89_b90_validation(engine: FakeEngine, client: aiohttp.Client
             ),
             ("/v1/responses", HEADERS, b"{}", "/v1/responses requests must set stream=true"),
             ("/v1/embeddings", HEADERS, b"{bad", "request body must be valid JSON"),
+            *(  # the engine's URL would resolve them to its chat endpoint, past the rules above
+                (path, HEADERS, b'{"stream": false}', "the request path must not contain . or .. segments")
+                for path in ("/v1/./chat/completions", "/v1/x/../chat/completions", "/v1/chat/completions/..")
+            ),
         ]
         for path, headers, body, detail in cases:
-            async with client.post(app.http_url + path, data=body, headers=headers) as resp:
+            url = URL(app.http_url + path, encoded=True)  # sent as written, dot segments included
+            async with client.post(url, data=body, headers=headers) as resp:
                 assert resp.status == 400 and resp.content_type == "application/problem+json"
                 problem = await resp.json(content_type=None)
                 assert problem["detail"] == detail and problem["title"] == "Bad Request"

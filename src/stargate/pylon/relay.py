@@ -275,6 +275,10 @@ class Relay:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/health":
             return await self._forward_health(request)
+        if any(segment in (".", "..") for segment in request.path.split("/")):
+            # The engine's URL resolves them: /v1/./chat/completions is its chat endpoint, which
+            # this path would reach past the endpoint's rules, load count and stats.
+            return _problem(RequestError("the request path must not contain . or .. segments"))
         try:
             meta = parse_request_meta(request.headers)
         except RequestError as exc:
