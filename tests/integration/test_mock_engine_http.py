@@ -366,21 +366,65 @@ async def test_s9_50_responses_without_request_id_use_empty_id() -> None:
         assert (await stats.next())["request_id"] == ""
 
 
+async def error(response: aiohttp.ClientResponse) -> tuple[int, str]:
+    """Status and message of an OpenAI-style JSON error body."""
+    assert response.content_type == "application/json"
+    return response.status, (await response.json())["error"]["message"]
+
+
 async def test_body_errors() -> None:
     async with (
         running(max_body_bytes=4096) as (url, _, session),
         session.post(url + "/v1/chat/completions", data=b"{}") as r,
     ):
-        assert r.status == 415
+        assert await error(r) == (415, "expected content-type: application/json")
         headers = {"content-type": "application/json"}
         async with session.post(url + "/v1/chat/completions", data=b"{nope", headers=headers) as r:
-            assert r.status == 400
+            assert (await error(r))[0] == 400
+        gzip = {**headers, "content-encoding": "gzip"}
+        async with session.post(url + "/v1/chat/completions", data=b"{}", headers=gzip) as r:
+            status, message = await error(r)
+            assert status == 400 and message.startswith("request body cannot be decoded")
         async with session.post(url + "/v1/chat/completions", json={"messages": "x"}) as r:
-            assert r.status == 422
+            assert await error(r) == (422, "field 'messages' must be an array")
+        for field, value in (("max_tokens", -1), ("max_completion_tokens", "x"), ("max_tokens", 0)):
+            async with session.post(url + "/v1/chat/completions", json=chat(**{field: value})) as r:
+                assert await error(r) == (422, f"field {field!r} must be a positive integer")
         async with session.post(url + "/v1/embeddings", json={"model": "m"}) as r:
-            assert r.status == 422
+            assert (await error(r))[0] == 422
         async with session.post(url + "/v1/chat/completions", json={"m": "x" * 5000}) as r:
-            assert r.status == 413
+            assert (await error(r))[0] == 413
+        async with session.get(url + "/v1/chat/completions") as r:
+            assert (await error(r))[0] == 405 and r.headers["allow"] == "POST"
+
+
+async def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent() -> None:
+    async with running(max_body_bytes=4096) as (url, _, _session):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            "content-length: 100000\r\n\r\n"
+        )
+        writer.write(head.encode())  # and no body: the answer must not wait for it
+        status = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        await writer.wait_closed()
+        assert status.startswith(b"HTTP/1.1 413")
+
+
+async def test_a_malformed_request_gets_a_json_400_and_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with running() as (url, _, _session):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX: \x00\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.0 400") and b"application/json" in answer
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
 
 
 async def test_backend_id_header_and_fingerprint() -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from stargate.wire import headers as h
 from stargate.wire.address import join_host_port
+from stargate.wire.client_faults import ClientFaults
+from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner
 from stargate.wire.listen import listen
 
 from . import control as control_module
@@ -21,6 +25,11 @@ from .generate import error_response, failure_response, generate, new_id, read_j
 from .steps import QueueFull
 
 ENGINE_KEY = web.AppKey("engine", Engine)
+CLIENT_TIMEOUTS = ClientTimeouts(head_s=60.0, body_s=60.0, send_s=60.0)
+"""How long a client may stall a request head, a body or an unread answer: a simulator has no
+reason to hold a connection longer, and a benchmark client reads as it goes."""
+
+log = logging.getLogger("stargate.mock_engine")
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
@@ -57,8 +66,26 @@ async def embeddings(engine: Engine, request: web.Request) -> web.Response:
         engine.slots.release()
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Client errors of the OpenAI API (``/v1/``) as JSON error bodies, as an OpenAI server answers
+    them (aiohttp's are text), with their headers (``Allow`` of a 405). Test control keeps the
+    original's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or not request.path.startswith("/v1/"):
+            raise
+        dropped = ("content-type", "content-length", "connection")
+        kept = {k: v for k, v in exc.headers.items() if k.lower() not in dropped}
+        response = error_response(exc.status, exc.text or exc.reason, kept)
+        if exc.headers.get("connection", "").lower() == "close":
+            response.force_close()
+        return response
+
+
 def build_app(engine: Engine) -> web.Application:
-    app = web.Application(client_max_size=engine.config.max_body_bytes)
+    app = web.Application(client_max_size=engine.config.max_body_bytes, middlewares=[_json_errors])
     app[ENGINE_KEY] = engine
 
     async def add_identity(_: web.Request, response: web.StreamResponse) -> None:
@@ -129,9 +156,14 @@ def build_app(engine: Engine) -> web.Application:
 
 
 async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Start serving; returns the runner and the bound base URL (``port`` 0 picks one)."""
-    runner = web.AppRunner(
-        build_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    """Start serving; returns the runner and the bound base URL (``port`` 0 picks one). Malformed
+    requests get a JSON 400 and a rate-limited warning, as at the router and Pylon."""
+    runner = GuardedAppRunner(
+        build_app(engine),
+        faults=ClientFaults(log),
+        timeouts=CLIENT_TIMEOUTS,
+        access_log=None,
+        shutdown_timeout=1.0,
     )
     await listen(runner, host, port)
     bound = runner.addresses[0]

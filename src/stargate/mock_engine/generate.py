@@ -16,9 +16,11 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from stargate.wire import headers as h
 from stargate.wire import json_body
+from stargate.wire.client_faults import detail
 
 from . import openai_format as fmt
 from . import tokens as tok
@@ -58,11 +60,21 @@ def failure_response(failure: Failure) -> web.Response:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The JSON object body: 415 without a JSON content type, 400 malformed, 422 not an object."""
+    """The JSON object body: 415 without a JSON content type, 413 declared larger than the limit
+    (before it is sent), 400 malformed or not decodable, 422 not an object."""
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="expected content-type: application/json")
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
-        body = json_body.loads(await request.read())
+        raw = await request.read()
+    except RequestPayloadError as exc:  # a body its Content-Encoding does not decode
+        # The rest of the body is not read, so the connection cannot carry another request.
+        reason = f"request body cannot be decoded: {detail(str(exc))}"
+        raise web.HTTPBadRequest(text=reason, headers={"connection": "close"}) from exc
+    try:
+        body = json_body.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise web.HTTPBadRequest(text=f"malformed JSON body: {exc}") from exc
     if not isinstance(body, dict):
@@ -109,9 +121,10 @@ def _validate(kind: Kind, body: dict[str, Any]) -> Any:
     limit_name = "max_output_tokens" if kind == "responses" else "max_tokens"
     limit = body.get(limit_name)
     if kind == "chat" and limit is None:
-        limit = body.get("max_completion_tokens")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
-        raise _field_error(limit_name, "an integer")
+        limit_name = "max_completion_tokens"
+        limit = body.get(limit_name)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise _field_error(limit_name, "a positive integer")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _field_error("stream_options", "an object")
