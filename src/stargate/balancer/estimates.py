@@ -22,7 +22,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, Candidate, ModelStats, valid_tps
@@ -155,7 +155,32 @@ def load_tps(candidate: Candidate, measured: bool) -> float:
         rate = candidate.measured_input_tps
         if rate > published:
             return rate
+    if not 0.0 < published < INF and candidate.assumed_input_tps > 0.0:
+        return candidate.assumed_input_tps
     return published
+
+
+UNKNOWN_PREFILL_TPS = 1000.0
+"""The prefill rate assumed for every cluster of a target when none publishes one (tokens/s, low
+for a GPU): the order is then the prompt work ahead, whatever the value."""
+
+
+def with_assumed_rates(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+    """``candidates``, each cluster that publishes no prefill rate with an ``assumed_input_tps``:
+    the mean of the others' published rates, or ``UNKNOWN_PREFILL_TPS`` when none has one.
+
+    Pylon publishes 0 until it has measured a rate (no ``--initial-input-tps``, no calibration),
+    and it measures one from the answers it relays. Taken for infinite, that prefill kept the
+    cluster from every request that would have measured it, and a fleet of such clusters answered
+    every request 503. Only the load-aware estimates read the assumed rate."""
+    known = [tps for c in candidates if 0.0 < (tps := c.stats.last_mean_input_tps) < INF]
+    if len(known) == len(candidates):
+        return candidates
+    rate = statistics.fmean(known) if known else UNKNOWN_PREFILL_TPS
+    return tuple(
+        c if 0.0 < c.stats.last_mean_input_tps < INF else replace(c, assumed_input_tps=rate)
+        for c in candidates
+    )
 
 
 def load_running(candidate: Candidate) -> int:
@@ -205,8 +230,11 @@ def load_queue_running_rate(
     queue = 0.0 if backlog == 0 else backlog * 1000.0 / tps if 0.0 < tps < INF else INF
     limit = stats.max_engine_concurrency
     if not (limit > 0 and running < limit):
-        spec = raw_queue_ms(stats, priority)
-        if tps != published and 0.0 < published < INF:
+        known = 0.0 < published < INF
+        # Without a published rate the §3.1 estimate is the work ahead at none: infinite. The
+        # backlog at the assumed rate (``with_assumed_rates``) already counts that work.
+        spec = raw_queue_ms(stats, priority) if known or stats.queue_time_estimate_ms_by_priority else 0.0
+        if tps != published and known:
             spec *= published / tps  # Pylon's estimate is time at the published rate
         if spec > queue:
             queue = spec

@@ -123,6 +123,9 @@ class Candidate:
     slot_held_since: float = math.inf
     """Until one has ended there (``measured_slot_s`` 0): when the oldest of this router's requests
     still holding a slot took it, on the requests' clock (inf: none). ``estimates.slot_hold_s``."""
+    assumed_input_tps: float = 0.0
+    """The prefill rate the load-aware estimates take for a cluster that publishes none (0: it
+    publishes one); ``estimates.with_assumed_rates``."""
 
 
 @dataclass(frozen=True, slots=True)

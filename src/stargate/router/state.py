@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from stargate.balancer import build_policy
+from stargate.balancer.estimates import with_assumed_rates
 from stargate.balancer.settings import AlgorithmDefinition, Policy, RouteLearner
 from stargate.balancer.types import AffinityRoute, Candidate, ModelStats, Target
 from stargate.errors import RequestError
@@ -126,7 +127,7 @@ class _TargetState:
     def rebuild(self, target: Target, *, membership_changed: bool) -> None:
         if membership_changed:
             self.pickers = {cid: c.picker for cid, c in self.clusters.items()}
-        candidates = tuple(c.candidate for c in self.clusters.values())
+        candidates = with_assumed_rates(tuple(c.candidate for c in self.clusters.values()))
         self.view = TargetView(
             target, self.generation, candidates, self.pickers, self.policies, self.on_new_policy
         )

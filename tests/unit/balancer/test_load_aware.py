@@ -23,6 +23,7 @@ from stargate.balancer import Algorithm, AlgorithmDefinition, Candidate, Compara
 from stargate.balancer.comparators import load_ttft_score, ttft_score
 from stargate.balancer.config import parse_lb_config
 from stargate.balancer.estimates import (
+    UNKNOWN_PREFILL_TPS,
     effective_queue_ms,
     expected_queue_ms,
     load_queue_ms,
@@ -33,9 +34,10 @@ from stargate.balancer.estimates import (
     sharing_queue_ms,
     slot_hold_s,
     slot_wait_ms,
+    with_assumed_rates,
 )
 from stargate.balancer.settings import Placement, PrefillEstimate, PrefillRate
-from stargate.balancer.types import AffinityRoute, InFlight, Wait
+from stargate.balancer.types import UNAVAILABLE, AffinityRoute, InFlight, Wait
 from stargate.balancer.wait_and_widen import Ranking, WawSelector
 from stargate.balancer.wait_and_widen_affinity import PLACED_CAPACITY, RESIDENCY, AffinityGroups
 from stargate.errors import ConfigError
@@ -99,6 +101,36 @@ def test_at_the_slot_limit_the_larger_of_spec_and_load_estimate_applies() -> Non
 def test_unknown_throughput_with_backlog_is_infinite_and_idle_is_zero() -> None:
     assert load_queue_ms(make_candidate("a", tps=0.0, queued=5), 0) == float("inf")
     assert load_queue_ms(make_candidate("a", tps=0.0), 0) == 0.0
+
+
+def test_a_cluster_without_a_published_rate_is_assumed_at_the_others_mean() -> None:
+    known = (make_candidate("a", tps=1000.0), make_candidate("b", tps=3000.0))
+    assert with_assumed_rates(known) is known
+    mixed = with_assumed_rates((*known, make_candidate("c", tps=0.0, queued=400)))
+    assert [c.assumed_input_tps for c in mixed] == [0.0, 0.0, 2000.0]
+    assert load_queue_ms(mixed[2], 0) == 200.0  # 400 tokens at 2000 tokens/s, not infinite
+    assert ttft_score(mixed[2], 0, 100) == float("inf")  # the seed's estimate never reads it
+    nothing = with_assumed_rates((make_candidate("a", tps=0.0), make_candidate("b", tps=float("nan"))))
+    assert [c.assumed_input_tps for c in nothing] == [UNKNOWN_PREFILL_TPS] * 2
+
+
+def test_a_fleet_that_publishes_no_rate_is_routed_by_the_work_ahead_under_load_aware() -> None:
+    """Pylon publishes 0 until it has measured a rate from the answers it relays; the seed's
+    estimate takes the prefill for infinite and never sends the request that would measure it."""
+    candidates = with_assumed_rates(
+        (
+            make_candidate("busy", tps=0.0, queued=800, max_concurrency=8),
+            make_candidate("idle", tps=0.0, max_concurrency=8),
+        )
+    )
+    request = make_request(input_tokens=100)
+    assert build_policy(waw(n=2)).decide(candidates, request, rng()) == UNAVAILABLE
+    for seed in range(10):
+        for definition in (waw(n=2, load_aware=True), pon(n=2, load_aware=True)):
+            assert (
+                chosen_id(candidates, build_policy(definition).decide(candidates, request, rng(seed)))
+                == "idle"
+            )
 
 
 def test_load_ttft_adds_rtt_backlog_and_scaled_prefill() -> None:
