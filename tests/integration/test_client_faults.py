@@ -17,6 +17,7 @@ from support import waiting
 from support.pylon_fakes import FakeEngine
 from support.stargate_harness import CHAT, Harness, running
 
+from stargate.balancer.types import Target
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
 from stargate.router.cli import build_parser, settings_from_args
@@ -374,19 +375,22 @@ async def test_stargate_hanging_up_cancels_the_request_at_the_engine(
     assert_quiet(caplog)
 
 
-async def test_stargate_closes_a_request_body_that_stalls_and_cancels_it_upstream(
+async def test_stargate_closes_a_request_body_that_stalls_before_routing_it(
     sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A body is received before its request is routed: one that stalls took a backend's slot."""
     caplog.set_level(logging.WARNING)
     backend = await sg.backend("b1")
     loop = asyncio.get_running_loop()
     reader = await conns.open(sg.base, head(CHAT, b"{" * 100, "m", "stalled") + b"{" * 10)
     started = loop.time()
+    await asyncio.sleep(STALL_TIMEOUT_MS / 3000)
+    view = sg.server.state.view(Target(None, "m"))
+    assert view is not None and view.candidates[0].in_flight.requests == 0  # not routed
     assert await closed_by_server(reader)
     assert loop.time() - started >= STALL_TIMEOUT_MS / 1000 * 0.9
-    await asyncio.wait_for(backend.cancelled.wait(), 5)  # it had the head and the first bytes
     assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
-    assert hung_up(sg, "m") == 1
+    assert hung_up(sg, "m") == 1 and not backend.cancelled.is_set()
     (line,) = client_lines(caplog, "test.router.clients")
     assert re.fullmatch(
         r"closed the connection from 127\.0\.0\.1:\d+: its request body sent nothing for 300 ms", line
@@ -441,19 +445,27 @@ async def test_stargate_closes_a_connection_whose_client_reads_nothing_and_cance
     assert_quiet(caplog)
 
 
-async def test_pylon_closes_a_request_body_that_stalls_and_releases_its_load(
+async def test_pylon_closes_a_request_body_that_stalls_and_never_counts_it(
     pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A request counts once its body is in: one trickling in counted as queued made the backend
+    look full to every router while its engine ran nothing."""
     caplog.set_level(logging.WARNING)
     reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "stalled"))
     conns.send(PYLON_CHAT[:5])
+    assert pylon.relay is not None
+    bodies = pylon.relay.bodies
+    await waiting.until("Pylon reads the body", lambda: bodies.used > 0)
+    assert len(pylon.load) == 0
     assert await closed_by_server(reader)
-    labels = {"model": "llama", "routing_key": "", "status": "cancelled"}
-    await waiting.until(
-        "the request ended",
-        lambda: pylon.metrics.registry.get_sample_value("pylon_requests_total", labels) == 1,
-    )
+    await waiting.until("the body is given back", lambda: bodies.used == 0)
     assert len(pylon.load) == 0 and engine.hits("/v1/chat/completions") == 0
+    assert (
+        pylon.metrics.registry.get_sample_value(
+            "pylon_requests_total", {"model": "llama", "routing_key": "", "status": "cancelled"}
+        )
+        is None
+    )
     (line,) = client_lines(caplog, "test.pylon.clients")
     assert re.fullmatch(
         r"closed the connection from 127\.0\.0\.1:\d+: its request body sent nothing for 300 ms", line

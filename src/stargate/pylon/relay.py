@@ -33,6 +33,7 @@ from stargate.errors import (
 from stargate.pylon import admission
 from stargate.pylon.config import PylonSettings, UpstreamBackend
 from stargate.pylon.headers import (
+    RequestMeta,
     RetryPolicy,
     parse_request_meta,
     response_headers,
@@ -286,6 +287,35 @@ class Relay:
         gen = self.registry.admitted(meta.model)
         if gen is None:
             return _problem(ModelNotAdmitted())
+        # The body is in before the request counts: one that trickles in is no load on the engine,
+        # and counted as queued it made the backend look full to every router.
+        body = await self._read_body(request, meta.request_id)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            return await self._handle_read(request, meta, gen, body)
+        finally:
+            self.bodies.give(len(body))
+
+    async def _read_body(self, request: web.Request, request_id: str) -> bytes | web.Response:
+        """The whole request body, within ``MAX_BODY`` and the buffer budget, or the answer."""
+        declared = request.content_length
+        if declared is not None and declared > MAX_BODY:
+            return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
+        try:
+            return await self.bodies.read_whole(request, MAX_BODY)
+        except BodyBufferFull as exc:
+            return _problem(EngineBodyBufferFull(exc))
+        except PayloadTooLarge:
+            return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
+        except ConnectionError:
+            # Nobody is left to read an answer: the request ends here, logged once, never sent on.
+            report_client_gone(self.faults, request, request_id, started=False)
+            return _problem(RequestError("client closed the connection before the request body was complete"))
+
+    async def _handle_read(
+        self, request: web.Request, meta: RequestMeta, gen: Generation, body: bytes
+    ) -> web.StreamResponse:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
         observer: RequestObserver | None = None
         key = h.text_value(request.headers.get(h.CACHE_AFFINITY_KEY))  # the router's key, or none
@@ -309,8 +339,8 @@ class Relay:
             )
         status = 500
         try:
-            response = await self._handle_tracked(
-                request, request_id, gen, meta.priority, endpoint, observer, key, span
+            response = await self._admit(
+                request, body, request_id, gen, meta.priority, endpoint, observer, key, span
             )
             status = response.status
             return response
@@ -342,35 +372,6 @@ class Relay:
             if observer.status is not None:
                 attributes["engine.status_code"] = observer.status
         self.tracing.end(span, status, attributes)
-
-    async def _handle_tracked(
-        self,
-        request: web.Request,
-        request_id: str,
-        gen: Generation,
-        priority: int | None,
-        endpoint: Endpoint | None,
-        observer: RequestObserver | None,
-        key: str | None = None,
-        span: Span | None = None,
-    ) -> web.StreamResponse:
-        declared = request.content_length
-        if declared is not None and declared > MAX_BODY:
-            return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
-        try:
-            body = await self.bodies.read_whole(request, MAX_BODY)
-        except BodyBufferFull as exc:
-            return _problem(EngineBodyBufferFull(exc))
-        except PayloadTooLarge:
-            return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
-        except ConnectionError:
-            # Nobody is left to read an answer: the request ends here, logged once, never sent on.
-            report_client_gone(self.faults, request, request_id, started=False)
-            return _problem(RequestError("client closed the connection before the request body was complete"))
-        try:
-            return await self._admit(request, body, request_id, gen, priority, endpoint, observer, key, span)
-        finally:
-            self.bodies.give(len(body))
 
     async def _admit(
         self,

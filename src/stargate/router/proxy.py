@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
-from stargate.errors import StargateError, UpstreamError
+from stargate.errors import RequestError, StargateError, UpstreamError
 from stargate.responses import error_response
 from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.headers import (
@@ -39,7 +41,7 @@ from stargate.router.replay import ReplayBody
 from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
-from stargate.wire.client_faults import ClientFaults
+from stargate.wire.client_faults import ClientFaults, detail
 from stargate.wire.http_server import report_client_gone
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
@@ -192,6 +194,11 @@ class ProxyHandler:
             self._tracing.inject(traced[0], forwarded)
             route = traced[1]
         try:
+            try:
+                await replay.read_ahead()
+            except (HttpProcessingError, RequestPayloadError) as exc:
+                self._metrics.request_finished(parsed.target, "", 400)
+                return error_response(RequestError(f"the request body could not be read: {detail(exc)}"))
             outcome = await self._driver.run(
                 parsed, request.method, request.path_qs, forwarded, replay, route
             )

@@ -53,3 +53,29 @@ async def test_a_body_read_whole_is_resent_as_is_and_its_room_given_back() -> No
     assert replay.body() is body and replay.body() is body and replay.readiness() is Readiness.READY
     replay.release()
     assert budget.used == 0
+
+
+async def test_a_body_read_ahead_is_sent_as_its_chunks_then_resent_whole() -> None:
+    budget = BodyBudget(100, 1.0)
+    replay = ReplayBody(chunks(b"abc", b"de"), 1000, budget)
+    await replay.read_ahead()
+    assert budget.used == 5 and replay.readiness() is Readiness.READY
+    first = replay.body()
+    assert not isinstance(first, bytes)
+    assert [chunk async for chunk in first] == [b"abc", b"de"]  # as received, never re-split
+    assert replay.body() == b"abcde" and budget.used == 5
+    replay.release()
+    assert budget.used == 0
+
+
+async def test_read_ahead_stops_where_the_buffer_stops_keeping_and_the_send_streams_the_rest() -> None:
+    over_limit = ReplayBody(chunks(b"abc", b"def", b"g"), 4, BodyBudget(100, 1.0))
+    await over_limit.read_ahead()
+    assert over_limit.buffered == 3 and over_limit.readiness() is Readiness.READY  # not sent yet
+    assert await sent(over_limit.body()) == b"abcdefg"
+    assert over_limit.readiness() is Readiness.PAYLOAD_TOO_LARGE and over_limit.buffered == 0
+    budget = BodyBudget(4, 1.0)
+    no_room = ReplayBody(chunks(b"abc", b"de", b"f"), 1000, budget)
+    await no_room.read_ahead()
+    assert await sent(no_room.body()) == b"abcdef"
+    assert no_room.readiness() is Readiness.INCOMPLETE and budget.used == 0
