@@ -21,6 +21,7 @@ from stargate.balancer.types import Target
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
 from stargate.router.cli import build_parser, settings_from_args
+from stargate.wire import http_server
 from stargate.wire.client_faults import ClientFaults
 
 BURST = 3
@@ -544,6 +545,22 @@ async def test_pylon_keeps_an_idle_keep_alive_connection_after_a_request_with_a_
     assert (await until(reader, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
     assert client_lines(caplog, "test.pylon.clients") == []
     assert_quiet(caplog)
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(
+    monkeypatch: pytest.MonkeyPatch, conns: Connections
+) -> None:
+    """aiohttp's own is an hour: one client's idle connections used up the file descriptors."""
+    assert http_server.IDLE_KEEPALIVE_S == 75.0
+    monkeypatch.setattr(http_server, "IDLE_KEEPALIVE_S", 0.5)
+    async with running(**TIMEOUTS) as harness:
+        await harness.backend("b1")
+        reader = await conns.open(harness.base, head(CHAT, b"{}", "m", "idle-1") + b"{}")
+        assert (await until(reader, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+        await until(reader, b"0\r\n\r\n")
+        started = asyncio.get_running_loop().time()
+        assert await closed_by_server(reader)
+        assert asyncio.get_running_loop().time() - started >= 0.4
 
 
 @pytest.mark.parametrize(

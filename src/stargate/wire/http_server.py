@@ -15,8 +15,10 @@ closes a connection (``ClientTimeouts``, each 0 disables):
 - that reads nothing of the answer for ``send_s`` while the answer waits in a full send buffer
   (nginx's ``send_timeout``): the transport paused writing and did not resume.
 
-Idle keep-alive connections stay governed by aiohttp's keep-alive timeout. The handler of a closed
-connection is cancelled (``handler_cancellation``), which cancels its request upstream.
+An idle keep-alive connection is closed after ``IDLE_KEEPALIVE_S`` (nginx's ``keepalive_timeout``;
+aiohttp's default is an hour, so one client holding idle connections used up the process's file
+descriptors). The handler of a closed connection is cancelled (``handler_cancellation``), which
+cancels its request upstream.
 
 aiohttp logs every malformed request (and every handler error, including a client that hung up) at
 ERROR with a traceback. Faults the client caused become one rate-limited WARNING line
@@ -290,6 +292,12 @@ class _GuardedServer(web.Server):
         )
 
 
+IDLE_KEEPALIVE_S = 75.0
+"""How long a keep-alive connection may wait idle for its next request (nginx's default). Longer
+than the idle time of a pooled client connection (aiohttp's 15 s), so a router's pool closes its
+side first and never sends on a connection the server is closing."""
+
+
 class GuardedAppRunner(web.AppRunner):
     """``web.AppRunner`` whose connections are ``GuardedRequestHandler``; a handler is cancelled
     when its client hangs up (or a deadline closes the connection). ``problem``: error bodies in
@@ -304,6 +312,7 @@ class GuardedAppRunner(web.AppRunner):
         problem: bool = False,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("keepalive_timeout", IDLE_KEEPALIVE_S)
         super().__init__(app, handler_cancellation=True, **kwargs)
         app.on_response_prepare.append(_close_after_unframed_body)
         self._faults = faults
