@@ -803,6 +803,18 @@ async def dies_before_its_body() -> AsyncIterator[tuple[str, list[int]]]:
         server.close()
 
 
+async def test_a_request_with_more_header_fields_than_the_next_hop_takes_is_refused(sg: Harness) -> None:
+    """Each hop adds fields: a request at aiohttp's 128 was refused by Pylon or the engine."""
+    backend = await sg.backend("b1")
+    extra = {f"x-extra-{i}": "v" for i in range(100 - len(HEADERS) - 4)}  # Host, Content-Length, ...
+    status, _, _ = await sg.post(extra)
+    assert status == 200 and len(backend.requests) == 1
+    status, _, body = await sg.post({**extra, "x-one-more": "v", "x-and-another": "v"})
+    assert status == 400 and orjson.loads(body)["error"]["code"] == "invalid_request"
+    assert orjson.loads(body)["error"]["message"].endswith("header fields, at most 100 are taken")
+    assert len(backend.requests) == 1
+
+
 async def test_a_backend_dying_before_its_first_byte_is_retried_on_a_sibling(sg: Harness) -> None:
     """The client is told nothing until the first body byte, so the request is not lost."""
     async with dies_before_its_body() as (url, answered):

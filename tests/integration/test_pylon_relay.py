@@ -158,6 +158,22 @@ async def test_b87_b89_b90_validation(engine: FakeEngine, client: aiohttp.Client
         await app.close()
 
 
+async def test_a_request_with_more_header_fields_than_the_engine_takes_is_refused(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    app = await started(engine)
+    try:
+        extra = {f"x-extra-{i}": "v" for i in range(101)}
+        async with client.post(
+            app.http_url + "/v1/chat/completions", data=CHAT, headers={**HEADERS, **extra}
+        ) as resp:
+            assert resp.status == 400 and resp.content_type == "application/problem+json"
+            assert (await resp.json(content_type=None))["detail"].endswith("at most 100 are taken")
+        assert engine.requests == []
+    finally:
+        await app.close()
+
+
 async def test_b91_pending_or_unknown_model_503(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
     app = await started(engine)
     try:

@@ -276,6 +276,8 @@ class Relay:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/health":
             return await self._forward_health(request)
+        if (too_many := h.too_many_fields(len(request.headers))) is not None:
+            return _problem(RequestError(too_many))
         if any(segment in (".", "..") for segment in request.path.split("/")):
             # The engine's URL resolves them: /v1/./chat/completions is its chat endpoint, which
             # this path would reach past the endpoint's rules, load count and stats.

@@ -105,6 +105,8 @@ class ProxyHandler:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
+        if (too_many := h.too_many_fields(len(request.headers))) is not None:
+            return error_response(RequestError(too_many))
         if self._via is not None and (problem := via_problem(request.headers, self._via)) is not None:
             return error_response(problem)
         headers: Mapping[str, str] = request.headers

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 
 from multidict import CIMultiDict
 
+from stargate.wire.limits import MAX_REQUEST_HEADER_FIELDS
+
 REQUEST_ID = "x-request-id"
 MODEL = "x-model"
 INPUT_TOKENS = "x-input-tokens"
@@ -157,3 +159,10 @@ def forwardable(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> CI
         elif lowered not in dropped and lowered not in HOP_BY_HOP:
             out.add(name, value)
     return without_names(out, nominated_names(connection)) if connection else out
+
+
+def too_many_fields(count: int) -> str | None:
+    """What is wrong with a request of ``count`` header fields (``MAX_REQUEST_HEADER_FIELDS``)."""
+    if count <= MAX_REQUEST_HEADER_FIELDS:
+        return None
+    return f"the request has {count} header fields, at most {MAX_REQUEST_HEADER_FIELDS} are taken"

@@ -17,6 +17,11 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 mock engine's (default). A body Stargate may replay must also fit through Pylon."""
 MAX_BUFFERED_BODY_BYTES = 1024 * 1024 * 1024
 """Default room for the request bodies a Stargate or Pylon holds at once (``wire.body_budget``)."""
+MAX_REQUEST_HEADER_FIELDS = 100
+"""Header fields Stargate and Pylon take in a request. An aiohttp server (Pylon, the mock engine)
+parses at most 128, and each hop adds its own (``Via``, the expected queue, a trace context, the
+engine's priority): a request at the limit was passed on and refused by the next hop, its 400
+blamed on the backend."""
 MAX_PLAUSIBLE_TOKENS = 1 << 24
 """16 777 216 prompt tokens: above every model's context window. A throughput sample counting more
 came from a client's claim or a faulty counter, not from an engine (Pylon's and Stargate's rates)."""
