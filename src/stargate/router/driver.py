@@ -63,8 +63,6 @@ RESPONSES_PATH = "/v1/responses"
 
 log = logging.getLogger(__name__)
 
-WOKE, WOKE_CLOSING = Woke(), Woke(closing=True)
-
 
 class RoutingStateView(Protocol):
     """What the driver needs of ``RoutingState``: snapshots and each attempt's reservation, which
@@ -193,7 +191,7 @@ class AttemptDriver:
                         self._none_held.set()
                 if trace is not None:
                     trace.waited_s += action.seconds
-                event = WOKE_CLOSING if self._closing else WOKE
+                event = Woke(self._closing, self._holding)
             elif isinstance(action, Send):
                 if routing_started is not None:
                     self._metrics.routing_duration(target, clock() - routing_started)

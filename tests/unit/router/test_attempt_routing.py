@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
 from support.balancer_builders import make_candidate
 from support.router_fakes import FakeView, ScriptedPolicy, make_request, make_view
 
@@ -153,6 +154,21 @@ def test_p122_unavailable_polls_1_to_9ms_until_capped_deadline() -> None:
     assert all(s <= 0.009 + 1e-12 for s in sleeps)
     assert all(s >= 0.001 - 1e-12 for s in sleeps[:-1])
     assert state.routing_retry_attempts == len(sleeps)
+
+
+def test_held_requests_share_one_rate_of_routes_again() -> None:
+    """4 000 held requests each routed again every few ms took the event loop whole."""
+    machine, rng = make_machine(), random.Random(7)
+    for decision, alone in ((UNAVAILABLE, (0.001, 0.009)), (Wait(3.0), (0.003, 0.003))):
+        view, _ = scripted([decision])
+        state = fresh(max_wait_ms=60_000)
+        for held, (low, high) in ((0, alone), (4000, (1.0, 3.0))):
+            for _ in range(50):
+                _, action = machine.step(state, Woke(held=held), view, 100.0, rng)
+                assert isinstance(action, Sleep) and low - 1e-9 <= action.seconds <= high + 1e-9
+    view, _ = scripted([UNAVAILABLE])
+    _, action = machine.step(fresh(max_wait_ms=500), Woke(held=4000), view, 100.4, rng)
+    assert isinstance(action, Sleep) and action.seconds == pytest.approx(0.1)  # never past the wait
 
 
 def test_a_request_no_backend_could_take_says_whether_it_waited() -> None:
