@@ -122,6 +122,34 @@ def test_unlabelled_series_fill_what_the_model_lacks() -> None:
     assert rig.hub.snapshot(rig.gen).num_running_queries == 7
 
 
+STOCK_VLLM = """vllm:num_requests_running{model_name="llama",engine="0"} 30.0
+vllm:num_requests_waiting{model_name="llama",engine="0"} 10.0
+vllm:kv_cache_usage_perc{model_name="llama",engine="0"} 0.5
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0
+"""
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        STOCK_VLLM.replace('"llama"', '"llama-v2"'),
+        STOCK_VLLM.replace("30.0", "NaN").replace("10.0", "NaN"),
+        STOCK_VLLM.replace("30.0", "+Inf").replace("10.0", "+Inf"),
+        'vllm:kv_cache_usage_perc{model_name="llama"} 0.5\nvllm:num_requests_running{engine="0"} NaN\n',
+    ],
+    ids=["renamed", "nan", "inf", "kv_only"],
+)
+def test_a_model_without_load_series_of_its_own_loses_the_engine_report(page: str) -> None:
+    """vLLM's cache_config_info has no model_name: it is no load report, so the last one (40
+    requests, of an engine since renamed or reporting NaN) is not kept for an idle engine."""
+    rig = make_rig()
+    assert apply_engine_metrics(rig.hub, parse_engine_metrics(STOCK_VLLM)) == 1
+    snap = rig.hub.snapshot(rig.gen)
+    assert (snap.num_running_queries, snap.queue_size, snap.kv_cache_capacity_tokens) == (40, 10, 1600)
+    assert apply_engine_metrics(rig.hub, parse_engine_metrics(page)) == 0
+    assert rig.hub.snapshot(rig.gen).num_running_queries == 0
+
+
 def test_absurd_engine_values_are_bounded() -> None:
     absurd = """vllm:num_requests_running{model_name="llama"} 1e30
 vllm:num_requests_waiting{model_name="llama"} -4
@@ -261,6 +289,19 @@ async def test_a_stale_engine_report_is_dropped(caplog: pytest.LogCaptureFixture
     await poll_pages(rig.hub, pages, lambda _n: seen.append(rig.hub.snapshot(rig.gen).num_running_queries))
     assert seen == [5, 5, 5, 0, 5, 0]  # after three failed polls; at once without the model's series
     assert "are for model_name meta-llama/Llama-3.1-8B, not a model Pylon serves" in caplog.text
+
+
+async def test_a_page_without_the_models_load_names_what_it_has(caplog: pytest.LogCaptureFixture) -> None:
+    rig = make_rig()
+    renamed = STOCK_VLLM.replace('"llama"', '"llama-v2"')
+    nan = STOCK_VLLM.replace("30.0", "NaN").replace("10.0", "NaN")
+    seen: list[int] = []
+    caplog.set_level(logging.WARNING, logger="stargate.pylon.prometheus")
+    pages = [(200, STOCK_VLLM), (200, renamed), (200, STOCK_VLLM), (200, nan)]
+    await poll_pages(rig.hub, pages, lambda _n: seen.append(rig.hub.snapshot(rig.gen).num_running_queries))
+    assert seen == [40, 0, 40, 0]
+    assert "lost (the page's series are for model_name llama-v2, not a model Pylon serves)" in caplog.text
+    assert "lost (the page has no finite running or waiting count for model_name llama)" in caplog.text
 
 
 def test_only_the_lines_read_are_parsed_and_a_bad_one_is_skipped() -> None:

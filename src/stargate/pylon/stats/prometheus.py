@@ -12,12 +12,13 @@ quantity are never added together — the largest wins. An engine that exports b
 of these series for a served model (a wrong ``--engine-metrics-path``, another engine, a
 ``model_name`` other than ``--model-name``), is logged once until it is.
 
-The engine's report is trusted only while it is fresh: a served model missing from a page loses
-it at once, and every model loses it after ``STALE_AFTER_FAILURES`` polls in a row that failed
-(an engine report of 57 requests, left from before its page broke, kept an idle engine out of
-routing). Only the lines of the series read here are parsed, off the event loop, from a page of
-at most ``MAX_PAGE_BYTES``: parsing all of a 10 MB page took 4 s of the loop every poll, and one
-malformed or absurd line ended the poller, and with it Pylon.
+The engine's report is trusted only while it is fresh: a served model without running or waiting
+series on a page (its own or unlabelled ones, with a finite value) loses it at once, and every
+model loses it after ``STALE_AFTER_FAILURES`` polls in a row that failed (an engine report of 57
+requests, left from before its page broke, kept an idle engine out of routing). Only the lines of
+the series read here are parsed, off the event loop, from a page of at most ``MAX_PAGE_BYTES``:
+parsing all of a 10 MB page took 4 s of the loop every poll, and one malformed or absurd line
+ended the poller, and with it Pylon.
 """
 
 from __future__ import annotations
@@ -163,25 +164,25 @@ def parse_engine_metrics(text: str) -> dict[str | None, EngineMetrics]:
 
 
 def apply_engine_metrics(hub: StatsHub, parsed: dict[str | None, EngineMetrics]) -> int:
-    """Feed parsed numbers to the hub; returns how many models were updated. A served model the
-    page has nothing for loses the engine's last report."""
+    """Feed parsed numbers to the hub; returns how many models got the engine's load. A served
+    model without running or waiting series of its own (or unlabelled ones) loses the engine's
+    last report: vLLM's ``cache_config_info`` carries no ``model_name``, and counting it as the
+    model's data kept an engine load of 40 published for an engine since renamed and idle."""
     updated = 0
     unlabelled = parsed.get(None)
     for model in hub.registry.model_ids():
-        specific = parsed.get(model)
-        if specific is None and unlabelled is None:
-            hub.on_engine_load(model, None)
-            continue
-        m = specific or EngineMetrics()
+        m = parsed.get(model) or EngineMetrics()
         if unlabelled is not None:
             m = m.fill_from(unlabelled)
         running, waiting = m.running, m.waiting
-        if running is not None or waiting is not None:
+        if running is None and waiting is None:
+            hub.on_engine_load(model, None)
+        else:
             hub.on_engine_load(model, EngineLoad(running or 0, waiting or 0))
+            updated += 1
         kv = m.kv
         if kv is not None:
             hub.on_kv(model, *kv, source=SRC_PROMETHEUS)
-        updated += 1
     return updated
 
 
@@ -232,8 +233,11 @@ async def _poll(session: aiohttp.ClientSession, url: str, hub: StatsHub, interva
     if not parsed:
         return "the page has none of vLLM's or SGLang's load series"
     if apply_engine_metrics(hub, parsed) == 0:
-        labels = sorted(m for m in parsed if m is not None)[:5]
-        return f"the page's series are for model_name {', '.join(labels)}, not a model Pylon serves"
+        served = hub.registry.model_ids()
+        labels = sorted(m for m in parsed if m is not None and m not in served)[:5]
+        if labels:
+            return f"the page's series are for model_name {', '.join(labels)}, not a model Pylon serves"
+        return f"the page has no finite running or waiting count for model_name {', '.join(served[:5])}"
     return None
 
 
