@@ -13,7 +13,12 @@ from stargate.pylon.admission import AdmissionConfig, Result, decide
 from stargate.pylon.load import U64_MAX, Phase
 from stargate.pylon.registration import stats_to_proto
 from stargate.pylon.stats.hub import StatsHub
-from stargate.pylon.stats.prometheus import apply_engine_metrics, parse_engine_metrics, run_prometheus_poller
+from stargate.pylon.stats.prometheus import (
+    apply_engine_metrics,
+    forget_engine_report,
+    parse_engine_metrics,
+    run_prometheus_poller,
+)
 from stargate.wire.http_client import client_session
 
 from .helpers import make_rig
@@ -302,6 +307,29 @@ async def test_a_page_without_the_models_load_names_what_it_has(caplog: pytest.L
     assert seen == [40, 0, 40, 0]
     assert "lost (the page's series are for model_name llama-v2, not a model Pylon serves)" in caplog.text
     assert "lost (the page has no finite running or waiting count for model_name llama)" in caplog.text
+
+
+async def test_the_pages_kv_numbers_go_with_the_engine_load() -> None:
+    """An engine whose page broke while its cache was full looked full, and got no request, for good."""
+    rig = make_rig()
+    no_kv = "".join(line + "\n" for line in STOCK_VLLM.splitlines() if "kv_cache" not in line)
+    pages = [(200, STOCK_VLLM), (500, ""), (500, ""), (500, ""), (200, STOCK_VLLM), (200, no_kv)]
+    seen: list[tuple[int, int]] = []
+
+    def kv(_n: int) -> None:
+        snap = rig.hub.snapshot(rig.gen)
+        seen.append((snap.kv_cache_capacity_tokens, snap.kv_cache_used_tokens))
+
+    await poll_pages(rig.hub, pages, kv)
+    assert seen == [(1600, 800), (1600, 800), (1600, 800), (0, 0), (1600, 800), (0, 0)]
+
+
+def test_kv_numbers_of_the_kv_endpoint_are_not_the_pages_to_drop() -> None:
+    rig = make_rig()
+    rig.hub.on_kv("llama", 1000, 900, 100)
+    apply_engine_metrics(rig.hub, parse_engine_metrics('vllm:num_requests_running{model_name="llama"} 1\n'))
+    forget_engine_report(rig.hub)
+    assert rig.hub.snapshot(rig.gen).kv_cache_used_tokens == 900
 
 
 def test_only_the_lines_read_are_parsed_and_a_bad_one_is_skipped() -> None:

@@ -52,6 +52,7 @@ class ConcurrencyUpdate:
 class _GenState:
     throughput: agg.ThroughputAggregate
     kv: tuple[int, int, int] | None = None
+    kv_source: str = ""
     engine_limit: int = 0
     fallback_limit: int = 0
     engine_load: EngineLoad | None = None
@@ -282,10 +283,21 @@ class StatsHub:
         if state is None:
             return False
         state.kv = (capacity, used, free)
+        state.kv_source = source
         cap = agg.CAP_KV_HTTP if source == agg.SRC_KV else agg.CAP_PROMETHEUS
         state.throughput.add_labels(cap, source)
         self._touch(state, source, "kv_cache")
         return True
+
+    def drop_kv(self, model: str, *, source: str) -> None:
+        """The KV numbers ``source`` last gave ``model`` are no longer known (another source's
+        stay): an engine whose metrics page broke while its cache was full looked full for good."""
+        gen = self.registry.current(model)
+        state = self._state(gen) if gen is not None else None
+        if state is None or state.kv is None or state.kv_source != source:
+            return
+        state.kv = None
+        self._touch(state, source, "kv_cache")
 
     def on_engine_load(self, model: str, load: EngineLoad | None) -> bool:
         """The engine's own count of ``model``'s requests; None: no longer known (Pylon's own

@@ -174,16 +174,25 @@ def apply_engine_metrics(hub: StatsHub, parsed: dict[str | None, EngineMetrics])
         m = parsed.get(model) or EngineMetrics()
         if unlabelled is not None:
             m = m.fill_from(unlabelled)
+        kv = m.kv
+        if kv is None:
+            hub.drop_kv(model, source=SRC_PROMETHEUS)
+        else:
+            hub.on_kv(model, *kv, source=SRC_PROMETHEUS)
         running, waiting = m.running, m.waiting
         if running is None and waiting is None:
             hub.on_engine_load(model, None)
         else:
             hub.on_engine_load(model, EngineLoad(running or 0, waiting or 0))
             updated += 1
-        kv = m.kv
-        if kv is not None:
-            hub.on_kv(model, *kv, source=SRC_PROMETHEUS)
     return updated
+
+
+def forget_engine_report(hub: StatsHub) -> None:
+    """Every served model loses the engine's load and the KV numbers the page gave."""
+    for model in hub.registry.model_ids():
+        hub.drop_kv(model, source=SRC_PROMETHEUS)
+        hub.on_engine_load(model, None)
 
 
 async def run_prometheus_poller(
@@ -205,8 +214,7 @@ async def run_prometheus_poller(
             link.failed(problem, interval_s)
             failures += 1
             if failures == STALE_AFTER_FAILURES:
-                for model in hub.registry.model_ids():
-                    hub.on_engine_load(model, None)
+                forget_engine_report(hub)
         await sleep(interval_s)
 
 
