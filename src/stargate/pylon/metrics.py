@@ -132,6 +132,12 @@ class PylonMetrics:
         self.stream_connected = Gauge(
             "pylon_engine_stats_stream_connected", "Engine stats stream body being read", ["mode"], registry=r
         )
+        self.engine_metrics_poll_failures = Counter(
+            "pylon_engine_metrics_poll_failures",
+            "Failed polls of the engine's Prometheus metrics page",
+            ["reason"],
+            registry=r,
+        )
         self.stale_cleanups = Counter(
             "pylon_engine_stats_stale_cleanups", "Stale stats cleanups", ["kind"], registry=r
         )

@@ -272,6 +272,29 @@ async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
     ]  # fmt: skip
 
 
+async def test_failed_polls_are_counted_by_reason() -> None:
+    """A failing page was one log line and no metric; the stream source has its own gauges."""
+    rig = make_rig()
+    registry = rig.hub.metrics.registry
+
+    def failures(reason: str) -> float | None:
+        return registry.get_sample_value("pylon_engine_metrics_poll_failures_total", {"reason": reason})
+
+    other = VLLM.replace('"llama"', '"other"')
+    pages = [(200, VLLM), (500, ""), (503, ""), (200, "other_metric 1\n"), (200, other), (200, VLLM)]
+    await poll_pages(rig.hub, pages, lambda _n: None)
+    assert (failures("http_status"), failures("no_load_series"), failures("timeout")) == (2, 2, 0)
+    async with client_session(connect_timeout_s=5.0) as session:
+        with pytest.raises(_Done):
+            await run_prometheus_poller(session, "http://127.0.0.1:1/metrics", rig.hub, interval_s=0.5,
+                                        sleep=_stop)  # fmt: skip
+    assert failures("connection") == 1
+
+
+async def _stop(_s: float) -> None:
+    raise _Done
+
+
 async def test_a_stock_engine_page_is_asked_for_uncompressed() -> None:
     """prometheus_client gzips for a client that offers it; Pylon does not decompress."""
     rig = make_rig()

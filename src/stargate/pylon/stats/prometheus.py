@@ -53,6 +53,8 @@ _KNOWN_PREFIXES = tuple(KNOWN)
 MODEL_LABELS = ("model_name", "name")
 MAX_PAGE_BYTES = 16 * 1024 * 1024
 STALE_AFTER_FAILURES = 3
+POLL_FAILURE_REASONS = ("http_status", "timeout", "connection", "too_large", "unreadable", "no_load_series")
+"""``reason`` of ``pylon_engine_metrics_poll_failures_total``, each counted from 0."""
 
 
 def _count(value: float) -> int:
@@ -204,13 +206,18 @@ async def run_prometheus_poller(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
     link = LinkLog(log, "engine metrics polling", f"engine at {url}")
+    counter = hub.metrics.engine_metrics_poll_failures
+    for reason in POLL_FAILURE_REASONS:
+        counter.labels(reason)
     failures = 0
     while True:
-        problem = await _poll(session, url, hub, interval_s)
-        if problem is None:
+        failure = await _poll(session, url, hub, interval_s)
+        if failure is None:
             failures = 0
             link.connected()
         else:
+            reason, problem = failure
+            counter.labels(reason).inc()
             link.failed(problem, interval_s)
             failures += 1
             if failures == STALE_AFTER_FAILURES:
@@ -218,34 +225,51 @@ async def run_prometheus_poller(
         await sleep(interval_s)
 
 
-async def _poll(session: aiohttp.ClientSession, url: str, hub: StatsHub, interval_s: float) -> str | None:
-    """One poll applied to the hub; what went wrong, or None."""
+async def _poll(
+    session: aiohttp.ClientSession, url: str, hub: StatsHub, interval_s: float
+) -> tuple[str, str] | None:
+    """One poll applied to the hub; what went wrong (a ``POLL_FAILURE_REASONS`` and a message for
+    the log), or None."""
+    too_large = ("too_large", f"the page is larger than {MAX_PAGE_BYTES} bytes")
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(interval_s, 1.0))) as resp:
             if not 200 <= resp.status < 300:
-                return f"HTTP {resp.status}"
+                return "http_status", f"HTTP {resp.status}"
             coding = resp.headers.get("Content-Encoding", "identity").strip().lower()
             if coding != "identity":
-                return f"the page came compressed (Content-Encoding: {coding}) though Pylon asked for none"
+                return (
+                    "unreadable",
+                    f"the page came compressed (Content-Encoding: {coding}) though Pylon asked for none",
+                )
             if (resp.content_length or 0) > MAX_PAGE_BYTES:
-                return f"the page is larger than {MAX_PAGE_BYTES} bytes"
+                return too_large
             body = bytearray()
             async for chunk in resp.content.iter_any():
                 body += chunk
                 if len(body) > MAX_PAGE_BYTES:
-                    return f"the page is larger than {MAX_PAGE_BYTES} bytes"
+                    return too_large
             text = body.decode(_charset(resp.charset), errors="replace")
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            reason = "timeout"
+        elif isinstance(exc, aiohttp.ClientConnectionError):
+            reason = "connection"
+        else:
+            reason = "unreadable"
+        return reason, (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     parsed = await asyncio.to_thread(parse_engine_metrics, text)
     if not parsed:
-        return "the page has none of vLLM's or SGLang's load series"
+        return "no_load_series", "the page has none of vLLM's or SGLang's load series"
     if apply_engine_metrics(hub, parsed) == 0:
         served = hub.registry.model_ids()
         labels = sorted(m for m in parsed if m is not None and m not in served)[:5]
         if labels:
-            return f"the page's series are for model_name {', '.join(labels)}, not a model Pylon serves"
-        return f"the page has no finite running or waiting count for model_name {', '.join(served[:5])}"
+            return "no_load_series", (
+                f"the page's series are for model_name {', '.join(labels)}, not a model Pylon serves"
+            )
+        return "no_load_series", (
+            f"the page has no finite running or waiting count for model_name {', '.join(served[:5])}"
+        )
     return None
 
 
