@@ -295,6 +295,27 @@ async def _stop(_s: float) -> None:
     raise _Done
 
 
+async def test_polling_waits_for_the_first_model(caplog: pytest.LogCaptureFixture) -> None:
+    """Pylon waits for the engine's health before it registers a model: a page polled before that
+    was logged as one for a model Pylon does not serve, the model it was about to serve."""
+    rig = make_rig()
+    rig.registry.retire("llama")
+    rig.hub.retire_generation(rig.gen)
+    seen: list[int] = []
+
+    def register(n: int) -> None:
+        if n == 0:
+            rig.gen = rig.registry.allocate("llama")
+            rig.hub.init_generation(rig.gen)
+        else:
+            seen.append(rig.hub.snapshot(rig.gen).num_running_queries)
+
+    caplog.set_level(logging.WARNING, logger="stargate.pylon.prometheus")
+    await poll_pages(rig.hub, [(200, VLLM), (200, VLLM)], register)
+    assert seen == [5]
+    assert caplog.text == ""
+
+
 async def test_a_stock_engine_page_is_asked_for_uncompressed() -> None:
     """prometheus_client gzips for a client that offers it; Pylon does not decompress."""
     rig = make_rig()

@@ -211,6 +211,11 @@ async def run_prometheus_poller(
         counter.labels(reason)
     failures = 0
     while True:
+        if not hub.registry.model_ids():
+            # Before the first model is registered (Pylon waits for the engine's health first) a
+            # page has no model to update: it was logged as one for a model Pylon does not serve.
+            await sleep(interval_s)
+            continue
         failure = await _poll(session, url, hub, interval_s)
         if failure is None:
             failures = 0
