@@ -30,6 +30,7 @@ from stargate.router.prefix_keys import PrefixKeys
 from stargate.wire import headers as h
 from stargate.wire import json_body
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
+from stargate.wire.client_faults import detail
 from stargate.wire.headers import is_visible_ascii, text_value
 
 KEY_FIELDS = ("prompt_cache_key", "user")
@@ -226,14 +227,13 @@ def body_key(value: object) -> str | None:
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
+    why = "(read because x-model or x-input-tokens is missing)"
     try:
         body = json_body.loads(raw)
-    except orjson.JSONDecodeError:
-        body = None
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"the request body is not valid JSON: {detail(exc)} {why}") from None
     if not isinstance(body, dict):
-        raise RequestError(
-            "the request body must be a JSON object (read because x-model or x-input-tokens is missing)"
-        )
+        raise RequestError(f"the request body must be a JSON object {why}")
     return body
 
 

@@ -159,3 +159,13 @@ def test_a_model_that_cannot_travel_as_a_header_is_named_not_missing(model: obje
     with pytest.raises(RequestError) as raised:
         plain()._fill(CIMultiDict({"x-request-id": "r"}), orjson.dumps({"model": model}))
     assert says in raised.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [(b"{", "is not valid JSON"), (b"\xff\xfe", "is not valid JSON"), (b"[1]", "must be a JSON object")],
+)
+def test_a_body_that_is_not_a_json_object_says_which_it_is(body: bytes, says: str) -> None:
+    with pytest.raises(RequestError) as raised:
+        plain()._fill(CIMultiDict({"x-request-id": "r"}), body)
+    assert says in raised.value.message and "x-model or x-input-tokens is missing" in raised.value.message
