@@ -143,6 +143,11 @@ class PayloadTooLarge(RequestError):
     code = "payload_too_large"
 
 
+class ExpectationFailed(RequestError):
+    status = 417
+    code = "expectation_failed"
+
+
 class UnsupportedEncoding(RequestError):
     status = 415
     code = "unsupported_content_encoding"

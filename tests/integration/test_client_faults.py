@@ -594,3 +594,44 @@ async def test_an_http_1_0_client_asking_for_keep_alive_sees_its_answer_end(
     answer = await asyncio.wait_for(reader.read(), 5)  # to the close
     assert answer.startswith(b"HTTP/1.0 200 ") or answer.startswith(b"HTTP/1.1 200 ")
     assert reader.at_eof()
+
+
+def expecting(request_head: bytes, expect: str = "100-continue") -> bytes:
+    """``request_head`` asking the server to say whether it wants the body first."""
+    return request_head.replace(b"\r\n\r\n", f"\r\nExpect: {expect}\r\n\r\n".encode(), 1)
+
+
+async def test_an_expected_body_is_refused_before_it_is_sent_where_the_head_says_so(
+    sg: Harness, conns: Connections
+) -> None:
+    """RFC 9110 §10.1.1: a 100 Continue for a request refused anyway had the client upload its body
+    in vain."""
+    await sg.backend("b1")
+    ok = await conns.open(sg.base, expecting(head(CHAT, b"{}", "m", "expect-ok")))
+    assert await until(ok, b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+    conns.send(b"{}")
+    assert (await until(ok, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    too_large = head(CHAT, b"", "m", "expect-big").replace(b"Content-Length: 0", b"Content-Length: 99999999")
+    missing_id = head(CHAT, b"{}", "m", "").replace(b"x-request-id: \r\n", b"")
+    for request_head, status in (
+        (expecting(too_large), b"413"),
+        (expecting(missing_id), b"400"),
+        (expecting(head(CHAT, b"{}", "m", "expect-odd"), "later"), b"417"),
+    ):
+        reader = await conns.open(sg.base, request_head)
+        answer = await until(reader, b"}}")  # the final answer at once, no 100 first
+        assert answer.startswith(b"HTTP/1.1 " + status) and b'"error"' in answer
+
+
+async def test_pylon_refuses_an_expected_body_before_it_is_sent_where_the_head_says_so(
+    pylon: PylonApp, conns: Connections
+) -> None:
+    ok = await conns.open(pylon.http_url, expecting(head("/v1/chat/completions", PYLON_CHAT, "llama", "e1")))
+    assert await until(ok, b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+    conns.send(PYLON_CHAT)
+    assert (await until(ok, b"data: [DONE]\n\n")).startswith(b"HTTP/1.1 200")
+    unknown = await conns.open(
+        pylon.http_url, expecting(head("/v1/chat/completions", PYLON_CHAT, "other", "e2"))
+    )
+    answer = await until(unknown, b"}}")
+    assert answer.startswith(b"HTTP/1.1 503") and b"application/problem+json" in answer

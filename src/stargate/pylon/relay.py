@@ -52,7 +52,7 @@ from stargate.wire import json_body
 from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
-from stargate.wire.http_server import report_client_gone
+from stargate.wire.http_server import expectation_problem, report_client_gone, send_continue
 from stargate.wire.limits import MAX_BODY_BYTES
 from stargate.wire.sse import EventTooLarge
 
@@ -254,7 +254,7 @@ class Relay:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=self.expect)
         return app
 
     def record(self, obs: Observation) -> None:
@@ -273,22 +273,42 @@ class Relay:
             self.metrics.request_started(obs.generation.model_id)
         self.hub.on_observation(obs)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        if request.path == "/health":
-            return await self._forward_health(request)
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` gets its 100 only past the checks the head allows (RFC 9110
+        §10.1.1): told to go ahead, a client sent a body up to the limit only to see it refused."""
+        head = expectation_problem(request) or (None if request.path == "/health" else self._head(request))
+        if isinstance(head, StargateError):
+            return _problem(head)  # a body sent all the same is read and dropped
+        await send_continue(request)
+        return None
+
+    def _head(self, request: web.Request) -> tuple[RequestMeta, Generation] | StargateError:
+        """What the request's head says, or what is wrong with it (before its body is read)."""
         if (too_many := h.too_many_fields(len(request.headers))) is not None:
-            return _problem(RequestError(too_many))
+            return RequestError(too_many)
         if any(segment in (".", "..") for segment in request.path.split("/")):
             # The engine's URL resolves them: /v1/./chat/completions is its chat endpoint, which
             # this path would reach past the endpoint's rules, load count and stats.
-            return _problem(RequestError("the request path must not contain . or .. segments"))
+            return RequestError("the request path must not contain . or .. segments")
         try:
             meta = parse_request_meta(request.headers)
         except RequestError as exc:
-            return _problem(exc)
+            return exc
         gen = self.registry.admitted(meta.model)
         if gen is None:
-            return _problem(ModelNotAdmitted())
+            return ModelNotAdmitted()
+        declared = request.content_length
+        if declared is not None and declared > MAX_BODY:
+            return PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes")
+        return meta, gen
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/health":
+            return await self._forward_health(request)
+        head = self._head(request)
+        if isinstance(head, StargateError):
+            return _problem(head)
+        meta, gen = head
         # The body is in before the request counts: one that trickles in is no load on the engine,
         # and counted as queued it made the backend look full to every router.
         body = await self._read_body(request, meta.request_id)
@@ -301,9 +321,6 @@ class Relay:
 
     async def _read_body(self, request: web.Request, request_id: str) -> bytes | web.Response:
         """The whole request body, within ``MAX_BODY`` and the buffer budget, or the answer."""
-        declared = request.content_length
-        if declared is not None and declared > MAX_BODY:
-            return _problem(PayloadTooLarge(f"request body exceeds {MAX_BODY} bytes"))
         try:
             return await self.bodies.read_whole(request, MAX_BODY)
         except BodyBufferFull as exc:

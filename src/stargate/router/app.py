@@ -277,7 +277,7 @@ class StargateServer:
         app = web.Application(middlewares=[json_route_errors])
         paths = PROXIED_PATHS + (PLAIN_CLIENT_PATHS if self.settings.plain_clients is not None else ())
         for path in paths:
-            app.router.add_post(path, proxy.handle)
+            app.router.add_post(path, proxy.handle, expect_handler=proxy.expect)
         self.endpoints.add_routes(app)
         app.on_response_prepare.append(self._close_while_draining)
         return app

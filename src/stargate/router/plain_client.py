@@ -190,12 +190,17 @@ class PlainClients:
     def _count(self, text: str, token_ids: int) -> int:
         return max(1, (self._counter.count(text) if text else 0) + token_ids)
 
-    async def _read(self, request: web.Request) -> bytes:
-        """The whole body, holding ``len(body)`` bytes of the budget (``BodyBudget.read_whole``)."""
+    def check_declared(self, request: web.BaseRequest) -> None:
+        """Raises ``PayloadTooLarge`` for a body declared larger than this mode reads."""
         limit = self.settings.max_body_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
             raise _too_large(declared, limit)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The whole body, holding ``len(body)`` bytes of the budget (``BodyBudget.read_whole``)."""
+        self.check_declared(request)
+        limit = self.settings.max_body_bytes
 
         try:
             return await self._budget.read_whole(request, limit)

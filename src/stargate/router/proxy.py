@@ -42,7 +42,7 @@ from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.client_faults import ClientFaults, detail
-from stargate.wire.http_server import report_client_gone
+from stargate.wire.http_server import expectation_problem, report_client_gone, send_continue
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -103,11 +103,42 @@ class ProxyHandler:
             return False
         return True
 
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` gets its 100 only past the checks the head allows (RFC 9110
+        §10.1.1): told to go ahead, a client sent a body up to the limit only to see it refused."""
+        problem = expectation_problem(request) or self._head_problem(request)
+        if problem is None:
+            try:
+                if self._plain is not None and self._plain.incomplete(request.headers):
+                    self._plain.check_declared(request)
+                else:
+                    self._parse(request.headers, self._clock())
+            except StargateError as exc:
+                problem = exc
+        if problem is not None:
+            return error_response(problem)  # a body sent all the same is read and dropped
+        await send_continue(request)
+        return None
+
+    def _head_problem(self, request: web.Request) -> StargateError | None:
+        if (too_many := h.too_many_fields(len(request.headers))) is not None:
+            return RequestError(too_many)
+        if self._via is not None:
+            return via_problem(request.headers, self._via)
+        return None
+
+    def _parse(self, headers: Mapping[str, str], received_at: float) -> ProxyRequest:
+        return parse_request(
+            headers,
+            resolve=self._resolve,
+            retry_budget_header=self._settings.retry_budget_header,
+            max_replay_body_bytes=self._settings.max_replay_body_bytes,
+            received_at=received_at,
+        )
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
-        if (too_many := h.too_many_fields(len(request.headers))) is not None:
-            return error_response(RequestError(too_many))
-        if self._via is not None and (problem := via_problem(request.headers, self._via)) is not None:
+        if (problem := self._head_problem(request)) is not None:
             return error_response(problem)
         headers: Mapping[str, str] = request.headers
         replay: ReplayBody | None = None
@@ -116,13 +147,7 @@ class ProxyHandler:
                 headers, body = await self._plain.complete(request)
                 if body is not None:
                     replay = ReplayBody.read(body, self._budget)
-            parsed = parse_request(
-                headers,
-                resolve=self._resolve,
-                retry_budget_header=self._settings.retry_budget_header,
-                max_replay_body_bytes=self._settings.max_replay_body_bytes,
-                received_at=received_at,
-            )
+            parsed = self._parse(headers, received_at)
         except StargateError as exc:
             if replay is not None:
                 replay.release()

@@ -34,11 +34,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from stargate.errors import HandlerTimedOut, RequestError, StargateError
+from stargate.errors import ExpectationFailed, HandlerTimedOut, RequestError, StargateError
 from stargate.responses import error_response
 from stargate.wire.client_faults import ClientFaults, Fault, detail
 
@@ -353,3 +353,18 @@ def report_client_gone(
         moment = "mid-response" if started else "before the response started"
         faults.report(Fault.RESPONSE_ABANDONED, "client closed the connection %s%s", moment, where)
     return True
+
+
+def expectation_problem(request: web.BaseRequest) -> StargateError | None:
+    """An ``Expect`` other than ``100-continue`` (HTTP/1.1; aiohttp's own answer was plain text)."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version != HttpVersion11 or expect.lower() == "100-continue":
+        return None
+    return ExpectationFailed(f"unsupported Expect: {detail(expect)}")
+
+
+async def send_continue(request: web.BaseRequest) -> None:
+    """The interim ``100 Continue`` (what aiohttp's default expect handler writes)."""
+    if request.version == HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's head is still to come
