@@ -65,11 +65,13 @@ from stargate.router.transport import BackendRef
 
 WAIT_POLL_CAP_S = 0.025
 UNAVAILABLE_POLL_MS = (1, 9)
+HELD_UNPACED = 128
 HELD_ROUTES_PER_S = 2000.0
-"""How often, at most, the requests the router holds are routed again, all together: each one's
-pause grows with their number. At a few milliseconds each, 4 000 held requests took the event loop
-whole and freed slots were filled late; at this rate a freed slot still waits half a millisecond,
-on average, for a held request to find it."""
+"""Past ``HELD_UNPACED`` held requests, each one's pause before it is routed again grows with their
+number, so that they are routed about this often all together. At a few milliseconds each, 4 000
+held requests took the event loop whole and freed slots were filled late; at this rate a freed
+slot still waits half a millisecond, on average, for a held request to find it. Fewer keep their
+own pace: a request waiting for its key's replica notices room there within milliseconds."""
 
 
 class TargetSnapshot(Protocol):
@@ -303,7 +305,7 @@ class AttemptMachine:
     ) -> tuple[AttemptState, Action]:
         """``refusal``: why this request may not wait (the router holds ``max_held_requests``
         already, or is closing); it then fails with that reason where it would wait. ``held``:
-        the requests the router holds, whose routes again share ``HELD_ROUTES_PER_S``."""
+        the requests the router holds, past ``HELD_UNPACED`` routed again at ``HELD_ROUTES_PER_S``."""
         request = state.request
         candidates = snapshot.candidates
         excluded = state.failed_cluster_ids
@@ -347,7 +349,8 @@ class AttemptMachine:
                 state, cluster_id=candidate.cluster_id, expected_queue_ms=expected, choice=decision.choice
             )
             return state, Pick(candidate.cluster_id, state.failed_backend_ids)
-        share = held / HELD_ROUTES_PER_S * (0.5 + rng.random()) if held else 0.0
+        paced = held - HELD_UNPACED
+        share = paced / HELD_ROUTES_PER_S * (0.5 + rng.random()) if paced > 0 else 0.0
         if isinstance(decision, Wait):
             pause = min(max(min(decision.ms / 1000.0, WAIT_POLL_CAP_S), share), wait_deadline - now)
             if pause > 0:

@@ -162,12 +162,12 @@ def test_held_requests_share_one_rate_of_routes_again() -> None:
     for decision, alone in ((UNAVAILABLE, (0.001, 0.009)), (Wait(3.0), (0.003, 0.003))):
         view, _ = scripted([decision])
         state = fresh(max_wait_ms=60_000)
-        for held, (low, high) in ((0, alone), (4000, (1.0, 3.0))):
+        for held, (low, high) in ((0, alone), (128, alone), (4128, (1.0, 3.0))):
             for _ in range(50):
                 _, action = machine.step(state, Woke(held=held), view, 100.0, rng)
                 assert isinstance(action, Sleep) and low - 1e-9 <= action.seconds <= high + 1e-9
     view, _ = scripted([UNAVAILABLE])
-    _, action = machine.step(fresh(max_wait_ms=500), Woke(held=4000), view, 100.4, rng)
+    _, action = machine.step(fresh(max_wait_ms=500), Woke(held=4128), view, 100.4, rng)
     assert isinstance(action, Sleep) and action.seconds == pytest.approx(0.1)  # never past the wait
 
 
