@@ -273,7 +273,7 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
     path, lines = _trace_lines(scenario, traffic)
     shapes: list[_Shape] = []
     turns: dict[str, int] = {}
-    start: float | None = None
+    stamps: list[float] = []
     for number, line in enumerate(lines, 1):
         if len(shapes) >= scenario.request_count:
             break
@@ -292,13 +292,16 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
             raise ConfigError("trace tokens must be >= 1 and timestamps finite", path=where)
         if not (isinstance(session, str | None) and isinstance(prompt, str | None)):
             raise ConfigError("trace session and prompt must be strings or null", path=where)
-        start = stamp if start is None else start
         turn = turns.get(session, 0) if session else 0
         if session:
             turns[session] = turn + 1
         routing = routing if isinstance(routing, str) else None
-        shapes.append(_Shape((stamp - start) * traffic.time_scale, routing, session, input_tokens,
-                             output_tokens, "trace", session=session, turn=turn, prompt=prompt))  # fmt: skip
+        stamps.append(stamp)
+        shapes.append(_Shape(None, routing, session, input_tokens, output_tokens, "trace",
+                             session=session, turn=turn, prompt=prompt))  # fmt: skip
+    start = min(stamps, default=0.0)  # the earliest row, which need not be the first
+    for shape, stamp in zip(shapes, stamps, strict=True):
+        shape.at_ms = (stamp - start) * traffic.time_scale
     return _enough(scenario, shapes)
 
 

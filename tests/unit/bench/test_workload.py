@@ -208,6 +208,14 @@ def test_trace_replay_is_relative_to_the_scenario_file(tmp_path: Path) -> None:
         build(data | {"request_count": 1}, base_dir=tmp_path)
 
 
+def test_trace_offsets_start_at_the_earliest_row_not_the_first(tmp_path: Path) -> None:
+    row = {"session": None, "input_tokens": 4, "output_tokens": 1}
+    rows = [{"timestamp_ms": t, **row} for t in (300, 0, 100)]
+    (tmp_path / "t.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    data = scenario({"kind": "trace", "path": "t.jsonl"}) | {"request_count": 3}
+    assert [r.at_ms for r in build(data, base_dir=tmp_path).requests] == [0, 100, 300]
+
+
 def test_mooncake_trace_rebuilds_prompts_and_keys_conversations(tmp_path: Path) -> None:
     rows = [
         {"timestamp": 5000, "input_length": 600, "output_length": 40, "hash_ids": [1, 2]},
