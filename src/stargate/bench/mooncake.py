@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import orjson
 
 from stargate.bench.prompts import PromptBuilder
+from stargate.bench.schema import MAX_TOKENS
 from stargate.errors import ConfigError
 from stargate.mock_engine.tokens import BYTES_PER_TOKEN
 
@@ -61,6 +62,9 @@ def parse_row(line: bytes, where: str) -> MooncakeRow:
         raise ConfigError(f"bad Mooncake trace line: {exc!r}", path=where) from exc
     if input_length < 1 or output_length < 1 or not math.isfinite(stamp):
         raise ConfigError("trace lengths must be >= 1 and timestamps finite", path=where)
+    for name, tokens in (("input_length", input_length), ("output_length", output_length)):
+        if tokens > MAX_TOKENS:
+            raise ConfigError(f"{name} {tokens} is over the limit of {MAX_TOKENS} tokens", path=where)
     return MooncakeRow(stamp, input_length, output_length, hash_ids)
 
 

@@ -224,6 +224,10 @@ class Prompts(Strict):
 MAX_REQUEST_COUNT = 10_000_000
 """A workload is planned whole, in memory, before it runs: a bound, not a suggestion."""
 
+MAX_TOKENS = 1_000_000
+"""Tokens of one prompt or one answer: a long-context model's window. Prompt text is built in memory
+(4 bytes a token) when the workload is planned, so a larger count is a mistake, not a workload."""
+
 
 class Scenario(Strict):
     name: str = Field(min_length=1)
@@ -244,6 +248,7 @@ class Scenario(Strict):
     prompts: Prompts = Prompts()
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+    _file: str = PrivateAttr(default="")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Scenario:
@@ -271,6 +276,11 @@ class Scenario(Strict):
     @property
     def base_dir(self) -> Path:
         return self._base_dir
+
+    @property
+    def file(self) -> str:
+        """The file the scenario was loaded from (empty when built in memory), for error messages."""
+        return self._file
 
     @property
     def slug(self) -> str:
@@ -362,6 +372,7 @@ def parse_scenario(data: Any, *, file: str = "", base_dir: Path | None = None) -
         raise exc.in_file(file) from None
     if base_dir is not None:
         scenario._base_dir = base_dir
+    scenario._file = file
     return scenario
 
 

@@ -21,7 +21,7 @@ import orjson
 
 from stargate.bench import mooncake
 from stargate.bench.prompts import PromptBuilder
-from stargate.bench.schema import Scenario
+from stargate.bench.schema import MAX_TOKENS, Scenario
 from stargate.bench.traffic import (
     Arrival,
     BurstyTraffic,
@@ -99,7 +99,8 @@ def sample_tokens(dist: TokenDist, rng: random.Random) -> int:
         return rng.randint(dist.min, dist.max)
     assert isinstance(dist, LognormalTokens)
     z = math.sqrt(-2.0 * math.log(_open_unit(rng))) * math.cos(2.0 * math.pi * _open_unit(rng))
-    value = max(1, round_half_away(math.exp(math.log(dist.mean) + dist.sigma * z)))
+    exponent = min(math.log(dist.mean) + dist.sigma * z, 700.0)  # exp overflows past ~709
+    value = max(1, round_half_away(math.exp(exponent)))
     if dist.min is not None:
         value = max(value, dist.min)
     if dist.p99_cap is not None:
@@ -292,6 +293,9 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
             raise ConfigError("trace tokens must be >= 1 and timestamps finite", path=where)
         if not (isinstance(session, str | None) and isinstance(prompt, str | None)):
             raise ConfigError("trace session and prompt must be strings or null", path=where)
+        for name, tokens in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
+            if tokens > MAX_TOKENS:
+                raise ConfigError(f"{name} {tokens} is over the limit of {MAX_TOKENS} tokens", path=where)
         turn = turns.get(session, 0) if session else 0
         if session:
             turns[session] = turn + 1
@@ -303,6 +307,26 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
     for shape, stamp in zip(shapes, stamps, strict=True):
         shape.at_ms = (stamp - start) * traffic.time_scale
     return _enough(scenario, shapes)
+
+
+def _token_fields(traffic: object, shape: _Shape) -> tuple[str, str]:
+    """The fields a synthetic request's input and output token counts were drawn from."""
+    if isinstance(traffic, MixedSizeTraffic):
+        return f"{shape.behavior_class}.input_tokens", f"{shape.behavior_class}.output_tokens"
+    if isinstance(traffic, PrefixReuseTraffic | SessionsTraffic):
+        grown = "incremental_input_tokens" if shape.turn else "initial_input_tokens"
+        return grown, "output_tokens"
+    return "input_tokens", "output_tokens"
+
+
+def _check_tokens(traffic: object, shapes: list[_Shape]) -> None:
+    """Every prompt and answer within :data:`MAX_TOKENS`, checked before any prompt text is built."""
+    for index, shape in enumerate(shapes):
+        for field, tokens in zip(_token_fields(traffic, shape), (shape.input_tokens, shape.output_tokens),
+                                 strict=True):  # fmt: skip
+            if tokens > MAX_TOKENS:
+                reason = f"request {index} would have {tokens} tokens, over the limit of {MAX_TOKENS}"
+                raise ConfigError(reason, path=f"$.traffic_pattern.{field}")
 
 
 def _mooncake(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) -> list[_Shape]:
@@ -380,12 +404,16 @@ def build_workload(scenario: Scenario, seed: int | None = None) -> Workload:
         shared_prefix_tokens=scenario.prompts.shared_prefix_tokens,
         repeat=scenario.prompts.text == "repeat",
     )
-    if isinstance(traffic, SessionsTraffic):
-        shapes = _sessions(scenario, traffic, rngs)
-    elif isinstance(traffic, TraceTraffic):
-        shapes = _trace(scenario, traffic, prompts)
-    else:
-        shapes = _synthetic(scenario, rngs)
+    try:
+        if isinstance(traffic, SessionsTraffic):
+            shapes = _sessions(scenario, traffic, rngs)
+        elif isinstance(traffic, TraceTraffic):
+            shapes = _trace(scenario, traffic, prompts)
+        else:
+            shapes = _synthetic(scenario, rngs)
+        _check_tokens(traffic, shapes)
+    except ConfigError as exc:
+        raise exc.in_file(exc.file or scenario.file) from None
     closed = scenario.effective_mode == "closed_loop"
     requests = [_render(scenario, effective, i, shape, prompts, closed) for i, shape in enumerate(shapes)]
     if not closed:

@@ -216,6 +216,39 @@ def test_trace_offsets_start_at_the_earliest_row_not_the_first(tmp_path: Path) -
     assert [r.at_ms for r in build(data, base_dir=tmp_path).requests] == [0, 100, 300]
 
 
+def test_token_counts_over_the_limit_name_the_field_and_file(tmp_path: Path) -> None:
+    huge = {"distribution": "uniform", "min": 10**11, "max": 10**11}
+    path = tmp_path / "s.yaml"
+    path.write_bytes(orjson.dumps(scenario({**HOTSET, "input_tokens": huge})))
+    with pytest.raises(ConfigError, match="over the limit of 1000000") as error:
+        build_workload(load_scenario(path))
+    assert error.value.file == str(path) and error.value.path == "$.traffic_pattern.input_tokens"
+    growing = {"kind": "prefix_reuse", "cache_affinity_keys": 1, "initial_input_tokens": const(900_000),
+               "incremental_input_tokens": const(200_000), "output_tokens": const(1),
+               "arrival": {"distribution": "constant", "interval_ms": 1}}  # fmt: skip
+    with pytest.raises(ConfigError, match="request 1 would have 1100000") as error:
+        build(scenario(growing))
+    assert error.value.path == "$.traffic_pattern.incremental_input_tokens"
+    lognormal = {"distribution": "lognormal", "mean": 1e300, "sigma": 50}
+    with pytest.raises(ConfigError, match="over the limit") as error:
+        build(scenario({**HOTSET, "output_tokens": lognormal}))
+    assert error.value.path == "$.traffic_pattern.output_tokens"
+    at_limit = scenario({**HOTSET, "input_tokens": const(1_000_000)}) | {"request_count": 1}
+    assert build(at_limit).requests[0].input_tokens == 1_000_000
+
+
+def test_trace_rows_over_the_token_limit_name_the_line(tmp_path: Path) -> None:
+    (tmp_path / "t.jsonl").write_text('{"timestamp_ms": 0, "input_tokens": 1, "output_tokens": 1000001}\n')
+    mooncake_row = '{"timestamp": 0, "input_length": 1e12, "output_length": 1, "hash_ids": []}\n'
+    (tmp_path / "mc.jsonl").write_text(mooncake_row)
+    cases = (("t.jsonl", "output_tokens", "stargate"), ("mc.jsonl", "input_length", "mooncake"))
+    for name, field, fmt in cases:
+        data = scenario({"kind": "trace", "path": name, "format": fmt}) | {"request_count": 1}
+        with pytest.raises(ConfigError, match=f"{field} .* is over the limit of 1000000") as error:
+            build(data, base_dir=tmp_path)
+        assert f"{name}:1" in error.value.path
+
+
 def test_mooncake_trace_rebuilds_prompts_and_keys_conversations(tmp_path: Path) -> None:
     rows = [
         {"timestamp": 5000, "input_length": 600, "output_length": 40, "hash_ids": [1, 2]},
