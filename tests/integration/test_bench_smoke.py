@@ -80,3 +80,13 @@ async def test_two_runs_end_to_end_one_failing_cleanly(tmp_path: Path) -> None:
     assert [s.run for s in result.summaries] == ["round-robin", "broken"]
     assert result.summaries[0].success_rate == 1.0
     assert not live_process_groups()
+
+
+async def test_a_client_that_does_not_stream_gets_json_answers_through_the_fleet(tmp_path: Path) -> None:
+    data = tiny_scenario(tmp_path) | {"client": {"timeout_s": 20, "stream": False}, "request_count": 4}
+    scenario = parse_scenario(data, file="smoke.yaml", base_dir=tmp_path)
+    result = await run_suite(scenario, build_workload(scenario), tmp_path / "out", runs=plan.runs(scenario),
+                             timeouts=FleetTimeouts(start_s=30.0, ready_s=30.0, stop_grace_s=5.0))
+    (outcome,) = result.outcomes
+    assert outcome.error is None, outcome.error
+    assert [(r.status, r.ok, r.chunks) for r in outcome.records] == [(200, True, 4)] * 4

@@ -10,7 +10,8 @@ at or after it; closed loop: no new turn), lets the ones in flight finish, and r
 requests it sent. A closed-loop turn waits its ``think_ms`` after the previous turn ended.
 
 All times in a ``RequestRecord`` are seconds from the start of the replay on the injected clock.
-``first_token_s``/``last_token_s`` are the first and last content chunks; ``end_s`` is the instant the
+``first_token_s``/``last_token_s`` are the first and last content chunks (a non-streamed JSON answer,
+``client.stream: false``: both the moment it arrived whole); ``end_s`` is the instant the
 response ended: the end of the body on success, or the moment the request failed (so TTLT of a
 failure is its time to error, as in the original harness).
 The driver never retries; the client timeout covers the whole request (connect through last byte).
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 
 from stargate.bench.score import RequestRecord
 from stargate.bench.workload import PlannedRequest, Workload
@@ -45,6 +47,20 @@ def has_content(payload: bytes) -> bool:
             return True
         pos = payload.find(b'"content":', pos + 10)
     return False
+
+
+def answer_tokens(body: bytes) -> int:
+    """Output tokens of a non-streamed answer (``client.stream: false``): its usage, else 1 when it
+    has a choice; 0 when the body is not a whole answer."""
+    try:
+        answer = orjson.loads(body)
+        choices, usage = answer["choices"], answer.get("usage")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return 0
+    if not isinstance(choices, list) or not choices:
+        return 0
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 1
 
 
 def _int_header(value: str | None) -> int | None:
@@ -229,6 +245,12 @@ class Driver:
                     if status != 200:
                         await resp.content.read(_ERROR_BODY_LIMIT)
                         error = f"http_{status}"
+                    elif resp.content_type == "application/json":
+                        chunks = answer_tokens(await resp.read())
+                        if chunks:
+                            first_token_s = last_token_s = self._now()
+                        else:
+                            error = "stream_cut"
                     else:
                         done = False
                         async for line in resp.content:

@@ -128,6 +128,8 @@ def backend_specs(scenario: Scenario) -> list[BackendSpec]:
             args += ["--cluster-id", cluster]
         if profile.max_concurrent_requests:
             args += ["--max-engine-concurrency", str(profile.max_concurrent_requests)]
+        if not scenario.client.stream:  # Pylon relays only streams unless told otherwise
+            args += ["--pylon-relay-non-streaming", "true"]
         engine = f"engine-{min(members[cluster])}"
         specs.append(BackendSpec(f"backend-{index}", cluster, engine, args))
     return specs

@@ -49,6 +49,9 @@ class ModeEngine:
             return web.json_response({"error": "overloaded"}, status=503)
         if mode == "slow":
             await asyncio.sleep(5)
+        if mode.startswith("json"):
+            answer = {"choices": [{"message": {"content": "Hi, all"}}], "usage": {"completion_tokens": 3}}
+            return web.json_response(answer if mode == "json" else {"error": "half"})
         resp = web.StreamResponse(headers={
             "content-type": "text/event-stream", "x-inference-server-id": "backend-1",
             "x-stargate-cluster-id": "cluster-0", "x-mock-backend-id": "engine-0",
@@ -126,6 +129,15 @@ async def test_successful_stream_is_timed_and_attributed(engine: tuple[ModeEngin
     assert (record.cache_hit, record.cache_hit_tokens) == (True, 12)
     assert (record.evicted_entries, record.evicted_tokens) == (1, None)
     assert (record.run, record.request_id, record.cache_affinity_key) == ("run-a", "req-0", "cak-0")
+
+
+async def test_a_json_answer_is_timed_when_it_arrives_whole(engine: tuple[ModeEngine, str]) -> None:
+    _, url = engine
+    record, broken = await replay([url], open_loop(planned(0, mode="json"), planned(1, mode="json_broken")))
+    assert record.ok and record.chunks == 3
+    assert record.dispatch_s <= record.headers_s <= record.first_token_s
+    assert record.first_token_s == record.last_token_s <= record.end_s
+    assert broken.error_class == "stream_cut" and broken.first_token_s is None
 
 
 async def test_failures_are_classified(engine: tuple[ModeEngine, str]) -> None:

@@ -53,6 +53,13 @@ def test_pylon_args_carry_identity_pinned_tps_concurrency_and_admission() -> Non
     assert run.lb_config == {"default": "power-of-n", "models": {}}  # forwarded verbatim
 
 
+def test_a_client_that_does_not_stream_gets_pylons_that_relay_json_answers() -> None:
+    streaming = plan.backend_specs(parse_scenario(base()))[0].pylon_args
+    assert "--pylon-relay-non-streaming" not in streaming
+    args = plan.backend_specs(parse_scenario(base() | {"client": {"stream": False}}))[0].pylon_args
+    assert args[args.index("--pylon-relay-non-streaming") + 1] == "true"
+
+
 def test_prefix_mode_adds_the_block_size_flag() -> None:
     data = base() | {"mock": {"kv_mode": "prefix", "block_tokens": 32, "batching": "continuous"}}
     args = plan.engines(parse_scenario(data))[0].args

@@ -113,6 +113,13 @@ def test_a_turn_waits_and_yields_to_load_where_engines_start_every_prefill_at_on
     assert _without_shared_prefill(choice.spec.lb_config) == recommended_lb_config(scenario.model)
 
 
+def test_clients_that_do_not_stream_get_no_wait_for_a_first_byte() -> None:
+    scenario = prepare_scenario(str(ROOT / "benches" / "trace-conversations.yaml"), None, None, "continuous")
+    quiet = scenario.model_copy(update={"client": scenario.client.model_copy(update={"stream": False})})
+    (choice,) = resolve_routers(quiet, "stargate:recommended", PeerOptions())
+    assert not parse_lb_config(choice.spec.lb_config).resolve(quiet.model, None).cache_affinity_await_prefill
+
+
 def test_serve_runs_the_recommended_deployment_unless_given_a_file(tmp_path: Path) -> None:
     scenario = serve_scenario(2, "my-model", 16)
     assert scenario.mock.kv_mode == "prefix"  # any client: cached by prompt text, as engines do

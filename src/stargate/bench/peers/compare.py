@@ -182,7 +182,7 @@ def resolve_routers(scenario: Scenario, text: str, options: PeerOptions) -> list
         if kind == "stargate":
             spec = entries.get(name)
             if name == RECOMMENDED:
-                spec = recommended_run(scenario, spec)
+                spec = recommended_run(scenario, spec, streaming=scenario.client.stream)
             if spec is None:
                 algorithm = parse_algorithm_name(name, "--routers").value
                 spec = RunSpec(name, {"default": algorithm}, [])
