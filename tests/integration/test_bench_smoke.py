@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import pytest
 
 from stargate.bench import plan
 from stargate.bench.fleet import FleetTimeouts
+from stargate.bench.peers.compare import PeerOptions, resolve_routers, run_compare
 from stargate.bench.procs import live_process_groups
-from stargate.bench.runner import run_suite
+from stargate.bench.runner import SilentProgress, run_suite
 from stargate.bench.schema import parse_scenario
 from stargate.bench.score import RequestRecord
 from stargate.bench.workload import build_workload
@@ -90,3 +92,39 @@ async def test_a_client_that_does_not_stream_gets_json_answers_through_the_fleet
     (outcome,) = result.outcomes
     assert outcome.error is None, outcome.error
     assert [(r.status, r.ok, r.chunks) for r in outcome.records] == [(200, True, 4)] * 4
+
+
+class _CancelAfter(SilentProgress):
+    """Cancels ``task`` once ``count`` requests have finished, as Ctrl-C would."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.task: asyncio.Task[object] | None = None
+
+    def request_done(self, name: str, record: RequestRecord) -> None:
+        self.count -= 1
+        if self.count == 0 and self.task is not None:
+            self.task.cancel()
+
+
+async def test_compare_writes_runs_json_and_an_interrupted_run_keeps_its_finished_requests(
+    tmp_path: Path,
+) -> None:
+    data = tiny_scenario(tmp_path) | {"request_count": 4}
+    scenario = parse_scenario(data, file="smoke.yaml", base_dir=tmp_path)
+    choices = resolve_routers(scenario, "direct", PeerOptions(install=False))
+    timeouts = FleetTimeouts(start_s=30.0, ready_s=30.0, stop_grace_s=5.0)
+    await run_compare(scenario, build_workload(scenario), tmp_path / "done", choices, timeouts=timeouts)
+    (run,) = orjson.loads((tmp_path / "done" / "runs.json").read_bytes())
+    assert (run["name"], run["status"], run["requests"], run["run_dir"]) == ("direct", "ok", 4, "run-direct")
+
+    slow = parse_scenario(data | {"request_count": 40}, file="smoke.yaml", base_dir=tmp_path)
+    stopper = _CancelAfter(3)
+    task = asyncio.create_task(run_compare(slow, build_workload(slow), tmp_path / "cut", choices,
+                                           timeouts=timeouts, progress=stopper))  # fmt: skip
+    stopper.task = task
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    lines = (tmp_path / "cut" / "run-direct" / "requests.jsonl").read_bytes().splitlines()
+    assert 3 <= len(lines) < 40
+    assert not live_process_groups()

@@ -174,16 +174,22 @@ async def run_suite(scenario: Scenario, workload: Workload, out_dir: Path, *, ru
     outcomes: list[RunOutcome] = []
     for planned in plan_runs(runs, out_dir, repeats, order, seed):
         outcomes.append(await execute_run(scenario, workload, planned, watcher, timeouts))
-    (out_dir / "runs.json").write_bytes(orjson.dumps(
-        [{"name": o.planned.name, "algorithm": o.planned.spec.name, "repeat": o.planned.repeat,
-          "run_dir": o.planned.run_dir.name, "status": "failed" if o.error else "ok", "error": o.error,
-          "requests": len(o.records), "duration_s": o.duration_s} for o in outcomes],
-        option=orjson.OPT_INDENT_2))
+    write_runs(out_dir / "runs.json", outcomes)
     summaries = [summarize_outcome(o, scenario, slo_ttft_ms) for o in outcomes]
     records_by_run = {o.planned.name: o.records for o in outcomes}
     report = await asyncio.to_thread(write_report, out_dir, scenario, summaries, records_by_run)
     append_fault_section(report, outcomes)
     return SuiteResult(out_dir, tuple(outcomes), tuple(summaries), report)
+
+
+def write_runs(path: Path, outcomes: Sequence[RunOutcome]) -> None:
+    """``runs.json``: status, error and request count of every run (``algorithm``: its router label
+    under ``compare``)."""
+    path.write_bytes(orjson.dumps(
+        [{"name": o.planned.name, "algorithm": o.planned.spec.name, "repeat": o.planned.repeat,
+          "run_dir": o.planned.run_dir.name, "status": "failed" if o.error else "ok", "error": o.error,
+          "requests": len(o.records), "duration_s": o.duration_s} for o in outcomes],
+        option=orjson.OPT_INDENT_2))
 
 
 def summarize_outcome(outcome: RunOutcome, scenario: Scenario, slo_ttft_ms: float | None) -> RunSummary:

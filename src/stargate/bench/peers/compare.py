@@ -57,6 +57,7 @@ from stargate.bench.runner import (
     summarize_outcome,
     write_records,
     write_run_metadata,
+    write_runs,
 )
 from stargate.bench.schema import Scenario
 from stargate.bench.workload import PlannedRequest, Workload
@@ -259,6 +260,7 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
          "kv_mode": scenario.mock.kv_mode}, option=orjson.OPT_INDENT_2))
     env = {TOKENIZER_ENV: str(tokenizer_dir)} if tokenizer_dir is not None else None
     truth_path = planned.run_dir / GROUND_TRUTH_FILE
+    driver: Driver | None = None
     try:
         async with Fleet(scenario, planned.spec, planned.run_dir, timeouts,
                          with_stargate=choice.kind == "stargate", engine_env=env,
@@ -288,6 +290,8 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
         outcome.error = f"{type(exc).__name__}: {exc}"
         (planned.run_dir / "error.txt").write_text(outcome.error + "\n")
     finally:
+        if not outcome.records and driver is not None:  # interrupted: keep what finished
+            outcome.records = sorted(driver.records, key=lambda r: r.index)
         write_records(planned.run_dir / "requests.jsonl", outcome.records)
         progress.run_finished(planned.name, outcome.error)
     return outcome
@@ -318,6 +322,7 @@ async def run_compare(scenario: Scenario, workload: Workload, out_dir: Path,
         choice = by_label[planned.spec.name]
         outcomes.append(await execute_choice(scenario, workload, planned, choice, watcher, timeouts,
                                              tokenizer_dir, by_body))
+    write_runs(out_dir / "runs.json", outcomes)
     summaries = [summarize_outcome(o, scenario, slo_ttft_ms) for o in outcomes]
     records_by_run = {o.planned.name: o.records for o in outcomes}
     report = await asyncio.to_thread(write_report, out_dir, scenario, summaries, records_by_run)
