@@ -24,8 +24,9 @@ from stargate.bench.runner import SuiteResult
 from stargate.bench.schema import MAX_REQUEST_COUNT, Scenario, load_scenario
 from stargate.bench.score import RequestRecord
 from stargate.errors import ConfigError
-from stargate.flags import FlagSet, positive_float, positive_int
+from stargate.flags import FlagSet, non_negative_int, positive_float, positive_int
 from stargate.mock_engine.timing import BATCHING_MODES, Batching
+from stargate.wire.limits import U64_MAX
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -129,12 +130,20 @@ def command(sub: Any, name: str, help: str, env: Mapping[str, str]) -> FlagSet:
     return FlagSet(sub.add_parser(name, help=help), env)
 
 
+def workload_seed(raw: str) -> int:
+    """A workload seed, a u64 like the scenario's ``seed``."""
+    value = non_negative_int(raw)
+    if value > U64_MAX:
+        raise argparse.ArgumentTypeError(f"expected at most {U64_MAX}, got {raw!r}")
+    return value
+
+
 def add_replay_flags(flags: FlagSet, *, out_help: str) -> None:
     """The flags ``run`` and ``compare`` share: which scenario, how often, in which order, where to."""
     a = flags.add
     a("--scenario", required=True, help="scenario file, or the name of one in benches/")
     a("--out", type=Path, default=None, help=out_help)
-    a("--seed", type=int, default=None, help="workload seed (default: the scenario's, else 0)")
+    a("--seed", type=workload_seed, default=None, help="workload seed (default: the scenario's, else 0)")
     a("--request-count", type=positive_int, default=None, help="override request_count")
     a("--repeats", type=positive_int, default=1, help="runs per algorithm or router")
     a("--order", choices=["fixed", "interleaved", "randomized"], default="interleaved",

@@ -19,9 +19,11 @@ PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
 class Strict(BaseModel):
-    """Unknown keys are an error (a typo must not silently fall back to a default)."""
+    """Unknown keys are an error (a typo must not silently fall back to a default), and so is a value
+    of the wrong type: ``true`` is not a count, ``"2"`` not a number, ``"yes"`` not a boolean, ``1.0``
+    not an integer (an integer is a number)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 # --- distributions (spec §3.5) ---------------------------------------------------------------

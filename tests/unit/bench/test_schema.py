@@ -83,6 +83,28 @@ def test_invalid_scenarios_name_the_field(data: dict[str, Any], path: str, reaso
     assert reason in info.value.reason
 
 
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (["max_concurrency"], True, "$.max_concurrency"),
+        (["request_count"], True, "$.request_count"),
+        (["seed"], 1.0, "$.seed"),
+        (["backends", "count"], "2", "$.backends.count"),
+        (["client"], {"stream": "yes"}, "$.client.stream"),
+        (["traffic_pattern", "arrival"], {"distribution": "constant", "interval_ms": "5"},
+         "$.traffic_pattern.arrival.interval_ms"),
+        (["backends", "profile", "registration", "last_mean_input_tps"], "100",
+         "$.backends.profile.registration.last_mean_input_tps"),
+    ],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_is_refused_not_converted(path: list[str], value: Any, field: str) -> None:
+    """``true`` is not a count, ``"2"`` not a number, ``"yes"`` not a boolean, ``1.0`` not an integer."""
+    with pytest.raises(ConfigError) as info:
+        parse_scenario(with_change(path, value), file="s.yaml")
+    assert (info.value.file, info.value.path) == ("s.yaml", field)
+    assert "Input should be a valid" in info.value.reason
+
+
 def test_grouped_cluster_with_different_profiles_is_rejected() -> None:
     other = copy.deepcopy(base()["backends"]["profile"]) | {"name": "other"}
     data = with_change(["backends", "profiles"], [

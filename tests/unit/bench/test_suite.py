@@ -101,3 +101,14 @@ def test_a_trace_written_to_a_directory_is_a_usage_error(
 ) -> None:
     assert main(["gen-trace", "--out", str(tmp_path)]) == 2  # was IsADirectoryError, a traceback
     assert f"error: --out: {tmp_path} is a directory, not a file to write" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", str(2**64)])
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_a_seed_that_is_not_a_u64_is_a_usage_error(
+    command: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a scenario's ``seed: -3`` is."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--scenario", "smoke", "--seed", value])
+    assert exit_.value.code == 2 and "--seed" in capsys.readouterr().err
