@@ -32,6 +32,7 @@ def test_s9_2_defaults() -> None:
     )
     assert (timing.decode_jitter_ms, timing.ttft_jitter_ms) == (0, 0)
     assert config.max_concurrent_requests == 0 and config.kv_cache_capacity_tokens == 0
+    assert config.max_model_len == 1_000_000
 
 
 def test_aliases_and_decode_rate() -> None:
@@ -65,6 +66,7 @@ def test_bad_flag_value_names_the_flag(capsys: pytest.CaptureFixture[str]) -> No
         (["--port", "70000"], "--port"),
         (["--request-log", "/nonexistent-dir/requests.jsonl"], "--request-log"),
         (["--arrival-log", "/"], "--arrival-log"),
+        (["--max-model-len", "0"], "--max-model-len"),
     ],
 )
 def test_values_the_engine_cannot_run_with_are_usage_errors(

@@ -112,3 +112,24 @@ async def test_a_request_admitted_during_a_long_prefill_reuses_the_chunks_schedu
     reused = int(second.headers["x-kv-cache-reused-input-tokens"])
     total = int(second.headers["x-mock-input-tokens"])
     assert 32 <= reused < total  # at least the first chunk, not the chunks scheduled after it
+
+
+async def test_a_prompt_past_the_model_length_is_a_400_and_does_not_hold_the_engine() -> None:
+    """Without a prefill rate a 2^32-token claim took millions of zero-time steps, and every request
+    after it waited for them."""
+    timing = TimingConfig(num_tokens=2, token_delay_ms=1.0, batching="vllm")
+    engine = Engine(EngineConfig(timing=timing, max_model_len=1000))
+    runner, url = await start_server(engine, "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            body, headers = chat("huge")
+            long = await session.post(url + "/v1/chat/completions", json=body,
+                                      headers=headers | {"x-input-tokens": str(2**32)})  # fmt: skip
+            error = orjson.loads(await long.read())["error"]
+            assert long.status == 400 and "maximum context length is 1000 tokens" in error["message"]
+            body, headers = chat("at-the-limit")
+            fits = await session.post(url + "/v1/chat/completions", json=body,
+                                      headers=headers | {"x-input-tokens": "1000"})  # fmt: skip
+            assert fits.status == 200 and (await fits.read()).endswith(b"data: [DONE]\n\n")
+    finally:
+        await runner.cleanup()

@@ -140,6 +140,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--arrival-log", metavar="FILE", help="append one JSON line per request as it arrives, unbuffered")
     a("--responses-stream-only", action="store_true", help="answer 400 to non-streaming /v1/responses")
     a("--max-body-bytes", type=int, default=_E.max_body_bytes, help="larger bodies get 413")
+    a(
+        "--max-model-len",
+        type=int,
+        default=_E.max_model_len,
+        help="longest prompt in tokens (x-input-tokens, else estimated); longer ones get 400",
+    )
     a("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log verbosity")
     return p
 
@@ -164,6 +170,8 @@ def config_from_args(
         parser.error("--max-num-batched-tokens: must be >= 1")
     if args.max_body_bytes < 1024:
         parser.error("--max-body-bytes: must be >= 1024")
+    if args.max_model_len < 1:
+        parser.error("--max-model-len: must be >= 1")
     for flag, path in (("--request-log", args.request_log), ("--arrival-log", args.arrival_log)):
         if path:
             try:
@@ -200,6 +208,7 @@ def config_from_args(
         arrival_log=args.arrival_log,
         responses_stream_only=args.responses_stream_only,
         max_body_bytes=args.max_body_bytes,
+        max_model_len=args.max_model_len,
     )
     runner.configure_logging(args.log_level.upper())
     return config, host, port

@@ -50,6 +50,7 @@ class EngineConfig:
     arrival_log: str | None = None
     responses_stream_only: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
+    max_model_len: int = 1_000_000
 
 
 class Slots:

@@ -175,6 +175,14 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
     output_tokens = tok.output_tokens(
         tok.parse_token_header(headers_in.get(h.OUTPUT_TOKENS)), limit, engine.timing.num_tokens
     )
+    if input_tokens > engine.config.max_model_len:  # vLLM refuses it too; it would hold the engine for ages
+        record.status, record.outcome = 400, "prompt_too_long"
+        _log(engine, record)
+        return error_response(
+            400,
+            f"This model's maximum context length is {engine.config.max_model_len} "
+            f"tokens. However, you requested {input_tokens} tokens in the prompt.",
+        )
     admit = _Admit(engine, record, headers_in.get(h.CACHE_AFFINITY_KEY), prompt, input_tokens, output_tokens)
     immediate = plan.delay_s <= 0 and first_token_delay_s(engine.timing, request_id) <= 0
     try:
