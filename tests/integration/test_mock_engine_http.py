@@ -398,6 +398,20 @@ async def test_body_errors() -> None:
             assert (await error(r))[0] == 405 and r.headers["allow"] == "POST"
 
 
+async def test_several_choices_are_refused_and_stop_sequences_ignored() -> None:
+    """A client asking for n choices reads n; one, silently, would fail it later."""
+    async with running() as (url, _, session):
+        for path, body in (("/v1/chat/completions", chat(n=2)), ("/v1/completions", {"prompt": "x", "n": 3})):
+            async with session.post(url + path, json=body) as r:
+                assert await error(r) == (400, "n > 1 is not supported: the mock engine generates one choice")
+        async with session.post(url + "/v1/chat/completions", json=chat(n=True)) as r:
+            assert await error(r) == (422, "field 'n' must be a positive integer")
+        async with session.post(url + "/v1/chat/completions", json=chat(n=1, stop=[","], max_tokens=3)) as r:
+            answer = await r.json()
+        assert r.status == 200 and len(answer["choices"]) == 1
+        assert answer["usage"]["completion_tokens"] == 3  # the stop sequence cut nothing
+
+
 async def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent() -> None:
     async with running(max_body_bytes=4096) as (url, _, _session):
         host, port = url.removeprefix("http://").rsplit(":", 1)

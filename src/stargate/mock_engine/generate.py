@@ -128,6 +128,12 @@ def _validate(kind: Kind, body: dict[str, Any]) -> Any:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _field_error("stream_options", "an object")
+    choices = body.get("n")
+    if kind != "responses" and choices is not None:
+        if not isinstance(choices, int) or isinstance(choices, bool) or choices < 1:
+            raise _field_error("n", "a positive integer")
+        if choices > 1:  # one choice silently would break a client that reads choices[1]
+            raise web.HTTPBadRequest(text="n > 1 is not supported: the mock engine generates one choice")
     return limit
 
 
