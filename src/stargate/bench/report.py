@@ -146,6 +146,15 @@ def _failure_cells(failure: Mapping[str, Any]) -> list[str]:
     return [str(status or "-"), str(backend or "-"), str(failure["error_class"]), str(failure["count"])]
 
 
+def _requests_sent(planned: int, summaries: Sequence[RunSummary]) -> str:
+    """What the runs sent: ``execution.duration_s``, a failure or Ctrl-C can stop one short of the plan."""
+    sent = sorted({s.request_count for s in summaries})
+    if not sent or sent == [planned]:
+        return str(planned)
+    counts = str(sent[0]) if len(sent) == 1 else f"{sent[0]}-{sent[-1]} per run"
+    return f"{counts} sent of {planned} planned"
+
+
 def render_markdown(scenario: Scenario, summaries: Sequence[RunSummary], charts: Sequence[str]) -> str:
     meta = scenario.metadata
     clusters = scenario.cluster_members()
@@ -155,7 +164,7 @@ def render_markdown(scenario: Scenario, summaries: Sequence[RunSummary], charts:
         lines += [meta.description, ""]
     lines += [
         f"- Model: {scenario.model}",
-        f"- Requests: {scenario.request_count}",
+        f"- Requests: {_requests_sent(scenario.request_count, summaries)}",
         f"- Execution: {mode}, max concurrency {scenario.execution.workers or scenario.max_concurrency}",
         f"- Stargates: {scenario.stargates.count}",
         f"- Pylons: {scenario.backends.count}",

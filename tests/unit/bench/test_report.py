@@ -54,6 +54,17 @@ def test_write_report_produces_markdown_json_and_charts(tmp_path: Path) -> None:
     assert rows[0]["pylon_queue_admission"] is None
 
 
+def test_the_header_counts_the_requests_sent_not_only_those_planned() -> None:
+    """With ``execution.duration_s`` a run sends fewer than ``request_count`` (smoke plans 40)."""
+    scenario = load_scenario(ROOT / "benches" / "smoke.yaml")
+    short = summarize("a", records("a", ["backend-0"] * 30, 2), scenario, 2.0, None)
+    shorter = summarize("b", records("b", ["backend-0"] * 28, 2), scenario, 2.0, None)
+    assert "- Requests: 30 sent of 40 planned\n" in render_markdown(scenario, [short], [])
+    assert "- Requests: 28-30 per run sent of 40 planned\n" in render_markdown(scenario, [short, shorter], [])
+    whole = summarize("c", records("c", ["backend-0"] * 40, 2), scenario, 2.0, None)
+    assert "- Requests: 40\n" in render_markdown(scenario, [whole], [])
+
+
 def test_markdown_without_runs_warns() -> None:
     scenario = load_scenario(ROOT / "benches" / "smoke.yaml")
     assert "- no summaries found" in render_markdown(scenario, [], [])
