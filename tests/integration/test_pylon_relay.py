@@ -491,6 +491,33 @@ async def test_b96_eof_before_output_aborts(engine: FakeEngine, client: aiohttp.
         await app.close()
 
 
+@pytest.mark.parametrize(
+    "events",
+    [
+        [b'event: response.created\ndata: {"type":"response.created"}\n\n',
+         b'event: response.failed\ndata: {"type":"response.failed"}\n\n'],
+        [b'event: response.created\rdata: {"type":"response.created"}\r\r',
+         b'event: response.output_text.delta\rdata: {"delta":"hi"}\r\r'],
+    ],
+)  # fmt: skip
+async def test_a_stream_that_ends_as_an_answer_without_a_token_is_relayed_whole(
+    engine: FakeEngine, client: aiohttp.ClientSession, events: list[bytes]
+) -> None:
+    """The original's rule (behaviour 96) aborts a stream that ends before any event of an answer;
+    one that ends in ``response.failed``, or whose events end in CR, is an answer."""
+    engine.chat_mode, engine.events = "events", events
+    app = await started(engine)
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert await resp.read() == b"".join(events)
+        status = "complete" if b"delta" in events[1] else "failed"  # no token: no success
+        labels = {"model": "llama", "routing_key": "", "status": status}
+        registry = app.metrics.registry
+        await until("it ended", lambda: registry.get_sample_value("pylon_requests_total", labels) == 1)
+    finally:
+        await app.close()
+
+
 async def test_b26_health_rewritten_to_resolved_path(
     engine: FakeEngine, client: aiohttp.ClientSession
 ) -> None:

@@ -24,7 +24,8 @@ class FakeEngine:
     models_status: int = 200  # with models_body: replaces the /v1/models answer
     models_body: bytes | None = None
     health_status: dict[str, int] = field(default_factory=lambda: {"/health": 200, "/v1/health/ready": 200})
-    chat_mode: str = "ok"  # ok | hang | silent (no headers) | no_output | status
+    chat_mode: str = "ok"  # ok | hang | silent (no headers) | no_output | status | events
+    events: list[bytes] = field(default_factory=list)  # the stream of chat_mode "events", as written
     chat_status: int = 200
     chat_headers: dict[str, str] = field(default_factory=dict)
     stream_status: int = 404
@@ -81,6 +82,11 @@ class FakeEngine:
             await self._hold()
         if self.chat_mode == "no_output":
             await resp.write(b": keepalive\n\n")
+            return resp
+        if self.chat_mode == "events":
+            for event in self.events:
+                await resp.write(event)
+            await resp.write_eof()
             return resp
         for piece in ("a", "b", "c"):
             await resp.write(b'data: {"choices":[{"delta":{"content":"%s"}}]}\n\n' % piece.encode())

@@ -17,7 +17,7 @@ import orjson
 from stargate.pylon.models import Generation
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
-from stargate.wire.sse import event_data, is_output, iter_events, split_complete
+from stargate.wire.sse import event_data, is_answer, is_output, iter_events, split_complete
 
 PROGRESS_INTERVAL_S = 1.0
 _TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
@@ -74,6 +74,8 @@ class SseScanner:
         self._pairs = _COMPLETION_PAIRS if completions else _MARKER_PAIRS
         self._tail = b""
         self.output_seen = False
+        self.answered = False
+        """An event of an answer arrived (``wire.sse.is_answer``), output or not."""
         self.estimated_tokens = 0
         self.explicit_tokens: int | None = None
         self.prompt_tokens: int | None = None
@@ -92,6 +94,7 @@ class SseScanner:
             consumed = 0
             for raw in iter_events(complete):
                 consumed += len(raw)
+                self.answered = self.answered or is_answer(raw)
                 if is_output(raw):
                     self.output_seen = first = True
                     self._count(raw)

@@ -606,7 +606,9 @@ class Relay:
     async def _pump_sse(
         self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, observer: RequestObserver
     ) -> tuple[bool, bytes]:
-        """As :meth:`_pump`, observing the stream; not ok when it carried no output."""
+        """As :meth:`_pump`, observing the stream; not ok when it ended before any event of an
+        answer (``SseScanner.answered``: a Responses stream that ends in ``response.failed``
+        without a token is relayed whole, and its observer records it failed)."""
         scanner = SseScanner(completions=observer.endpoint is Endpoint.COMPLETIONS)
         tail = b""
         stall = _Stall(upstream, self.between_s)
@@ -630,7 +632,7 @@ class Relay:
             return False, b""
         finally:
             stall.stop()
-        return scanner.output_seen, tail
+        return scanner.answered, tail
 
 
 def _admission_attributes(decision: admission.Decision) -> dict[str, AttributeValue]:

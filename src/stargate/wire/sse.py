@@ -12,7 +12,8 @@ import orjson
 MAX_PENDING_EVENT = 1024 * 1024
 """An unterminated event longer than this is no event stream a reader can follow."""
 
-_DELIMS = (b"\r\n\r\n", b"\n\n")
+_DELIMS = (b"\r\n\r\n", b"\n\n", b"\r\r")
+"""Blank lines end an event; a line ends in CRLF, LF or CR (the SSE grammar)."""
 
 
 class EventTooLarge(Exception):
@@ -22,8 +23,7 @@ class EventTooLarge(Exception):
 def split_complete(buf: bytes) -> tuple[bytes, bytes]:
     """``buf`` as (its complete events, the unterminated rest); raises ``EventTooLarge`` when the
     rest outgrows ``MAX_PENDING_EVENT``."""
-    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
-    cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    cut = max((end + len(delim) for delim in _DELIMS if (end := buf.rfind(delim)) >= 0), default=0)
     if len(buf) - cut > MAX_PENDING_EVENT:
         raise EventTooLarge
     return buf[:cut], buf[cut:]
@@ -68,20 +68,40 @@ def is_output(raw: bytes) -> bool:
     where every event but ``response.created`` counts): an engine sends ``response.in_progress``,
     ``response.output_item.added`` and ``response.content_part.added`` before its first token, and
     counted as output they put the first token, and the input rate measured from it, at the start."""
+    kind = _response_kind(raw)
+    if kind is None:
+        return False
+    if kind.startswith(b"response."):
+        return kind.endswith(b".delta")
+    return True
+
+
+def is_answer(raw: bytes) -> bool:
+    """Whether an SSE event is part of an answer: the original's output rule, every event with
+    data but ``[DONE]`` and ``response.created``. A stream that ends without one was no answer
+    (pylon.md behaviour 96); a Responses stream of ``response.created`` and ``response.failed``
+    was one, without output."""
+    kind = _response_kind(raw)
+    return kind is not None and kind != b"response.created"
+
+
+def _response_kind(raw: bytes) -> bytes | None:
+    """A Responses API event's type (``event:`` name, else the data's ``type``); ``b""`` for any
+    other event with data; None for an event without data or ``[DONE]``."""
     name, data = event_data(raw)
     if not data or data == b"[DONE]":
-        return False
-    kind = name
-    if kind is None and b'"response.' in data:
+        return None
+    if name is not None:
+        return name
+    if b'"response.' in data:
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return True
+            return b""
         typed = obj.get("type") if isinstance(obj, dict) else None
-        kind = typed.encode() if isinstance(typed, str) else None
-    if kind is not None and kind.startswith(b"response."):
-        return kind.endswith(b".delta")
-    return True
+        if isinstance(typed, str):
+            return typed.encode()
+    return b""
 
 
 class FirstOutput:

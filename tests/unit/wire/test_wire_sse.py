@@ -1,0 +1,35 @@
+"""Server-sent events as router and Pylon read them: event ends and which events are output."""
+
+from __future__ import annotations
+
+import pytest
+
+from stargate.wire.sse import FirstOutput, is_answer, is_output, split_complete
+
+
+@pytest.mark.parametrize(
+    ("event", "output", "answer"),
+    [
+        (b'event: response.created\ndata: {"type":"response.created"}\n\n', False, False),
+        (b'data: {"type":"response.in_progress"}\n\n', False, True),
+        (b'event: response.failed\ndata: {"type":"response.failed"}\n\n', False, True),
+        (b'data: {"type":"response.output_text.delta","delta":"x"}\n\n', True, True),
+        (b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n', True, True),
+        (b"data: [DONE]\n\n", False, False),
+        (b": keepalive\n\n", False, False),
+    ],
+)
+def test_output_is_a_token_and_an_answer_any_event_but_response_created(
+    event: bytes, output: bool, answer: bool
+) -> None:
+    assert (is_output(event), is_answer(event)) == (output, answer)
+
+
+@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n", b"\r\r"])
+def test_an_event_ends_at_a_blank_line_of_any_line_ending(end: bytes) -> None:
+    event = b"data: {}" + end
+    assert split_complete(event + b"data: par") == (event, b"data: par")
+    watch = FirstOutput()
+    assert not watch.feed(b'event: response.created\ndata: {"type":"response.created"}' + end)
+    assert not watch.feed(b'data: {"type":"response.output_text.delta"')
+    assert watch.feed(b"}" + end) and watch.feed(b"anything")
