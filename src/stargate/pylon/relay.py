@@ -53,7 +53,7 @@ from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
 from stargate.wire.http_server import expectation_problem, report_client_gone, send_continue
-from stargate.wire.limits import MAX_BODY_BYTES
+from stargate.wire.limits import HOP_HEADER_FIELDS, MAX_BODY_BYTES, MAX_REQUEST_HEADER_FIELDS
 from stargate.wire.sse import EventTooLarge
 
 if TYPE_CHECKING:
@@ -68,6 +68,8 @@ ENDPOINTS = {
     "/v1/embeddings": Endpoint.EMBEDDINGS,
     "/v1/completions": Endpoint.COMPLETIONS,
 }
+PYLON_HEADER_FIELDS = MAX_REQUEST_HEADER_FIELDS + HOP_HEADER_FIELDS
+"""What a router took, with what it added."""
 MAX_OBSERVED_JSON = 1024 * 1024  # a JSON answer larger than this is relayed without reading its usage
 _RELAY_HINT = "pylon --pylon-relay-non-streaming true relays JSON answers"
 
@@ -284,7 +286,7 @@ class Relay:
 
     def _head(self, request: web.Request) -> tuple[RequestMeta, Generation] | StargateError:
         """What the request's head says, or what is wrong with it (before its body is read)."""
-        if (too_many := h.too_many_fields(len(request.headers))) is not None:
+        if (too_many := h.too_many_fields(len(request.headers), PYLON_HEADER_FIELDS)) is not None:
             return RequestError(too_many)
         if any(segment in (".", "..") for segment in request.path.split("/")):
             # The engine's URL resolves them: /v1/./chat/completions is its chat endpoint, which

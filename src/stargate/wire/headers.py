@@ -161,8 +161,8 @@ def forwardable(items: Iterable[tuple[str, str]], dropped: frozenset[str]) -> CI
     return without_names(out, nominated_names(connection)) if connection else out
 
 
-def too_many_fields(count: int) -> str | None:
-    """What is wrong with a request of ``count`` header fields (``MAX_REQUEST_HEADER_FIELDS``)."""
-    if count <= MAX_REQUEST_HEADER_FIELDS:
+def too_many_fields(count: int, limit: int = MAX_REQUEST_HEADER_FIELDS) -> str | None:
+    """What is wrong with a request of ``count`` header fields, if more than ``limit``."""
+    if count <= limit:
         return None
-    return f"the request has {count} header fields, at most {MAX_REQUEST_HEADER_FIELDS} are taken"
+    return f"the request has {count} header fields, at most {limit} are taken"

@@ -18,10 +18,13 @@ mock engine's (default). A body Stargate may replay must also fit through Pylon.
 MAX_BUFFERED_BODY_BYTES = 1024 * 1024 * 1024
 """Default room for the request bodies a Stargate or Pylon holds at once (``wire.body_budget``)."""
 MAX_REQUEST_HEADER_FIELDS = 100
-"""Header fields Stargate and Pylon take in a request. An aiohttp server (Pylon, the mock engine)
-parses at most 128, and each hop adds its own (``Via``, the expected queue, a trace context, the
-engine's priority): a request at the limit was passed on and refused by the next hop, its 400
-blamed on the backend."""
+"""Header fields Stargate takes in a client's request. An aiohttp server (Pylon, the mock engine)
+parses at most 128, and each hop adds its own (the plain-client headers, ``Via``, the expected
+queue, a trace context, the engine's priority): a request at that limit was passed on and refused
+by the next hop, its 400 blamed on the backend."""
+HOP_HEADER_FIELDS = 12
+"""Room for the header fields a hop adds: Pylon takes ``MAX_REQUEST_HEADER_FIELDS`` plus this many
+(what a router added to a request it took), and an engine gets at most that plus Pylon's own."""
 MAX_PLAUSIBLE_TOKENS = 1 << 24
 """16 777 216 prompt tokens: above every model's context window. A throughput sample counting more
 came from a client's claim or a faulty counter, not from an engine (Pylon's and Stargate's rates)."""
@@ -67,4 +70,3 @@ def u64_ceil(value: float) -> int:
     if value >= U64_MAX or math.isinf(value):
         return U64_MAX
     return math.ceil(value)
-
