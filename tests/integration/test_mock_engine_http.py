@@ -412,16 +412,17 @@ async def test_several_choices_are_refused_and_stop_sequences_ignored() -> None:
         assert answer["usage"]["completion_tokens"] == 3  # the stop sequence cut nothing
 
 
-async def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent() -> None:
+@pytest.mark.parametrize("expect", ["", "Expect: 100-continue\r\n"])
+async def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(expect: str) -> None:
     async with running(max_body_bytes=4096) as (url, _, _session):
         host, port = url.removeprefix("http://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            "content-length: 100000\r\n\r\n"
+            f"content-length: 100000\r\n{expect}\r\n"
         )
         writer.write(head.encode())  # and no body: the answer must not wait for it
-        status = await asyncio.wait_for(reader.readline(), 5)
+        status = await asyncio.wait_for(reader.readline(), 5)  # no 100 Continue first
         writer.close()
         await writer.wait_closed()
         assert status.startswith(b"HTTP/1.1 413")

@@ -12,7 +12,7 @@ from aiohttp.typedefs import Handler
 from stargate.wire import headers as h
 from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
-from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner
+from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner, expectation_problem, send_continue
 from stargate.wire.listen import listen
 
 from . import control as control_module
@@ -84,6 +84,18 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return response
 
 
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: a body declared over the limit gets its 413 instead of a 100."""
+    problem = expectation_problem(request)
+    if problem is not None:
+        return error_response(problem.status, problem.message)
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        return error_response(413, f"request body of {request.content_length} bytes exceeds {limit}")
+    await send_continue(request)
+    return None
+
+
 def build_app(engine: Engine) -> web.Application:
     app = web.Application(client_max_size=engine.config.max_body_bytes, middlewares=[_json_errors])
     app[ENGINE_KEY] = engine
@@ -126,10 +138,10 @@ def build_app(engine: Engine) -> web.Application:
 
     app.add_routes(
         [
-            web.post("/v1/chat/completions", chat),
-            web.post("/v1/completions", completions),
-            web.post("/v1/responses", responses),
-            web.post("/v1/embeddings", embed),
+            web.post("/v1/chat/completions", chat, expect_handler=_expect),
+            web.post("/v1/completions", completions, expect_handler=_expect),
+            web.post("/v1/responses", responses, expect_handler=_expect),
+            web.post("/v1/embeddings", embed, expect_handler=_expect),
             web.get("/v1/models", models),
             web.get("/health", health),
             web.get("/v1/health/ready", ready),
