@@ -330,7 +330,7 @@ class AttemptDriver:
 def _first_output_watch(path_qs: str, response: UpstreamResponse) -> FirstOutput | None:
     """A watch for a Responses API event stream, whose first bytes are not its first token: an
     engine sends ``response.created`` and ``response.in_progress`` as it takes the request, before
-    its prefill, and a prefill taken for over would hide that prompt's work from load-aware
+    its prefill, and a prefill taken as ended there hid that prompt's work from load-aware
     routing. Other answers' first byte is their first token (or all of them)."""
     if response.status >= 300 or path_qs.partition("?")[0] != RESPONSES_PATH:
         return None

@@ -201,7 +201,6 @@ class PlainClients:
         """The whole body, holding ``len(body)`` bytes of the budget (``BodyBudget.read_whole``)."""
         self.check_declared(request)
         limit = self.settings.max_body_bytes
-
         try:
             return await self._budget.read_whole(request, limit)
         except PayloadTooLarge:  # chunked: nothing declared (a length is exact, aiohttp's check)
