@@ -105,4 +105,4 @@ def test_an_address_in_use_exits_2_naming_the_flag(capsys: pytest.CaptureFixture
         taken.listen()
         assert main(["--port", str(taken.getsockname()[1])]) == 2
     error = capsys.readouterr().err
-    assert "--http-listen-addr: cannot listen on 127.0.0.1:" in error
+    assert "--http-listen-addr/--host/--port: cannot listen on 127.0.0.1:" in error

@@ -186,7 +186,9 @@ def print_result(console: Console, result: SuiteResult) -> int:
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro``; SIGTERM cancels it like Ctrl-C, so every ``finally`` (fleet teardown) runs."""
+    """Run ``coro``; SIGTERM cancels it like Ctrl-C, so every ``finally`` (fleet teardown) runs,
+    and either ends as ``KeyboardInterrupt``. Raised outside the loop: a task that ended with it
+    was reported "exception never retrieved", with a traceback, when Ctrl-C came during teardown."""
 
     async def guarded() -> T:
         task = asyncio.current_task()
@@ -196,10 +198,11 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
                 loop.add_signal_handler(signal.SIGTERM, task.cancel)
         try:
             return await coro
-        except asyncio.CancelledError:
-            raise KeyboardInterrupt from None
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGTERM)
 
-    return asyncio.run(guarded())
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:  # SIGTERM (Ctrl-C is asyncio.run's own KeyboardInterrupt)
+        raise KeyboardInterrupt from None

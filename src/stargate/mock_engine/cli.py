@@ -226,7 +226,7 @@ async def serve(config: EngineConfig, host: str, port: int) -> int:
         runner, url = await start_server(engine, host, port)
     except OSError as exc:
         reason = f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}"
-        print(f"stargate-mock-engine: error: --http-listen-addr: {reason}", file=sys.stderr)
+        print(f"stargate-mock-engine: error: --http-listen-addr/--host/--port: {reason}", file=sys.stderr)
         return 2
     print(LISTEN_LINE + url, flush=True)
     log.info("serving model %s as %s", config.model, engine.backend_id)

@@ -102,7 +102,8 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         env_var="STARGATE_PROXY_MAX_REPLAY_BODY_BYTES",
         type=non_negative_int,
         default=_D.proxy.max_replay_body_bytes,
-        help="largest request body kept for replay; larger ones get 413",
+        help="largest request body kept for replay: a larger Content-Length gets 413, "
+        "a larger chunked body is sent once, not resent",
     )
     add(
         "--proxy-max-buffered-body-bytes",
