@@ -427,7 +427,13 @@ class AttemptMachine:
         state = _noted(state, Retried(signal.reason))
         if mismatch:
             return _sibling(state, backend)
-        state = replace(state, failed_cluster_ids=state.failed_cluster_ids | {backend.cluster_id})
+        # The backend too: a requeue brings back the cluster of a sibling that was only busier
+        # than expected, and this one (an engine that died) was sent the request again.
+        state = replace(
+            state,
+            failed_cluster_ids=state.failed_cluster_ids | {backend.cluster_id},
+            failed_backend_ids=state.failed_backend_ids | {backend.inference_server_id},
+        )
         return self._route(state, snapshot, now, rng)
 
     def _send_failed(self, state: AttemptState, event: SendFailed, now: float) -> tuple[AttemptState, Action]:

@@ -181,9 +181,27 @@ def test_a_request_whose_last_cluster_refused_it_is_routed_again_within_its_rout
     assert state.failed_backend_ids == frozenset()
 
 
+def test_a_requeue_does_not_bring_back_a_backend_that_refused_for_another_reason() -> None:
+    """a's engine died (local_connect_failure), its sibling b was busier than expected: the
+    requeue brings c1 back for b, and sent a to its dead engine again."""
+    state, action = step(sending(max_wait_ms=5000), Answered(503, signal("local_connect_failure"), READY))
+    assert action == Pick("c2", frozenset({"a"}))
+    assert state.failed_backend_ids == {"a"} and state.failed_cluster_ids == {"c1"}
+    state = replace(
+        state,
+        request_retries=2,
+        backend=backend("b", "c1"),
+        failed_backend_ids=state.failed_backend_ids | {"z"},
+        failed_cluster_ids=state.failed_cluster_ids | {"c2"},
+        mismatched=frozenset({("z", "c2")}),
+    )
+    state, action = step(state, Answered(429, signal("queue_estimate_mismatch"), READY))
+    assert isinstance(action, Pick) and "a" in action.failed_backend_ids
+
+
 def test_a_request_every_backend_refused_tells_its_client_the_soonest_retry_after() -> None:
     state, action = step(sending(), Answered(503, RetrySignal(True, "busy", False, 3000), READY))
-    assert action == Pick("c2", frozenset())
+    assert action == Pick("c2", frozenset({"a"}))
     state, action = step(state, Picked(backend("z", "c2")))
     state, action = step(state, Answered(503, RetrySignal(True, "busy", False, 1500), READY))
     assert isinstance(action, Fail) and action.error.status == 503
