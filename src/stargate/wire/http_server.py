@@ -74,6 +74,7 @@ class GuardedRequestHandler(RequestHandler):
         "_problem",
         "_send_timer",
         "_timeouts",
+        "stopping",
         "timed_out",
     )
 
@@ -97,6 +98,8 @@ class GuardedRequestHandler(RequestHandler):
         self._peer = "unknown peer"
         self.timed_out = False
         """This side closed the connection on a client deadline (logged then, not again as a hang-up)."""
+        self.stopping = False
+        """The server closes the connection as it stops (past the drain, logged once, by the owner)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -128,6 +131,10 @@ class GuardedRequestHandler(RequestHandler):
                 timer.cancel()
         self._body_timer = self._send_timer = None
         super().connection_lost(exc)
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        self.stopping = True
+        await super().shutdown(timeout)
 
     def pause_writing(self) -> None:
         """The send buffer is full: the client has not read the answer so far."""
@@ -340,8 +347,9 @@ def report_client_gone(
     transport = request.transport
     if transport is not None and not transport.is_closing():
         return False
-    if isinstance(request.protocol, GuardedRequestHandler) and request.protocol.timed_out:
-        return True  # logged when the deadline closed it
+    protocol = request.protocol
+    if isinstance(protocol, GuardedRequestHandler) and (protocol.timed_out or protocol.stopping):
+        return True  # logged when the deadline closed it, or the drain ran out
     where = f" (request id {detail(request_id)})" if request_id else ""
     if request.body_exists and not request.content.is_eof():
         faults.report(
