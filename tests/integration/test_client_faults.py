@@ -385,7 +385,7 @@ async def test_stargate_closes_a_request_body_that_stalls_before_routing_it(
     loop = asyncio.get_running_loop()
     reader = await conns.open(sg.base, head(CHAT, b"{" * 100, "m", "stalled") + b"{" * 10)
     started = loop.time()
-    await asyncio.sleep(STALL_TIMEOUT_MS / 3000)
+    await waiting.until("the router reads the body", lambda: sg.server.proxy.in_flight == 1)  # type: ignore[union-attr]
     view = sg.server.state.view(Target(None, "m"))
     assert view is not None and view.candidates[0].in_flight.requests == 0  # not routed
     assert await closed_by_server(reader)

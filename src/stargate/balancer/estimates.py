@@ -173,9 +173,9 @@ def with_assumed_rates(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ..
     and it measures one from the answers it relays. Taken for infinite, that prefill kept the
     cluster from every request that would have measured it, and a fleet of such clusters answered
     every request 503. Only the load-aware estimates read the assumed rate."""
+    if all(0.0 < c.stats.last_mean_input_tps < INF for c in candidates):
+        return candidates  # the usual case, on every rebuild: nothing built
     known = [tps for c in candidates if 0.0 < (tps := c.stats.last_mean_input_tps) < INF]
-    if len(known) == len(candidates):
-        return candidates
     rate = statistics.fmean(known) if known else UNKNOWN_PREFILL_TPS
     return tuple(
         c if 0.0 < c.stats.last_mean_input_tps < INF else replace(c, assumed_input_tps=rate)

@@ -19,7 +19,7 @@ def test_sigterm_ends_the_run_as_keyboard_interrupt_after_teardown(caplog: pytes
     async def run() -> None:
         try:
             os.kill(os.getpid(), signal.SIGTERM)
-            await asyncio.sleep(10)
+            await asyncio.Event().wait()  # until cancelled
         finally:
             await asyncio.sleep(0)  # a teardown that awaits, as the fleet's does
             torn_down.append(True)
@@ -44,7 +44,7 @@ def test_an_interrupt_that_lands_outside_the_run_leaves_no_task_exception_to_rep
     async def run() -> None:
         asyncio.get_running_loop().call_soon(interrupt)
         try:
-            await asyncio.sleep(10)
+            await asyncio.Event().wait()  # until cancelled
         finally:
             torn_down.append(True)
 
