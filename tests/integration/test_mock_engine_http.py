@@ -392,6 +392,9 @@ async def test_body_errors() -> None:
                 assert await error(r) == (422, f"field {field!r} must be a positive integer")
         async with session.post(url + "/v1/embeddings", json={"model": "m"}) as r:
             assert (await error(r))[0] == 422
+        deep = b'{"input": ' + b"[" * 300 + b'"hi"' + b"]" * 300 + b"}"  # past what orjson writes
+        async with session.post(url + "/v1/responses", data=deep, headers=headers) as r:
+            assert await error(r) == (422, "field 'input' must be nested at most 255 levels deep")
         async with session.post(url + "/v1/chat/completions", json={"m": "x" * 5000}) as r:
             assert (await error(r))[0] == 413
         async with session.get(url + "/v1/chat/completions") as r:

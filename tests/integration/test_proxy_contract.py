@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gzip
 import logging
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +35,7 @@ from support.waiting import until, value_of
 
 from stargate.balancer.config import parse_lb_config
 from stargate.balancer.types import Target
+from stargate.body_coding import decoded
 from stargate.proto import stargate_pb2 as pb
 from stargate.router.attempt import RetrySettings
 from stargate.router.health import HealthSettings
@@ -303,6 +305,26 @@ async def test_p107_single_rejecting_backend_with_overflow_is_413() -> None:
         status, _, _ = await sg.post(body=chunked(b"12345", b"67890", b"abcde"))
         assert status == 413
         assert sg.metric("stargate_requests_total", **labels(inference_server_id="r", status="413")) == 1
+
+
+async def test_plain_client_compressed_body_is_read_away_from_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """60 KB of gzip can inflate to the read cap: read on the event loop it stalled every request."""
+    threads: list[int] = []
+
+    def recorded(body: bytes, coding: str | None, limit: int) -> bytes:
+        threads.append(threading.get_ident())
+        return decoded(body, coding, limit)
+
+    monkeypatch.setattr("stargate.router.plain_client.decoded", recorded)
+    packed = gzip.compress(orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+    async with running(plain_clients=PlainClientSettings()) as sg:
+        backend = await sg.backend("b1")
+        async with sg.http.post(sg.base + CHAT, data=packed, headers={"content-encoding": "gzip"}) as resp:
+            assert resp.status == 200
+        assert backend.requests[0][2] == packed
+        assert len(threads) == 1 and threads[0] != threading.get_ident()
 
 
 async def test_bodies_read_whole_wait_for_room_and_get_503_when_none_frees() -> None:

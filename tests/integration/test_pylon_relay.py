@@ -5,6 +5,7 @@ import contextlib
 import gzip
 import io
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -14,6 +15,7 @@ from support.pylon_fakes import FakeEngine
 from support.waiting import until
 from yarl import URL
 
+from stargate.body_coding import decoded
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
 from stargate.pylon.relay import RelayTimeouts
@@ -279,6 +281,29 @@ async def test_compressed_body_is_checked_decoded_and_forwarded_unchanged(
             assert resp.status == 400
             assert (await resp.json(content_type=None))["detail"] == "request body is not valid gzip data"
         assert len(engine.requests) == 1
+    finally:
+        await app.close()
+
+
+async def test_compressed_body_is_checked_away_from_the_event_loop(
+    engine: FakeEngine, client: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """60 KB of gzip can inflate to 60 MiB: read on the event loop it stalled every request."""
+    threads: list[int] = []
+
+    def recorded(body: bytes, coding: str | None, limit: int) -> bytes:
+        threads.append(threading.get_ident())
+        return decoded(body, coding, limit)
+
+    monkeypatch.setattr("stargate.pylon.relay.decoded", recorded)
+    app = await started(engine, "--engine-stats-stream", "off")
+    packed = gzip.compress(orjson.dumps({"model": "llama", "input": ["a"]}))
+    try:
+        async with client.post(
+            app.http_url + "/v1/embeddings", data=packed, headers={**HEADERS, "content-encoding": "gzip"}
+        ) as resp:
+            assert resp.status == 200
+        assert len(threads) == 1 and threads[0] != threading.get_ident()
     finally:
         await app.close()
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import random
+import threading
 import zlib
 
 import pytest
+from support.waiting import until
 
-from stargate.body_coding import decoded
+from stargate.body_coding import decoded, off_loop
 from stargate.errors import PayloadTooLarge, RequestError, UnsupportedEncoding
 
 BODY = b'{"stream": true, "messages": []}'
@@ -39,7 +43,43 @@ def test_a_body_inflating_past_the_limit_is_a_413_without_inflating_it_all() -> 
     assert info.value.status == 413
 
 
+def test_a_body_inflating_past_a_hundred_times_its_size_is_a_413() -> None:
+    """Bounded as zip-bomb guards bound it: 60 KB held 60 MiB of JSON, a second of parsing."""
+    text = b"a" * (3 * 1024 * 1024)
+    bomb = gzip.compress(text)  # about 3 KB
+    with pytest.raises(PayloadTooLarge, match=f"inflates past 100 times its {len(bomb)} bytes"):
+        decoded(bomb, "gzip", 64 * 1024 * 1024)
+    assert decoded(gzip.compress(text[: 1024 * 1024]), "gzip", 64 * 1024 * 1024) == text[: 1024 * 1024]
+    noise = random.Random(7).randbytes(2 * 1024 * 1024)  # incompressible: its own size, past the floor
+    assert decoded(gzip.compress(text + noise), "gzip", 64 * 1024 * 1024) == text + noise
+
+
 def test_an_unknown_coding_is_a_415() -> None:
     with pytest.raises(UnsupportedEncoding) as info:
         decoded(BODY, "br", 100)
     assert info.value.status == 415
+
+
+async def test_off_loop_reads_one_body_at_a_time_in_a_worker_while_the_loop_runs() -> None:
+    """A compressed body is decoded and parsed away from the event loop, one at a time: its
+    inflated copy is the only one held, and the process goes on serving meanwhile."""
+    release = threading.Event()
+    seen: list[str] = []
+
+    def first() -> int:
+        seen.append("first")
+        assert release.wait(10)  # set by the event loop below: it is not blocked meanwhile
+        seen.append("first done")
+        return threading.get_ident()
+
+    def second() -> int:
+        seen.append("second")
+        return threading.get_ident()
+
+    reads = asyncio.gather(off_loop(first), off_loop(second))
+    await until("the first read started", lambda: seen == ["first"])
+    assert seen == ["first"]  # the second waits for it
+    release.set()
+    threads = await reads
+    assert seen == ["first", "first done", "second"]
+    assert threading.get_ident() not in threads

@@ -112,7 +112,10 @@ def _input_tokens(engine: Engine, kind: Kind, body: dict[str, Any], header: int 
         return tok.chat_input_estimate(value), prompt
     if kind == "completions":
         return tok.completions_input_estimate(value), prompt
-    return tok.responses_input_estimate(value), prompt
+    try:
+        return tok.responses_input_estimate(value), prompt
+    except TypeError:  # the estimate is compact JSON's length, and orjson writes 255 levels at most
+        raise _field_error("input", "nested at most 255 levels deep") from None
 
 
 def _validate(kind: Kind, body: dict[str, Any]) -> Any:

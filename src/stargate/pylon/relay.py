@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -19,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from stargate.body_coding import decoded
+from stargate.body_coding import decoded, off_loop
 from stargate.errors import (
     BodyBufferFull,
     EngineBodyBufferFull,
@@ -406,17 +407,14 @@ class Relay:
         key: str | None,
         span: Span | None,
     ) -> web.StreamResponse:
-        try:
-            # Checked decoded, forwarded as received: a compressed body reaches the engine unchanged.
-            plain = decoded(body, request.headers.get("content-encoding"), MAX_BODY)
-        except StargateError as exc:
-            return _problem(exc)
-        parsed, error = _checked_body(plain, endpoint, self.s.relay_non_streaming)
+        # Checked decoded, forwarded as received: a compressed body reaches the engine unchanged.
+        coding = request.headers.get("content-encoding")
+        check = functools.partial(_body_rules, body, coding, endpoint, self.s.relay_non_streaming)
+        error, items = await off_loop(check) if coding else check()
         if error is not None:
-            hint = _RELAY_HINT if error.endswith("stream=true") else None
-            return _problem(RequestError(error, hint=hint))
+            return _problem(error)
         if endpoint is Endpoint.EMBEDDINGS and observer is not None:
-            observer.embedding_items = embedding_item_count(parsed)
+            observer.embedding_items = items
         decision = admission.decide(
             self.admission,
             request.headers.get(h.EXPECTED_QUEUE_MS),
@@ -653,16 +651,21 @@ def _problem(exc: StargateError) -> web.Response:
     return error_response(exc, problem=True)
 
 
-def _checked_body(
-    body: bytes, endpoint: Endpoint | None, relay_non_streaming: bool
-) -> tuple[Any, str | None]:
-    """The parsed body and what breaks the body rules (pylon.md §7.1), if anything."""
+def _body_rules(
+    body: bytes, coding: str | None, endpoint: Endpoint | None, relay_non_streaming: bool
+) -> tuple[StargateError | None, int | None]:
+    """What breaks the body rules (pylon.md §7.1), if anything, and an embeddings request's item
+    count: only these are kept, not the decoded copy or the parsed body, while the request runs."""
     try:
-        obj = json_body.loads(body)
+        obj = json_body.loads(decoded(body, coding, MAX_BODY))
+    except StargateError as exc:
+        return exc, None
     except orjson.JSONDecodeError:
-        return None, "request body must be valid JSON"
+        return RequestError("request body must be valid JSON"), None
+    if endpoint is Endpoint.EMBEDDINGS:
+        return None, embedding_item_count(obj)
     streaming = isinstance(obj, dict) and obj.get("stream") is True
     if endpoint in (Endpoint.CHAT, Endpoint.RESPONSES) and not streaming and not relay_non_streaming:
         path = "/v1/chat/completions" if endpoint is Endpoint.CHAT else "/v1/responses"
-        return obj, f"{path} requests must set stream=true"
-    return obj, None
+        return RequestError(f"{path} requests must set stream=true", hint=_RELAY_HINT), None
+    return None, None

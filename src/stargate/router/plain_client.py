@@ -13,6 +13,7 @@ headers is forwarded exactly as without the mode and its body is never parsed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stargate.body_coding import decoded
+from stargate.body_coding import decoded, off_loop
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.router.prefix_keys import PrefixKeys
 from stargate.wire import headers as h
@@ -152,15 +153,16 @@ class PlainClients:
             return headers, None
         raw = await self._read(request)
         try:
-            self._fill(headers, raw)
+            # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
+            coding = headers.get("content-encoding")
+            parse = functools.partial(_json_object, raw, coding, self.settings.max_body_bytes)
+            self._fill(headers, await off_loop(parse) if coding else parse())
         except BaseException:
             self._budget.give(len(raw))
             raise
         return headers, raw
 
-    def _fill(self, headers: CIMultiDict[str], raw: bytes) -> None:
-        # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
-        body = _json_object(decoded(raw, headers.get("content-encoding"), self.settings.max_body_bytes))
+    def _fill(self, headers: CIMultiDict[str], body: dict[str, Any]) -> None:
         if text_value(headers.get(h.MODEL)) is None:
             model = body.get("model")
             value = text_value(model) if isinstance(model, str) else None
@@ -230,10 +232,10 @@ def body_key(value: object) -> str | None:
     return "sha256:" + hashlib.sha256(trimmed.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
+def _json_object(raw: bytes, coding: str | None, limit: int) -> dict[str, Any]:
     why = "(read because x-model or x-input-tokens is missing)"
     try:
-        body = json_body.loads(raw)
+        body = json_body.loads(decoded(raw, coding, limit))
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: {detail(exc)} {why}") from None
     if not isinstance(body, dict):

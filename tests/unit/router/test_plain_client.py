@@ -17,6 +17,7 @@ from stargate.router.plain_client import (
     BytesPerToken,
     PlainClients,
     PlainClientSettings,
+    _json_object,
     body_key,
 )
 from stargate.wire.headers import text_value
@@ -123,7 +124,7 @@ def test_a_long_or_non_ascii_key_is_sent_as_its_digest(value: str) -> None:
 
 def _key(clients: PlainClients, body: dict[str, object]) -> str | None:
     headers = CIMultiDict({"x-request-id": "r"})
-    clients._fill(headers, orjson.dumps({"model": "m", **body}))
+    clients._fill(headers, {"model": "m", **body})
     return headers.get("x-cache-affinity-key")
 
 
@@ -157,7 +158,7 @@ def test_responses_instructions_come_first_so_a_growing_input_continues() -> Non
 )  # fmt: skip
 def test_a_model_that_cannot_travel_as_a_header_is_named_not_missing(model: object, says: str) -> None:
     with pytest.raises(RequestError) as raised:
-        plain()._fill(CIMultiDict({"x-request-id": "r"}), orjson.dumps({"model": model}))
+        plain()._fill(CIMultiDict({"x-request-id": "r"}), {"model": model})
     assert says in raised.value.message
 
 
@@ -167,5 +168,5 @@ def test_a_model_that_cannot_travel_as_a_header_is_named_not_missing(model: obje
 )
 def test_a_body_that_is_not_a_json_object_says_which_it_is(body: bytes, says: str) -> None:
     with pytest.raises(RequestError) as raised:
-        plain()._fill(CIMultiDict({"x-request-id": "r"}), body)
+        _json_object(body, None, 1000)
     assert says in raised.value.message and "x-model or x-input-tokens is missing" in raised.value.message
