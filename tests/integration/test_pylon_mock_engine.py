@@ -162,3 +162,22 @@ async def test_a_signal_while_waiting_for_the_engine_stops_pylon_at_once(stargat
             pylon.kill()
             await pylon.wait()
         server.close()
+
+
+async def test_a_seed_that_is_down_does_not_keep_pylon_from_the_others(stargate: FakeStargate) -> None:
+    """Several ``--stargate-address`` seeds: with one of them down, Pylon registers with the rest
+    (after the initial discovery wait) instead of with no Stargate until that one returns."""
+    engine = await spawn(
+        "stargate.mock_engine.cli", "--http-listen-addr", "127.0.0.1:0", "--model-name", "llama"
+    )
+    pylon: asyncio.subprocess.Process | None = None
+    try:
+        engine_url = (await read_line(engine, MOCK_LINE)).rstrip("/")
+        pylon = await spawn(*pylon_args(engine_url, stargate.address, "--stargate-address", "127.0.0.1:9"))
+        await read_line(pylon, "pylon ready ")
+        await until("a registration with the seed that is up", lambda: bool(stargate.messages))
+    finally:
+        for proc in (pylon, engine):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()

@@ -277,7 +277,7 @@ class PylonApp:
         )
         self.hub.on_change = self.registration.notify
         routers = self.registration.update_routers
-        discovery = StargateDiscovery([s.stargate_address], routers, clock=self.clock)
+        discovery = StargateDiscovery(list(s.stargate_addresses), routers, clock=self.clock)
         self._spawn(discovery.run(), "stargate-discovery")
         if s.discovery_mode:
             self._spawn(self._lifecycle.run_discovery(), "model-discovery")

@@ -60,7 +60,7 @@ class PylonSettings:
     model_names: tuple[str, ...]
     discovery_poll_interval_ms: int
     discovery_request_timeout_ms: int
-    stargate_address: str
+    stargate_addresses: tuple[str, ...]
     inference_server_id: str
     cluster_id: str
     disable_bringup: bool
@@ -157,6 +157,9 @@ def _base_url(raw: str) -> str:
     return base
 
 
+DEFAULT_STARGATE_ADDRESS = "127.0.0.1:50071"
+
+
 def _stargate_url(raw: str) -> str:
     address = _non_blank(raw)
     return address if "://" in address else "http://" + address
@@ -245,8 +248,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
       help="model discovery provider (only dynamo)")
     a("--model-discovery-poll-interval-ms", type=positive_int, default=5000, help="discovery poll period")
     a("--model-discovery-request-timeout-ms", type=positive_int, default=5000, help="discovery poll timeout")
-    a("--stargate-address", type=_stargate_url, default="127.0.0.1:50071",
-      help="seed Stargate for WatchStargates")
+    a("--stargate-address", type=_stargate_url, action="append", default=[],
+      help="seed Stargate for WatchStargates (repeatable: a seed that is down does not keep Pylon "
+           f"from the others; default {DEFAULT_STARGATE_ADDRESS})")
     a("--inference-server-id", type=_non_blank, default="pylon",
       help="backend identity registered with Stargate")
     a("--cluster-id", default=None, help="cluster identity (default: the inference server id)")
@@ -364,6 +368,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     _check_combinations(ns)
     base = ns.upstream_http_base_url
     listen_host, listen_port = ns.http_listen_addr
+    seeds = tuple(dict.fromkeys(ns.stargate_address)) or (_stargate_url(DEFAULT_STARGATE_ADDRESS),)
     return PylonSettings(
         upstream_base_url=base,
         http_listen_host=listen_host,
@@ -372,7 +377,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         model_names=tuple(sorted(set(ns.model_name))),
         discovery_poll_interval_ms=ns.model_discovery_poll_interval_ms,
         discovery_request_timeout_ms=ns.model_discovery_request_timeout_ms,
-        stargate_address=ns.stargate_address,
+        stargate_addresses=seeds,
         inference_server_id=ns.inference_server_id,
         cluster_id=ns.cluster_id or ns.inference_server_id,
         disable_bringup=ns.disable_bringup,
