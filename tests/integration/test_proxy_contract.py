@@ -962,3 +962,17 @@ async def test_a_backend_whose_answers_are_server_errors_leaves_routing_for_a_wh
         statuses = [(await sg.post())[0] for _ in range(2 * SERVER_ERRORS_IN_A_ROW + 10)]
         assert statuses.count(500) == SERVER_ERRORS_IN_A_ROW == len(bad.requests)
         assert statuses[-10:] == [200] * 10  # out of routing once its 5th answer was an error
+
+
+async def test_a_backend_that_drops_every_request_unanswered_leaves_routing_for_a_while() -> None:
+    """It passes its probes and ends each request at once: counted like server errors, it no longer
+    draws traffic while it fails every request sent to it."""
+    async with await round_robin() as sg:
+        bad = await sg.backend("bad", cluster_id="c1")
+        bad.abort_before_answer = True
+        await sg.backend("good", cluster_id="c2")
+        statuses = [(await sg.post())[0] for _ in range(2 * SERVER_ERRORS_IN_A_ROW + 10)]
+        assert statuses[-10:] == [200] * 10
+        # Each attempt counted: out of routing after the 5th (a request tries it up to 3 times).
+        assert SERVER_ERRORS_IN_A_ROW <= len(bad.requests) < 2 * SERVER_ERRORS_IN_A_ROW
+        assert sg.metric("stargate_requests_total", **labels(inference_server_id="bad", status="502")) >= 1

@@ -77,6 +77,8 @@ class FakeState:
     """(reservation, answered) of each relayed response's first body byte."""
     prefills: list[int] = field(default_factory=list)
     """Reservations whose prefill ended, in order: at their first byte or their first output."""
+    server_errors: list[str] = field(default_factory=list)
+    """Backend ids of attempts whose connection failed before an answer."""
 
     def view(self, target: Target) -> FakeView | None:
         return self.current
@@ -109,6 +111,9 @@ class FakeState:
 
     def finish(self, reservation: int) -> None:
         self.finished.append(reservation)
+
+    def server_error(self, backend_id: str) -> None:
+        self.server_errors.append(backend_id)
 
 
 def make_view(clusters: dict[str, list[str]], policy: Policy | None = None) -> FakeView:

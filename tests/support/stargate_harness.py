@@ -45,6 +45,7 @@ class ScriptedBackend:
     gate: asyncio.Event | None = None  # when set: hold the stream after the first SSE chunk
     chunks: tuple[bytes, ...] = SSE_CHUNKS
     abort_after_first: bool = False  # drop the connection mid-stream
+    abort_before_answer: bool = False  # read the request, then drop the connection unanswered
     hold_headers: asyncio.Event | None = None  # when set: wait for it before answering at all
     hold_health: asyncio.Event | None = None  # when set: /health waits for it (a frozen backend)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set once a request was read
@@ -69,6 +70,9 @@ class ScriptedBackend:
         body = await request.read()
         self.requests.append((request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
         self.arrived.set()
+        if self.abort_before_answer and request.transport is not None:
+            request.transport.abort()
+            return web.Response()
         if self.hold_headers is not None:
             await asyncio.wait_for(self.hold_headers.wait(), 10)
         reply = (self.script.pop(0) if len(self.script) > 1 else self.script[0]) if self.script else None

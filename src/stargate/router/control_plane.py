@@ -347,7 +347,8 @@ class ControlPlane:
         def hold_out(errors: int) -> None:
             if prober.hold_out(SERVER_ERROR_HOLD_S):
                 log.warning(
-                    "backend %s out of routing for %g s: its last %d answers were server errors",
+                    "backend %s out of routing for %g s: its last %d attempts ended in server errors"
+                    " or failed connections",
                     backend_id, SERVER_ERROR_HOLD_S, errors,
                 )  # fmt: skip
                 self._state.apply_update(handle, dict.fromkeys(latest), None)

@@ -85,6 +85,7 @@ class RoutingStateView(Protocol):
     def first_byte(self, reservation: Any, answered: bool = True, prefilled: bool = True) -> None: ...
     def prefilled(self, reservation: Any) -> None: ...
     def finish(self, reservation: Any) -> None: ...
+    def server_error(self, backend_id: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +268,7 @@ class AttemptDriver:
             response = await self._transport.send(backend, method, path_qs, attempt_headers, replay.body())
         except UpstreamError as exc:
             self._state.finish(reservation)
+            self._state.server_error(backend_id)
             metrics.attempt(target, backend_id, "proxy_502")
             metrics.replay_buffer(target, replay.buffered)
             return SendFailed(exc, replay.readiness()), None
@@ -293,6 +295,7 @@ class AttemptDriver:
             exc,
         )
         message = f"backend {backend.inference_server_id} broke its response before the first byte"
+        self._state.server_error(backend.inference_server_id)
         return SendFailed(UpstreamBroken(message), replay.readiness())
 
     def finish(self, outcome: Passthrough) -> None:

@@ -148,9 +148,9 @@ class RoutingState:
     reservations do not change the count and do not call it.
     ``on_backend_live(backend_id, live)`` runs when a registration is admitted and when it ends.
     ``on_server_errors(backend_id, n)`` runs when a backend's last ``SERVER_ERRORS_IN_A_ROW``
-    answers were server errors, another backend serves each of its models and few enough of their
-    backends are held already (the control plane takes it out of routing for
-    ``SERVER_ERROR_HOLD_S``).
+    answers were server errors or failed connections (``server_error``), another backend serves
+    each of its models and few enough of their backends are held already (the control plane takes
+    it out of routing for ``SERVER_ERROR_HOLD_S``).
     """
 
     def __init__(
@@ -307,18 +307,26 @@ class RoutingState:
         5xx at once. ``prefilled``: the byte is its first token, so it no longer counts as prefill
         work (else ``prefilled`` follows)."""
         backend_id = reservation.backend_id
-        if backend_id in self._live:
-            if answered:
+        if answered:
+            if backend_id in self._live:
                 self._answered[backend_id] = self._clock()
                 self._server_errors.pop(backend_id, None)
-            else:
-                errors = self._server_errors[backend_id] = self._server_errors.get(backend_id, 0) + 1
-                if errors >= SERVER_ERRORS_IN_A_ROW and self._may_hold(backend_id):
-                    del self._server_errors[backend_id]
-                    self._held[backend_id] = self._clock() + SERVER_ERROR_HOLD_S
-                    self.on_server_errors(backend_id, errors)
+        else:
+            self.server_error(backend_id)
         if prefilled:
             self._change(reservation, ClusterState.first_byte)
+
+    def server_error(self, backend_id: str) -> None:
+        """The backend answered a server error, or its connection failed before an answer (Envoy's
+        gateway failures): a backend that passes its probes and drops every request ends them at
+        once, so the load-aware estimate saw it idle and sent it most of the traffic."""
+        if backend_id not in self._live:
+            return
+        errors = self._server_errors[backend_id] = self._server_errors.get(backend_id, 0) + 1
+        if errors >= SERVER_ERRORS_IN_A_ROW and self._may_hold(backend_id):
+            del self._server_errors[backend_id]
+            self._held[backend_id] = self._clock() + SERVER_ERROR_HOLD_S
+            self.on_server_errors(backend_id, errors)
 
     def prefilled(self, reservation: Reservation) -> None:
         """The attempt's first token arrived after other bytes: its prefill is over."""

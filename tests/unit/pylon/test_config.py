@@ -238,5 +238,6 @@ def test_log_level_flag_and_its_variable() -> None:
 def test_stargate_address_is_repeatable_with_one_default() -> None:
     base = ["--upstream-http-base-url", "http://127.0.0.1:8000"]
     assert parse_settings(base).stargate_addresses == ("http://127.0.0.1:50071",)
-    seeds = [*base, "--stargate-address", "a:1", "--stargate-address", "https://b:2", "--stargate-address", "a:1"]
+    seeds = [*base, "--stargate-address", "a:1", "--stargate-address", "https://b:2"]
+    seeds += ["--stargate-address", "a:1"]
     assert parse_settings(seeds).stargate_addresses == ("http://a:1", "https://b:2")
