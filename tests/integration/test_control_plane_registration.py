@@ -269,6 +269,18 @@ async def test_caps_on_models_and_registrations() -> None:
         first.cancel()
 
 
+async def test_a_model_id_no_request_can_name_ends_the_stream(harness: Harness) -> None:
+    call = harness.open()
+    await send(call, message(harness.health.url))
+    error = await rejected(call, message(harness.health.url, models=("model-a", "R" * 256_000)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "model id is longer than 512 characters"
+    assert harness.state.registration_count() == 0 and not harness.state.is_advertised(T)
+    error = await rejected(harness.open(), message(harness.health.url, models=(" model-a",)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "model id must be visible ASCII without surrounding spaces"
+
+
 async def test_shutdown_ends_streams_and_cleans_up(harness: Harness) -> None:
     call = harness.open()
     await send(call, message(harness.health.url))

@@ -150,8 +150,21 @@ def model_updates(
         raise RegistrationRejected(f"too many models in one registration: {count} (limit {max_models})")
     updates: dict[str, ModelStats | None] = {}
     for model_id, entry in message.models.items():
+        _check_model_id(model_id)
         if entry.status == _ACTIVE and entry.HasField("stats"):
             updates[model_id] = convert_stats(entry.stats)
         else:
             updates[model_id] = None
     return updates
+
+
+def _check_model_id(model_id: str) -> None:
+    """Refuses a model id no request can name (``x-model`` is trimmed visible ASCII, §4.2) or too long
+    for a label: each update made it a metrics label and a ``/v1/models`` entry, and one new 256 KB
+    id in each of 300 updates grew a scrape to 77 MB."""
+    if not model_id:
+        raise RegistrationRejected("model id is empty")
+    if not valid_header_value(model_id):
+        raise RegistrationRejected("model id must be visible ASCII without surrounding spaces")
+    if len(model_id) > MAX_ID_CHARS:
+        raise RegistrationRejected(f"model id is longer than {MAX_ID_CHARS} characters")

@@ -187,6 +187,30 @@ def test_82_active_entry_without_stats_is_inactive() -> None:
         model_updates(message, max_models=3)
 
 
+@pytest.mark.parametrize(
+    ("model_id", "error"),
+    [
+        ("", "model id is empty"),
+        ("  padded  ", "model id must be visible ASCII without surrounding spaces"),
+        ("\x00nul", "model id must be visible ASCII without surrounding spaces"),
+        ("a\nb", "model id must be visible ASCII without surrounding spaces"),
+        ("mod\u00e8le", "model id must be visible ASCII without surrounding spaces"),
+        ("m" * 513, "model id is longer than 512 characters"),
+    ],
+)
+def test_model_ids_no_request_can_name_are_refused(model_id: str, error: str) -> None:
+    """Each was listed and labelled; 300 updates naming a new 256 KB id each grew a scrape to 77 MB."""
+    message = registration()
+    message.models["ok"].status = pb.INFERENCE_SERVER_STATUS_ACTIVE
+    message.models[model_id].status = pb.INFERENCE_SERVER_STATUS_ACTIVE
+    with pytest.raises(RegistrationRejected, match=f"^{error}$"):
+        model_updates(message, max_models=10)
+    assert set(model_updates(registration(models={"m" * 512: {}, "a b\tc": {}}), max_models=10)) == {
+        "m" * 512,
+        "a b\tc",
+    }
+
+
 def test_convert_stats_copies_every_field() -> None:
     expected = ModelStats(
         last_mean_input_tps=1.5,
