@@ -19,6 +19,7 @@ from stargate.body_coding import decoded
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
 from stargate.pylon.relay import RelayTimeouts
+from stargate.pylon.stats.ndjson import StatsEvent
 
 CHAT = orjson.dumps({"model": "llama", "messages": [], "stream": True})
 HEADERS = {
@@ -74,6 +75,7 @@ async def test_chat_relay_streams_and_observes(engine: FakeEngine, client: aioht
         text = app.metrics.render().decode()
         assert 'pylon_requests_total{model="llama",routing_key="",status="complete"} 1.0' in text
         assert app.hub.snapshot(app.registry.current("llama")).stats_sources == ("chunk_usage",)  # type: ignore[arg-type]
+        assert app.hub.counter_entries() == 0  # its usage counters ended with it
     finally:
         await app.close()
 
@@ -610,6 +612,27 @@ async def test_live_load_tracks_phases_during_stream(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    finally:
+        await app.close()
+
+
+async def test_a_request_whose_client_hung_up_is_no_longer_live(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    """The engine sends no ``finished`` event for a request it was told to drop: Pylon's own end
+    of it ends its counters, which otherwise counted as live for 300 s."""
+    engine.chat_mode = "hang"
+    engine.stream_status = 200
+    app = await started(engine, "--engine-stats-stream", "required")
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 200
+            assert app.hub.on_engine_stats(StatsEvent("r1", "llama", 10, 1, False)) is None
+            assert app.hub.counter_entries() == 1
+        await until("the request ended", lambda: len(app.load) == 0)
+        assert app.hub.counter_entries() == 0
+        assert app.hub.on_engine_stats(StatsEvent("r1", "llama", 10, 2, False)) is None  # a late event
+        assert app.hub.counter_entries() == 0
     finally:
         await app.close()
 

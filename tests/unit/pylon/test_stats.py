@@ -142,7 +142,58 @@ def test_b58_live_request_swept_after_300s() -> None:
     stats(rig, rid, 0, 0)
     rig.clock.advance(301)
     rig.hub.sweep()
+    assert request_cleanups(rig) == 1
     assert stats(rig, rid, 10, 10, finished=True) == "post_finalize"
+
+
+def request_cleanups(rig: Rig) -> float:
+    sample = rig.hub.metrics.registry.get_sample_value(
+        "pylon_engine_stats_stale_cleanups_total", {"kind": "request"}
+    )
+    return sample or 0.0
+
+
+def test_a_request_pylon_saw_end_is_no_longer_live() -> None:
+    """An engine sends no ``finished`` for a request whose client hung up: it counted as live for
+    300 s, then as a stale cleanup, as if the engine stream had lost its events."""
+    rig = make_rig(floor_s=0.1)
+    rid = tracked(rig)
+    rig.hub.on_request_tracked(rid, rig.gen)
+    stats(rig, rid, 0, 0)
+    assert rig.hub.counter_entries() == 1
+    rig.load.release(rid)
+    rig.hub.on_observation(obs(rig, State.CANCELLED, request_id=rid))
+    assert rig.hub.counter_entries() == 0
+    rig.clock.advance(0.5)
+    assert stats(rig, rid, 10, 5) is None  # a late event still counts, and leaves it ended
+    assert rig.hub.snapshot(rig.gen).output_tps == pytest.approx(10)
+    assert rig.hub.counter_entries() == 0
+    rig.clock.advance(301)
+    rig.hub.sweep()
+    assert request_cleanups(rig) == 0
+    assert stats(rig, rid, 20, 9) is None and rig.hub.counter_entries() == 0  # gone: unknown, dropped
+
+
+def test_an_id_used_again_after_its_request_ended_is_live_again() -> None:
+    rig = make_rig()
+    rid = tracked(rig)
+    rig.hub.on_request_tracked(rid, rig.gen)
+    stats(rig, rid, 0, 5)
+    rig.hub.on_observation(obs(rig, State.CANCELLED, request_id=rid))
+    rig.hub.on_request_tracked(rid, rig.gen)
+    assert stats(rig, rid, 0, 1) is None and rig.hub.counter_entries() == 1  # its own counters
+
+
+def test_chunk_usage_entries_end_with_their_request() -> None:
+    rig = make_rig(fallback=True)
+    rig.hub.on_request_tracked("r", rig.gen)
+    rig.hub.on_usage("r", rig.gen, 3)
+    assert rig.hub.counter_entries() == 1
+    rig.hub.on_observation(obs(rig, State.COMPLETE, output_tokens=3, output_tokens_from_chunk_usage=True))
+    assert rig.hub.counter_entries() == 0
+    rig.clock.advance(301)
+    rig.hub.sweep()
+    assert request_cleanups(rig) == 0
 
 
 def obs(rig: Rig, state: State, **kw: object) -> Observation:

@@ -1,7 +1,10 @@
 """Per-request cumulative counter accounting (spec pylon.md §6.3).
 
 Each request id has one entry: *observed* (owner generation known from Pylon's own tracking),
-*live* (counter state) or *finalized* (tombstone). Counter deltas become ``(units, duration)``
+*live* (counter state) or *finalized* (tombstone). A request Pylon saw end is *ended*: no longer
+live, though the engine's late events still count (an engine sends no ``finished`` for a request
+whose client hung up, which otherwise stayed live until the 300 s sweep and then counted as a
+stale cleanup). Counter deltas become ``(units, duration)``
 samples; a dimension accumulates until it has ≥ 1 unit over ≥ the 10 ms floor, except the very
 first sample from zero, whose duration is raised to the floor. Entries live up to
 ``REQUEST_TTL_S``, so a long request id is kept by its digest (``remembered``): 8 KB ids took a
@@ -55,6 +58,7 @@ class _Entry:
     seen_at: float
     live: bool = False
     finalized: bool = False
+    ended: bool = False
     input: _Counter = field(default_factory=_Counter)
     output: _Counter = field(default_factory=_Counter)
 
@@ -75,16 +79,25 @@ class CounterTracker:
         return len(self._entries)
 
     def live_count(self) -> int:
-        return sum(1 for e in self._entries.values() if e.live and not e.finalized)
+        return sum(1 for e in self._entries.values() if e.live and not (e.finalized or e.ended))
 
     def observe(self, request_id: str, generation: Generation, now: float) -> None:
-        """Remember the owner generation of a request Pylon is proxying."""
+        """Remember the owner generation of a request Pylon is proxying; an id used again once
+        Pylon saw its request end starts over (a tombstone stays)."""
         request_id = remembered(request_id)
         entry = self._entries.get(request_id)
-        if entry is None or entry.generation != generation:
+        if entry is None or entry.generation != generation or (entry.ended and not entry.finalized):
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[request_id] = _Entry(generation, now)
+
+    def end(self, request_id: str, generation: Generation, now: float) -> None:
+        """Pylon saw the request end: it is no longer live, and its owner is kept for the engine's
+        late events."""
+        entry = self._entries.get(remembered(request_id))
+        if entry is not None and entry.generation == generation:
+            entry.ended = True
+            entry.seen_at = now
 
     def owner(self, request_id: str) -> Generation | None:
         entry = self._entries.get(remembered(request_id))
@@ -107,7 +120,8 @@ class CounterTracker:
         if entry is not None and entry.generation == generation and entry.finalized:
             return CounterResult(Outcome.POST_FINALIZE)
         if entry is None or entry.generation != generation or not entry.live:
-            entry = _Entry(generation, now, live=True)
+            ended = entry is not None and entry.generation == generation and entry.ended
+            entry = _Entry(generation, now, live=True, ended=ended)
             entry.input.sampled_at = entry.output.sampled_at = now
             if baseline_first:
                 for counter, value in ((entry.input, tokens_processed), (entry.output, tokens_generated)):
@@ -130,13 +144,14 @@ class CounterTracker:
         return CounterResult(Outcome.APPLIED, in_sample, out_sample)
 
     def sweep(self, now: float) -> int:
-        """Finalize live entries unseen for 300 s and delete old tombstones; returns finalized count."""
+        """Finalize live entries unseen for 300 s and delete old tombstones and ended entries;
+        returns finalized count."""
         finalized = 0
         for rid in list(self._entries):
             entry = self._entries[rid]
             if now - entry.seen_at < REQUEST_TTL_S:
                 continue
-            if entry.live and not entry.finalized:
+            if entry.live and not (entry.finalized or entry.ended):
                 entry.finalized = True
                 entry.seen_at = now
                 finalized += 1

@@ -237,6 +237,8 @@ class StatsHub:
         self._touch(state, agg.SRC_CHUNK_USAGE, "counter_event")
 
     def on_observation(self, obs: Observation) -> None:
+        if obs.state.terminal:
+            self._counters.end(obs.request_id, obs.generation, self.clock.monotonic())
         state = self._state(obs.generation)
         if state is None:
             return
