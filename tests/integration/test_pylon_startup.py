@@ -234,6 +234,20 @@ async def test_b30_blank_discovered_id_rejects_the_whole_poll(
         await app.close()
 
 
+async def test_a_discovered_id_no_request_can_name_rejects_the_whole_poll(
+    engine: FakeEngine, stargate: FakeStargate
+) -> None:
+    """Stargate refuses a registration listing it: said here, at the start, naming the id."""
+    engine.models = ["model-a", "mod\u00e8le"]
+    app = make_app(engine, stargate)
+    try:
+        with pytest.raises(StargateError, match="'mod\u00e8le': model id must be visible ASCII"):
+            await app.start()
+        assert stargate.register_calls == 0
+    finally:
+        await app.close()
+
+
 def discovery_errors(app: PylonApp) -> float:
     line = 'pylon_model_discovery_polls_total{outcome="error",provider="dynamo"} '
     for row in app.metrics.render().decode().splitlines():

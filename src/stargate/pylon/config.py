@@ -157,6 +157,15 @@ def _base_url(raw: str) -> str:
     return base
 
 
+def _model_id(raw: str) -> str:
+    """A model id Stargate accepts in a registration (one a request can name)."""
+    model_id = raw.strip()
+    problem = h.model_id_problem(model_id)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return model_id
+
+
 DEFAULT_STARGATE_ADDRESS = "127.0.0.1:50071"
 
 
@@ -242,7 +251,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
       f"at least {MAX_BODY_BYTES} (one body)")
     a("--http-advertise-addr", type=_advertise_addr, default=None,
       help="host:port registered with Stargate (default: bound addr)")
-    a("--model-name", type=_non_blank, action="append", default=[],
+    a("--model-name", type=_model_id, action="append", default=[],
       help="static model (repeatable); none = discovery")
     a("--model-discovery-provider", choices=["dynamo"], default="dynamo",
       help="model discovery provider (only dynamo)")

@@ -24,6 +24,7 @@ from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.stats.hub import StatsHub
 from stargate.wire.clock import Clock, SystemClock
+from stargate.wire.headers import model_id_problem
 
 log = logging.getLogger("stargate.pylon.startup")
 PROVIDER = "dynamo"
@@ -55,6 +56,9 @@ async def poll_models(session: aiohttp.ClientSession, base_url: str, timeout_s: 
         raw = item.get("id") if isinstance(item, dict) else None
         if not isinstance(raw, str) or not raw.strip():
             raise DiscoveryError("/v1/models lists a blank or missing id")
+        problem = model_id_problem(raw.strip())
+        if problem is not None:  # Stargate would refuse the registration listing it
+            raise DiscoveryError(f"/v1/models lists {raw[:100]!r}: {problem}")
         ids.add(raw.strip())
     return sorted(ids)
 

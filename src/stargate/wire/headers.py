@@ -81,6 +81,21 @@ def is_visible_ascii(raw: str) -> bool:
     return raw.isascii() and _NOT_VISIBLE.search(raw) is None
 
 
+MAX_MODEL_ID_CHARS = 512
+"""Longest model id a registration may list: each is a metrics label and a ``/v1/models`` entry."""
+
+
+def model_id_problem(model_id: str) -> str | None:
+    """Why no request could name ``model_id`` (``x-model`` is trimmed visible ASCII), or None."""
+    if not model_id:
+        return "model id is empty"
+    if not is_visible_ascii(model_id) or model_id != model_id.strip(" \t"):
+        return "model id must be visible ASCII without surrounding spaces"
+    if len(model_id) > MAX_MODEL_ID_CHARS:
+        return f"model id is longer than {MAX_MODEL_ID_CHARS} characters"
+    return None
+
+
 def text_value(raw: str | None) -> str | None:
     """Trimmed visible-ASCII value; non-ASCII or blank counts as absent."""
     if raw is None or not is_visible_ascii(raw):

@@ -49,6 +49,10 @@ def test_b03_static_models_sorted_dedup() -> None:
 def test_b04_blank_model_name() -> None:
     with pytest.raises(ConfigError, match="--model-name"):
         parse("--model-name", "   ")
+    for name in ("mod\u00e8le", "a\nb", "m" * 513):  # Stargate refuses a registration listing it
+        with pytest.raises(ConfigError, match="--model-name"):
+            parse("--model-name", name)
+    assert parse("--model-name", " llama ").model_names == ("llama",)
 
 
 @pytest.mark.parametrize(
