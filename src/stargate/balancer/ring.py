@@ -7,6 +7,7 @@ Byte layout is a wire-stable contract (Appendix A): ``tagged(tag, v) = tag || 0x
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
@@ -100,7 +101,7 @@ class KeyCache(Generic[V]):
 
     def __init__(self, capacity: int = CACHE_CAPACITY) -> None:
         self._capacity = capacity
-        self._entries: dict[str, V] = {}
+        self._entries: OrderedDict[str, V] = OrderedDict()
         self._seen: dict[str, None] = {}
 
     def __len__(self) -> int:
@@ -121,7 +122,7 @@ class KeyCache(Generic[V]):
                 seen[key] = None
                 return
             del seen[key]
-            del entries[next(iter(entries))]
+            entries.popitem(last=False)
         entries[key] = value
 
     def clear(self) -> None:

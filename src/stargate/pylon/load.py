@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
@@ -31,7 +32,7 @@ from typing import TypeVar
 from stargate.balancer.estimates import SlotMeter
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
-from stargate.wire.limits import U64_MAX, sat_u64
+from stargate.wire.limits import U64_MAX, remembered, sat_u64
 from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES
 
 _K = TypeVar("_K")
@@ -147,7 +148,7 @@ class LiveLoad:
         self._requests: dict[str, _Tracked] = {}
         self._generations: dict[Generation, _GenerationLoad] = {}
         self._prefix_caching = prefix_caching
-        self._prompts: dict[tuple[Generation, str], int] = {}  # key → its last sent prompt's tokens
+        self._prompts: OrderedDict[tuple[Generation, str], int] = OrderedDict()  # key → last prompt's tokens
         self.on_change: Callable[[Generation], None] = _unchanged
         self._duplicates = itertools.count(2)
 
@@ -179,7 +180,7 @@ class LiveLoad:
         self.release(request_id)
         work = input_tokens
         if self._prefix_caching and key:
-            cached = self._prompts.get((generation, key), 0)
+            cached = self._prompts.get((generation, remembered(key)), 0)
             if cached <= input_tokens:  # a shorter prompt is another thread: its cache is unknown
                 work -= cached
         t = _Tracked(generation, Phase.PENDING, priority, input_tokens, work, key)
@@ -209,11 +210,11 @@ class LiveLoad:
             t.slot_since = self._clock()
         if not self._prefix_caching or not t.key or len(t.key) > MAX_AFFINITY_KEY_CHARS:
             return
-        prompt = (t.generation, t.key)
+        prompt = (t.generation, remembered(t.key))  # a long key by its digest, as the router keeps it
         prompts = self._prompts
         prompts.pop(prompt, None)
         if len(prompts) >= PROMPT_MEMORY:
-            del prompts[next(iter(prompts))]
+            prompts.popitem(last=False)
         prompts[prompt] = t.input_tokens
 
     def release(self, request_id: str) -> None:

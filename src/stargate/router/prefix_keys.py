@@ -18,6 +18,7 @@ whole text). Memory is bounded: the least recently seen block is forgotten first
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from hashlib import blake2b
 
 KEY_PREFIX = "prefix:"
@@ -47,7 +48,7 @@ class PrefixKeys:
     def __init__(self, capacity: int = CAPACITY, block_chars: int = BLOCK_CHARS) -> None:
         self._capacity = capacity
         self._block = block_chars
-        self._ends: dict[bytes, list[_Prompt]] = {}
+        self._ends: OrderedDict[bytes, list[_Prompt]] = OrderedDict()
         """digest of a prompt's last whole block -> the prompts that end in it, newest last."""
         self._prompts = 0
         """Prompts in ``_ends``, which ``capacity`` bounds (a block holds up to ``PER_BLOCK``)."""
@@ -99,7 +100,7 @@ class PrefixKeys:
             del entries[0]
         self._prompts += len(entries) - len(old)
         while self._prompts > self._capacity and ends:  # the least recently seen ends go first
-            self._prompts -= len(ends.pop(next(iter(ends))))
+            self._prompts -= len(ends.popitem(last=False)[1])
         ends[end] = entries
 
 

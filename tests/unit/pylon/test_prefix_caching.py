@@ -126,3 +126,14 @@ def test_keys_too_long_to_publish_are_not_remembered() -> None:
     prefilled(load, "r1", gen, 1000, long_key)
     load.track("r2", gen, 0, 1200, long_key)
     assert load.snapshot(gen).queued_input_size == 1200
+
+
+def test_a_long_key_is_remembered_by_its_digest() -> None:
+    """65 536 keys of 1 000 characters kept as sent took a Pylon up by 106 MB."""
+    gen = generation()
+    load = LiveLoad(prefix_caching=True)
+    key = "k" * MAX_AFFINITY_KEY_CHARS
+    prefilled(load, "r1", gen, 1000, key)
+    load.track("r2", gen, 0, 1200, key)
+    assert load.snapshot(gen).queued_input_size == 200  # still found
+    assert all(len(remembered_key) < 100 for _, remembered_key in load._prompts)

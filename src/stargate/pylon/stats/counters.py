@@ -13,6 +13,7 @@ Pylon from 77 to 203 MB in three minutes.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -73,7 +74,7 @@ class CounterResult:
 class CounterTracker:
     def __init__(self, floor_s: float = DURATION_FLOOR_S) -> None:
         self._floor = floor_s
-        self._entries: dict[str, _Entry] = {}
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -88,7 +89,7 @@ class CounterTracker:
         entry = self._entries.get(request_id)
         if entry is None or entry.generation != generation or (entry.ended and not entry.finalized):
             if len(self._entries) >= MAX_ENTRIES:
-                self._entries.pop(next(iter(self._entries)))
+                self._entries.popitem(last=False)
             self._entries[request_id] = _Entry(generation, now)
 
     def end(self, request_id: str, generation: Generation, now: float) -> None:
