@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from multidict import CIMultiDict
 
 from stargate.balancer.types import Target
-from stargate.errors import StargateError, UpstreamBroken, UpstreamError
+from stargate.errors import StargateError, UpstreamBroken, UpstreamError, UpstreamNotSent, UpstreamTimeout
 from stargate.router.attempt import (
     AdmissionRejected,
     Answered,
@@ -52,7 +52,7 @@ from stargate.router.attempt import (
 )
 from stargate.router.headers import ProxyRequest
 from stargate.router.metrics import RouterMetrics
-from stargate.router.replay import ReplayBody
+from stargate.router.replay import Readiness, ReplayBody
 from stargate.router.retry_signal import retry_signal
 from stargate.router.transport import BackendRef, Transport, UpstreamResponse
 from stargate.tracing import RouteTrace
@@ -268,7 +268,12 @@ class AttemptDriver:
             response = await self._transport.send(backend, method, path_qs, attempt_headers, replay.body())
         except UpstreamError as exc:
             self._state.finish(reservation)
-            self._state.server_error(backend_id)
+            sent_whole = replay.readiness() is Readiness.READY
+            if sent_whole and not isinstance(exc, UpstreamNotSent | UpstreamTimeout):
+                # Sent whole, then dropped unanswered: the backend's doing, unlike a body its client
+                # broke, a connection this router could not get (its pool, its late event loop) or
+                # a wait it gave up on.
+                self._state.server_error(backend_id)
             metrics.attempt(target, backend_id, "proxy_502")
             metrics.replay_buffer(target, replay.buffered)
             return SendFailed(exc, replay.readiness()), None

@@ -319,8 +319,10 @@ class RoutingState:
     def server_error(self, backend_id: str) -> None:
         """The backend answered a server error, or its connection failed before an answer (Envoy's
         gateway failures): a backend that passes its probes and drops every request ends them at
-        once, so the load-aware estimate saw it idle and sent it most of the traffic."""
-        if backend_id not in self._live:
+        once, so the load-aware estimate saw it idle and sent it most of the traffic. Not counted
+        for a backend out of routing: its failures may be this router giving up on it."""
+        registration = self._live.get(backend_id)
+        if registration is None or not registration.active:
             return
         errors = self._server_errors[backend_id] = self._server_errors.get(backend_id, 0) + 1
         if errors >= SERVER_ERRORS_IN_A_ROW and self._may_hold(backend_id):

@@ -533,3 +533,20 @@ async def test_a_request_arriving_while_the_router_holds_its_limit_gets_503_the_
     (second,) = arrived
     assert isinstance(second, LocalFailure) and second.status == 503
     assert str(second.error) == "the router already holds 1 requests waiting for room"
+
+
+@pytest.mark.parametrize(
+    ("step", "body", "counted"),
+    [
+        (DEAD, None, []),  # a connection this router could not get says nothing of the backend
+        (HUNG, None, []),  # nor a wait for headers it gave up on
+        (HALF, ReplayBody(chunks(b"he", b"llo"), 1000), []),  # nor a body cut before it was whole
+        (FakeResponse(200, broken=True), None, ["a"]),  # an answer broken before its first byte
+    ],
+)
+async def test_only_a_backends_own_failures_count_toward_its_server_error_hold(
+    step: FakeResponse | str, body: ReplayBody | None, counted: list[str]
+) -> None:
+    runner, state, _, _ = make_runner({"c1": ["a"]}, {"a": [step]}, RetrySettings(max_connect_retries=0))
+    await run(runner, body)
+    assert state.server_errors == counted

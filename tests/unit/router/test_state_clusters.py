@@ -693,6 +693,25 @@ def test_server_errors_in_a_row_are_reported_once_while_another_backend_serves()
     assert len(reported) == 1  # counted again from zero
 
 
+def test_failures_of_a_backend_out_of_routing_are_not_counted() -> None:
+    """The router gives up on its requests there itself: that must not extend its time out."""
+    state, _ = make_state()
+    reported: list[str] = []
+    state.on_server_errors = lambda backend_id, _errors: reported.append(backend_id)
+    a, b = join(state, "a"), join(state, "b", cluster_id="c2")
+    for handle in (a, b):
+        publish(state, handle, ModelStats(last_mean_input_tps=100.0))
+    state.apply_update(a, {"model-a": None}, None)  # its probes took it out
+    for _ in range(SERVER_ERRORS_IN_A_ROW):
+        state.server_error("a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0))
+    state.server_error("a")
+    assert reported == []
+    for _ in range(SERVER_ERRORS_IN_A_ROW - 1):
+        state.server_error("a")
+    assert reported == ["a"]
+
+
 def test_server_errors_hold_out_at_most_a_tenth_of_a_models_backends_at_least_one() -> None:
     state, clock = make_state()
     reported: list[str] = []
