@@ -175,13 +175,26 @@ def test_a_request_pylon_saw_end_is_no_longer_live() -> None:
 
 
 def test_an_id_used_again_after_its_request_ended_is_live_again() -> None:
-    rig = make_rig()
+    """Live in the gauge again. The engine may still run the earlier request: its next cumulative
+    count continues its counters (read from zero it was 15 tokens in no time: 1500 tokens/s)."""
+    rig = make_rig(floor_s=0.01)
     rid = tracked(rig)
     rig.hub.on_request_tracked(rid, rig.gen)
+    stats(rig, rid, 0, 0)
+    rig.clock.advance(0.5)
     stats(rig, rid, 0, 5)
     rig.hub.on_observation(obs(rig, State.CANCELLED, request_id=rid))
     rig.hub.on_request_tracked(rid, rig.gen)
-    assert stats(rig, rid, 0, 1) is None and rig.hub.counter_entries() == 1  # its own counters
+    assert rig.hub.counter_entries() == 1
+    rig.clock.advance(1.0)
+    assert stats(rig, rid, 0, 15) is None
+    assert rig.hub.snapshot(rig.gen).max_output_tps == pytest.approx(10)
+    # An id whose earlier request got no counters from the engine starts over with its own.
+    other = tracked(rig, "req-2")
+    rig.hub.on_request_tracked(other, rig.gen)
+    rig.hub.on_observation(obs(rig, State.CANCELLED, request_id=other))
+    rig.hub.on_request_tracked(other, rig.gen)
+    assert stats(rig, other, 0, 0) is None and rig.hub.counter_entries() == 2
 
 
 def test_chunk_usage_entries_end_with_their_request() -> None:

@@ -84,10 +84,14 @@ class CounterTracker:
 
     def observe(self, request_id: str, generation: Generation, now: float) -> None:
         """Remember the owner generation of a request Pylon is proxying; an id used again once
-        Pylon saw its request end starts over (a tombstone stays)."""
+        Pylon saw its request end counts as live again (a tombstone stays). Its counters start
+        over only if the engine sent none for the earlier request: one it may still be running
+        would send its own cumulative counts, read from zero as a burst of tokens in no time."""
         request_id = remembered(request_id)
         entry = self._entries.get(request_id)
-        if entry is None or entry.generation != generation or (entry.ended and not entry.finalized):
+        if entry is not None and entry.generation == generation and entry.ended and entry.live:
+            entry.ended = False
+        elif entry is None or entry.generation != generation or (entry.ended and not entry.finalized):
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.popitem(last=False)
             self._entries[request_id] = _Entry(generation, now)
