@@ -33,8 +33,11 @@ STATIC_RETRY_S = 1.0
 
 
 
-async def poll_models(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> list[str]:
-    """``GET /v1/models`` → sorted unique ids; any blank id invalidates the whole poll."""
+async def poll_models(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float
+) -> tuple[list[str], set[str]]:
+    """``GET /v1/models`` → sorted unique ids, and the ids left out because no request could name
+    them (Stargate refuses a registration listing one); any blank id invalidates the whole poll."""
     try:
         async with session.get(
             base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -52,15 +55,13 @@ async def poll_models(session: aiohttp.ClientSession, base_url: str, timeout_s: 
     if not isinstance(data, list):
         raise DiscoveryError("/v1/models body has no data array")
     ids: set[str] = set()
+    unnamable: set[str] = set()
     for item in data:
         raw = item.get("id") if isinstance(item, dict) else None
         if not isinstance(raw, str) or not raw.strip():
             raise DiscoveryError("/v1/models lists a blank or missing id")
-        problem = model_id_problem(raw.strip())
-        if problem is not None:  # Stargate would refuse the registration listing it
-            raise DiscoveryError(f"/v1/models lists {raw[:100]!r}: {problem}")
-        ids.add(raw.strip())
-    return sorted(ids)
+        (ids if model_id_problem(raw.strip()) is None else unnamable).add(raw.strip())
+    return sorted(ids), unnamable
 
 
 class ModelLifecycle:
@@ -89,15 +90,19 @@ class ModelLifecycle:
         self._on_admitted = on_admitted
         self._on_retired = on_retired
         self._retrying: dict[str, asyncio.Task[None]] = {}
+        self._unnamable: set[str] = set()  # ids the engine lists that no request could name
 
     async def _poll(self) -> list[str]:
         try:
-            models = await poll_models(
+            models, unnamable = await poll_models(
                 self._session, self.s.upstream_base_url, self.s.discovery_request_timeout_ms / 1000.0
             )
         except DiscoveryError:
             self._metrics.discovery_polls.labels(PROVIDER, "error").inc()
             raise
+        for model in sorted(unnamable - self._unnamable):  # once each, while the engine lists it
+            log.warning("model %.100r left out: %s", model, model_id_problem(model))
+        self._unnamable = unnamable
         self._metrics.discovery_polls.labels(PROVIDER, "success").inc()
         self._metrics.discovery_models.labels(PROVIDER).set(len(models))
         return models

@@ -13,7 +13,7 @@ import bisect
 import math
 import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Set
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -280,8 +280,8 @@ class ClusterState:
         self._meter = PrefillMeter()
         self._slots = SlotMeter()
         self.members: dict[str, Member] = {}
-        self.reservations: dict[Reservation, None] = {}
-        self.running: dict[Reservation, None] = {}
+        self.reservations: OrderedDict[Reservation, None] = OrderedDict()  # oldest first
+        self.running: OrderedDict[Reservation, None] = OrderedDict()
         self._departed: dict[str, Departures] = {}
         self._in_flight = NO_IN_FLIGHT
         self._prefilling_keys: dict[str, int] = {}
@@ -367,7 +367,7 @@ class ClusterState:
 
     def add_reservation(self, reservation: Reservation) -> None:
         if len(self.reservations) >= MAX_RESERVATIONS_PER_CLUSTER:
-            del self.reservations[next(iter(self.reservations))]
+            self.reservations.popitem(last=False)
             self.reservations[reservation] = None
             self._refold()
             return
@@ -385,7 +385,7 @@ class ClusterState:
     def start(self, reservation: Reservation) -> None:
         """Count a dispatched attempt in flight (prefilling) until ``finish``."""
         if len(self.running) >= MAX_RESERVATIONS_PER_CLUSTER:
-            self._end(next(iter(self.running)))
+            self._end(next(iter(self.running)))  # OrderedDict: its oldest in O(1)
         limit = self._stats.max_engine_concurrency
         # The stats count this attempt's reservation already; the in-flight count does not yet.
         running = max(self._stats.num_running_queries - 1, self._in_flight.requests)
@@ -470,7 +470,8 @@ class ClusterState:
 
     def _drop_reservations_of(self, backend_id: str) -> None:
         if self.reservations:
-            self.reservations = {r: None for r in self.reservations if r.backend_id != backend_id}
+            kept = (r for r in self.reservations if r.backend_id != backend_id)
+            self.reservations = OrderedDict.fromkeys(kept)
 
     def _forget_running_of(self, backend_id: str) -> None:
         """A backend that left takes its in-flight attempts with it: they are no load of the cluster."""

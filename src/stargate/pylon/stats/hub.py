@@ -8,7 +8,7 @@ is no longer current is dropped.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -92,7 +92,7 @@ class StatsHub:
         self._fallback_limit = max_engine_concurrency or 0
         self._route_window_ms = route_window_ms
         self._gens: dict[Generation, _GenState] = {}
-        self._engine_limits: dict[str, int] = {}  # model -> the engine's last report, newest last
+        self._engine_limits: OrderedDict[str, int] = OrderedDict()  # model -> last report, newest last
         self._counters = CounterTracker(floor_s)
         self.on_change: Callable[[], None] = lambda: None
         load.on_change = self.on_load_change
@@ -160,7 +160,7 @@ class StatsHub:
         limits.pop(ping.model, None)
         limits[ping.model] = ping.max_engine_concurrency
         if len(limits) > MAX_ENGINE_LIMITS:
-            del limits[next(iter(limits))]
+            limits.popitem(last=False)
         gen = self.registry.current(ping.model)
         if gen is not None:
             self.apply_concurrency(ConcurrencyUpdate(gen, LimitSource.ENGINE, ping.max_engine_concurrency))
