@@ -972,7 +972,7 @@ async def test_a_backend_that_drops_every_request_unanswered_leaves_routing_for_
         bad.abort_before_answer = True
         await sg.backend("good", cluster_id="c2")
         statuses = [(await sg.post())[0] for _ in range(2 * SERVER_ERRORS_IN_A_ROW + 10)]
-        assert statuses[-10:] == [200] * 10
-        # Each attempt counted: out of routing after the 5th (a request tries it up to 3 times).
+        # Each tried it twice (a second time on a fresh connection), then went to the other.
+        assert statuses == [200] * len(statuses)
+        # Each attempt counted: out of routing after the 5th.
         assert SERVER_ERRORS_IN_A_ROW <= len(bad.requests) < 2 * SERVER_ERRORS_IN_A_ROW
-        assert sg.metric("stargate_requests_total", **labels(inference_server_id="bad", status="502")) >= 1

@@ -252,6 +252,8 @@ class AttemptState:
     retry_after_ms: int | None = None
     """The soonest a backend that refused the request said to try again; the client is told it
     when every backend refused."""
+    reconnected: bool = False
+    """The attempt in flight is the backend's second, on a fresh connection (hot-path reconnect)."""
     notes: tuple[Note, ...] = field(default=(), compare=False)
 
     @property
@@ -392,7 +394,7 @@ class AttemptMachine:
             state = replace(state, failed_cluster_ids=state.failed_cluster_ids | {state.cluster_id})
             return self._route(state, snapshot, now, rng)
         choice = state.choice
-        state = replace(state, backend=backend, choice=None)
+        state = replace(state, backend=backend, choice=None, reconnected=False)
         return state, Send(backend, state.expected_queue_ms, choice)
 
     # ---- attempts (§4.8) -----------------------------------------------------------------------
@@ -448,14 +450,15 @@ class AttemptMachine:
         if event.readiness is Readiness.PAYLOAD_TOO_LARGE:
             return state, Fail(_too_large(), backend_id)
         state = replace(state, connect_retries=state.connect_retries + 1)
-        if isinstance(event.error, UpstreamTimeout | UpstreamBroken):
+        if isinstance(event.error, UpstreamTimeout | UpstreamBroken) or state.reconnected:
+            # Failed again on a fresh connection: the backend drops it, not a stale connection.
             return _sibling(_noted(state, Retried("connect_failover")), backend)
         return _noted(state, Evicted(backend_id)), Reconnect(backend)
 
     def _reconnected(self, state: AttemptState, ok: bool) -> tuple[AttemptState, Action]:
         backend = _current(state)
         if ok:
-            state = _noted(state, Retried("hot_path_reconnect"))
+            state = replace(_noted(state, Retried("hot_path_reconnect")), reconnected=True)
             return state, Send(backend, state.expected_queue_ms, None)
         return _sibling(_noted(state, Retried("connect_failover")), backend)
 

@@ -72,6 +72,7 @@ DEAD = "dead"  # script entry: connection refused, the request never left
 HUNG = "hung"  # script entry: no response headers in time
 HALF = "half"  # script entry: read one chunk of the body, then fail
 SILENT = "silent"  # script entry: sent, no response headers until cancelled
+DROP = "drop"  # script entry: read the whole body, then closed unanswered
 
 
 @dataclass
@@ -106,6 +107,8 @@ class FakeTransport:
                 if step == HALF:
                     raise UpstreamError("reset mid-body")
         self.sent.append((backend.inference_server_id, headers, bytes(data)))
+        if step == DROP:
+            raise UpstreamError("connection closed before a response")
         assert isinstance(step, FakeResponse)
         return step
 
@@ -550,3 +553,17 @@ async def test_only_a_backends_own_failures_count_toward_its_server_error_hold(
     runner, state, _, _ = make_runner({"c1": ["a"]}, {"a": [step]}, RetrySettings(max_connect_retries=0))
     await run(runner, body)
     assert state.server_errors == counted
+
+
+async def test_a_backend_that_drops_the_request_again_on_a_fresh_connection_is_failed_over() -> None:
+    """The hot-path reconnect resends once on a fresh connection; failing again there, the backend
+    is what drops it, not a stale connection: the request goes to another backend."""
+    runner, state, transport, metrics = make_runner(
+        {"c1": ["a"], "c2": ["b"]}, {"a": [DROP], "b": [FakeResponse(200)]}, reconnects={"a": True}
+    )
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and outcome.backend.inference_server_id == "b"
+    assert [sent[0] for sent in transport.sent] == ["a", "a", "b"]
+    assert state.server_errors == ["a", "a"]
+    assert value(metrics, "stargate_proxy_retries_total", reason="hot_path_reconnect") == 1
+    assert value(metrics, "stargate_proxy_retries_total", reason="connect_failover") == 1
