@@ -19,6 +19,7 @@ import orjson
 import pytest
 from grpc import aio
 from openai import AsyncOpenAI
+from support.decoding import decoding_threads
 from support.stargate_harness import (
     CHAT,
     HEADERS,
@@ -35,7 +36,6 @@ from support.waiting import until, value_of
 
 from stargate.balancer.config import parse_lb_config
 from stargate.balancer.types import Target
-from stargate.body_coding import decoded
 from stargate.proto import stargate_pb2 as pb
 from stargate.router.attempt import RetrySettings
 from stargate.router.health import HealthSettings
@@ -311,13 +311,7 @@ async def test_plain_client_compressed_body_is_read_away_from_the_event_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """60 KB of gzip can inflate to the read cap: read on the event loop it stalled every request."""
-    threads: list[int] = []
-
-    def recorded(body: bytes, coding: str | None, limit: int) -> bytes:
-        threads.append(threading.get_ident())
-        return decoded(body, coding, limit)
-
-    monkeypatch.setattr("stargate.router.plain_client.decoded", recorded)
+    threads = decoding_threads(monkeypatch, "stargate.router.plain_client")
     packed = gzip.compress(orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
     async with running(plain_clients=PlainClientSettings()) as sg:
         backend = await sg.backend("b1")

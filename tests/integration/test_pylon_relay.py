@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 import pytest
+from support.decoding import decoding_threads
 from support.pylon_fakes import FakeEngine
 from support.waiting import until
 from yarl import URL
 
-from stargate.body_coding import decoded
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
 from stargate.pylon.relay import RelayTimeouts
@@ -291,13 +291,7 @@ async def test_compressed_body_is_checked_away_from_the_event_loop(
     engine: FakeEngine, client: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """60 KB of gzip can inflate to 60 MiB: read on the event loop it stalled every request."""
-    threads: list[int] = []
-
-    def recorded(body: bytes, coding: str | None, limit: int) -> bytes:
-        threads.append(threading.get_ident())
-        return decoded(body, coding, limit)
-
-    monkeypatch.setattr("stargate.pylon.relay.decoded", recorded)
+    threads = decoding_threads(monkeypatch, "stargate.pylon.relay")
     app = await started(engine, "--engine-stats-stream", "off")
     packed = gzip.compress(orjson.dumps({"model": "llama", "input": ["a"]}))
     try:
