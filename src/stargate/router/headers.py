@@ -19,7 +19,7 @@ from stargate.balancer.settings import Algorithm, AlgorithmDefinition
 from stargate.balancer.types import Target
 from stargate.errors import PayloadTooLarge, RequestError, RequestLoop, RoutingMethodError, StargateError
 from stargate.wire import headers as h
-from stargate.wire.headers import HOP_BY_HOP, IDENTITY, RETRY_METADATA, is_visible_ascii, text_value
+from stargate.wire.headers import HOP_BY_HOP, IDENTITY, RETRY_METADATA, text_value
 from stargate.wire.limits import U32_MAX, U64_MAX
 
 MAX_WAIT_CAP_MS = 60_000
@@ -161,7 +161,3 @@ def valid_header_name(name: str) -> bool:
     """RFC 9110 token characters only."""
     allowed = set("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     return bool(name) and all(ch in allowed for ch in name)
-
-
-def valid_header_value(value: str) -> bool:
-    return is_visible_ascii(value) and value == value.strip(" \t")

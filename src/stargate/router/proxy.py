@@ -32,7 +32,6 @@ from stargate.router.headers import (
     ResolveAlgorithm,
     filter_headers,
     parse_request,
-    valid_header_value,
     via_problem,
 )
 from stargate.router.metrics import RouterMetrics
@@ -255,9 +254,9 @@ class ProxyHandler:
         target = parsed.target
         upstream, backend = outcome.response, outcome.backend
         if not (
-            valid_header_value(backend.inference_server_id)
-            and valid_header_value(backend.url)
-            and valid_header_value(backend.cluster_id)
+            h.valid_header_value(backend.inference_server_id)
+            and h.valid_header_value(backend.url)
+            and h.valid_header_value(backend.cluster_id)
         ):
             upstream.release()
             self._driver.finish(outcome)

@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 from stargate.balancer.types import ModelStats
 from stargate.errors import RegistrationRejected
 from stargate.proto import stargate_pb2
-from stargate.router.headers import valid_header_value
 from stargate.wire import headers as h
 from stargate.wire.limits import U64_MAX
 from stargate.wire.proto import stats_from_proto as convert_stats
@@ -115,7 +114,7 @@ def admit_first(message: stargate_pb2.InferenceServerRegistration, *, reverse_li
     for name, value, limit in (("inference_server_id", message.inference_server_id, MAX_ID_CHARS),
                                ("inference_server_url", message.inference_server_url, MAX_URL_CHARS),
                                ("cluster_id", message.cluster_id, MAX_ID_CHARS)):  # fmt: skip
-        if value and not valid_header_value(value):
+        if value and not h.valid_header_value(value):
             raise RegistrationRejected(f"{name} must be visible ASCII without surrounding spaces")
         if len(value) > limit:
             raise RegistrationRejected(f"{name} is longer than {limit} characters")

@@ -85,11 +85,16 @@ MAX_MODEL_ID_CHARS = 512
 """Longest model id a registration may list: each is a metrics label and a ``/v1/models`` entry."""
 
 
+def valid_header_value(value: str) -> bool:
+    """Visible ASCII a header carries as is: no spaces or tabs around it for a hop to trim."""
+    return is_visible_ascii(value) and value == value.strip(" \t")
+
+
 def model_id_problem(model_id: str) -> str | None:
     """Why no request could name ``model_id`` (``x-model`` is trimmed visible ASCII), or None."""
     if not model_id:
         return "model id is empty"
-    if not is_visible_ascii(model_id) or model_id != model_id.strip(" \t"):
+    if not valid_header_value(model_id):
         return "model id must be visible ASCII without surrounding spaces"
     if len(model_id) > MAX_MODEL_ID_CHARS:
         return f"model id is longer than {MAX_MODEL_ID_CHARS} characters"
