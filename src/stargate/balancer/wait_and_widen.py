@@ -3,7 +3,8 @@
 Candidates are grouped into TTFT buckets `bucket` ms wide. The fastest bucket is open at once; each
 later bucket opens after the request has waited ``gap * factor`` ms more, so a request widens its
 choice only as long as it has been waiting. Among open buckets the clusters with capacity are
-sampled (``n``) and the comparator picks the winner.
+sampled (``n``) and the comparator picks the winner; under ``load_aware`` every open cluster whose
+estimate ties with the winner's is compared with it too, by requests running.
 
 A phase evaluates one candidate set with one prefill scale and one "time waited" and yields
 ``PhaseResult``: a ``Choice``, a float wait hint (ms until the next time-locked bucket opens), or
@@ -277,7 +278,8 @@ class WawSelector:
         return best
 
     def _pick(self, candidates: tuple[Candidate, ...], available: list[_Entry], rng: random.Random) -> int:
-        """Partial Fisher-Yates over the first ``n`` positions, then the first best among them."""
+        """Partial Fisher-Yates over the first ``n`` positions, then the first best among them (and
+        its ties, ``_least_loaded``)."""
         total = len(available)
         sample = min(self._n, total)
         if total > 1:
@@ -285,7 +287,7 @@ class WawSelector:
                 other = position + int(rng.random() * (total - position))
                 available[position], available[other] = available[other], available[position]
         if self._load_aware:
-            return min(available[:sample], key=self._load_key)[2]
+            return self._least_loaded(available, sample)
         best = available[0]
         least_queue = self._ranking is Ranking.LEAST_QUEUE
         for position in range(1, sample):
@@ -296,6 +298,22 @@ class WawSelector:
                 and _less_loaded(candidates[entry[2]].stats, candidates[best[2]].stats)
             ):
                 best = entry
+        return best[2]
+
+    def _least_loaded(self, available: list[_Entry], sample: int) -> int:
+        """The sample's best by ``load_tie_key``, then the fewest running among every open cluster
+        whose estimate ties with it. The sample hedges against errors of the estimates (stale
+        stats, a wrong rate); requests running, this router's own count at the least, are exact and
+        fresh, so a tie left out of the sample is a less loaded backend passed over for nothing (on
+        four equal idle backends, the least loaded one half the time)."""
+        load_key = self._load_key
+        best = min(available[:sample], key=load_key)
+        best_key = load_key(best)
+        for entry in available[sample:]:
+            if entry[5] <= best[5]:
+                key = load_key(entry)
+                if key[0] == best_key[0] and key < best_key:
+                    best, best_key = entry, key
         return best[2]
 
 

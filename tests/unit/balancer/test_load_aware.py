@@ -227,6 +227,35 @@ def test_waw_load_aware_capacity_counts_own_in_flight() -> None:
     assert chosen_id((full, other), policy.decide((full, other), make_request(), rng())) == "b"
 
 
+def test_waw_load_aware_compares_the_samples_ties_with_the_whole_open_bucket() -> None:
+    """Four equal idle backends: a sample of two leaves the one with fewest running out half the
+    time; the tie is exact (same estimate step), so every cluster in it is compared."""
+    candidates = (
+        make_candidate("busy-a", tps=1000.0, running=6, max_concurrency=16),
+        make_candidate("busy-b", tps=1000.0, running=5, max_concurrency=16),
+        make_candidate("light", tps=1000.0, running=1, max_concurrency=16),
+        make_candidate("busy-c", tps=1000.0, running=6, max_concurrency=16),
+    )
+    policy = build_policy(waw(n=2, load_aware=True))
+    request = make_request(input_tokens=500)
+    picks = {chosen_id(candidates, policy.decide(candidates, request, rng(s))) for s in range(100)}
+    assert picks == {"light"}
+
+
+def test_waw_load_aware_sample_still_decides_between_different_estimates() -> None:
+    """Only ties join the comparison: a sample holding no tie of the lowest estimate keeps its own
+    best, so estimates that differ are still hedged by the sample (not a least-work pick)."""
+    candidates = (
+        make_candidate("low", tps=1000.0, queued=0, running=9, max_concurrency=16),
+        make_candidate("higher-busy", rtt_ms=60.0, tps=1000.0, running=4, max_concurrency=16),
+        make_candidate("higher-light", rtt_ms=60.0, tps=1000.0, running=0, max_concurrency=16),
+    )
+    policy = build_policy(waw(n=2, load_aware=True, ttft_bucket_size_ms=20, next_bucket_unlock_factor=0.0))
+    request = make_request(input_tokens=500)
+    picks = {chosen_id(candidates, policy.decide(candidates, request, rng(s))) for s in range(100)}
+    assert picks == {"low", "higher-light"}
+
+
 def test_waw_load_aware_keeps_free_slot_rule_for_the_queue_slo_filter() -> None:
     """A busy backend with a free slot passes a 0 ms queue SLO (the seed's rule), and still wins
     when it is the only one."""
