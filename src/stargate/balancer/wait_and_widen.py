@@ -287,7 +287,7 @@ class WawSelector:
                 other = position + int(rng.random() * (total - position))
                 available[position], available[other] = available[other], available[position]
         if self._load_aware:
-            return self._least_loaded(available, sample)
+            return self._least_loaded(available, sample, rng)
         best = available[0]
         least_queue = self._ranking is Ranking.LEAST_QUEUE
         for position in range(1, sample):
@@ -300,20 +300,29 @@ class WawSelector:
                 best = entry
         return best[2]
 
-    def _least_loaded(self, available: list[_Entry], sample: int) -> int:
+    def _least_loaded(self, available: list[_Entry], sample: int, rng: random.Random) -> int:
         """The sample's best by ``load_tie_key``, then the fewest running among every open cluster
-        whose estimate ties with it. The sample hedges against errors of the estimates (stale
-        stats, a wrong rate); requests running, this router's own count at the least, are exact and
-        fresh, so a tie left out of the sample is a less loaded backend passed over for nothing (on
-        four equal idle backends, the least loaded one half the time)."""
+        whose estimate ties with it; equal keys fall to a coin (reservoir). The sample hedges
+        against errors of the estimates (stale stats, a wrong rate); requests running, this
+        router's own count at the least, are exact and fresh, so a tie left out of the sample is a
+        less loaded backend passed over for nothing (on four equal idle backends, the least loaded
+        one half the time)."""
         load_key = self._load_key
         best = min(available[:sample], key=load_key)
         best_key = load_key(best)
+        ties = sum(1 for entry in available[:sample] if load_key(entry) == best_key)
         for entry in available[sample:]:
-            if entry[5] <= best[5]:
-                key = load_key(entry)
-                if key[0] == best_key[0] and key < best_key:
-                    best, best_key = entry, key
+            if entry[5] > best[5]:
+                continue
+            key = load_key(entry)
+            if key[0] != best_key[0] or key > best_key:
+                continue
+            if key < best_key:
+                best, best_key, ties = entry, key, 1
+            else:
+                ties += 1
+                if rng.random() * ties < 1.0:
+                    best = entry
         return best[2]
 
 

@@ -242,6 +242,22 @@ def test_waw_load_aware_compares_the_samples_ties_with_the_whole_open_bucket() -
     assert picks == {"light"}
 
 
+def test_waw_load_aware_equal_ties_fall_to_a_coin() -> None:
+    """Two backends equally light and equally estimated share the picks, wherever the sample fell."""
+    candidates = (
+        make_candidate("busy-a", tps=1000.0, running=6, max_concurrency=16),
+        make_candidate("light-a", tps=1000.0, running=1, max_concurrency=16),
+        make_candidate("busy-b", tps=1000.0, running=6, max_concurrency=16),
+        make_candidate("busy-c", tps=1000.0, running=6, max_concurrency=16),
+        make_candidate("light-b", tps=1000.0, running=1, max_concurrency=16),
+    )
+    policy = build_policy(waw(n=2, load_aware=True))
+    request = make_request(input_tokens=500)
+    picks = [chosen_id(candidates, policy.decide(candidates, request, rng(s))) for s in range(1000)]
+    assert set(picks) == {"light-a", "light-b"}
+    assert 420 <= picks.count("light-a") <= 580
+
+
 def test_waw_load_aware_sample_still_decides_between_different_estimates() -> None:
     """Only ties join the comparison: a sample holding no tie of the lowest estimate keeps its own
     best, so estimates that differ are still hedged by the sample (not a least-work pick)."""
