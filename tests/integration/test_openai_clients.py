@@ -100,6 +100,16 @@ async def test_plain_client_mode_serves_the_openai_sdk_without_headers(plain: st
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("no-such-model")
 
+        # The id the router gave a request reaches the client, relayed answer or its own error.
+        assert chat._request_id is not None and chat._request_id.startswith("sg-")
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+        assert unknown.value.request_id is not None and unknown.value.request_id.startswith("sg-")
+        sent = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"x-request-id": "client-7"}
+        )
+        assert sent._request_id == "client-7"
+
         # prompt_cache_key is the cache-affinity key, before user: the second request of the
         # conversation, sent for another user, hits the KV cache the first left on its engine.
         hits = []

@@ -162,6 +162,8 @@ class ProxyHandler:
         status = 500
         try:
             response = await self._proxy(request, parsed, headers, replay, traced)
+            if not response.prepared:  # the router's own answer; a relayed one has it already
+                response.headers.setdefault(h.REQUEST_ID, parsed.request_id)
             status = response.status
             return response
         except asyncio.CancelledError:
@@ -267,6 +269,8 @@ class ProxyHandler:
         response.headers[h.INFERENCE_SERVER_ID] = backend.inference_server_id
         response.headers[h.INFERENCE_SERVER_URL] = backend.url
         response.headers[h.CLUSTER_ID] = backend.cluster_id
+        # The id a client can quote in a report: in plain-client mode the router made it up.
+        response.headers.setdefault(h.REQUEST_ID, parsed.request_id)
         started = False
         try:
             await response.prepare(request)
