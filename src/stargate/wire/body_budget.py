@@ -14,7 +14,8 @@ at once never wait for each other's later bytes; one that then sends less than `
 in a ``stall_s`` gives back the room it has not filled and from then on takes room for its bytes
 as they come, at once, up to twice the capacity (``take_arrived``). Forty connections that each
 declared 64 MiB and sent a byte every 20 s held all of a Pylon's room, and every other request
-waited for them; slow uploads now hold what they sent and still finish.
+waited for them; slow uploads now hold what they sent and still finish. A body of unknown length
+(chunked) takes room only as its bytes come, the same way.
 """
 
 from __future__ import annotations
@@ -99,9 +100,12 @@ class BodyBudget:
         past ``cap`` bytes. The caller gives back ``len(body)`` when done with it."""
         if not request.body_exists:
             return b""
-        declared = request.content_length
-        room = cap if declared is None else declared
-        await self.take(room)
+        # Room ahead for a declared length only: a body of unknown length takes room for its
+        # bytes as they come (``take_arrived``). Idle chunked uploads holding a whole body's cap
+        # each for a stall window, 16 a second, kept every other body of a Pylon waiting.
+        room = 0 if request.content_length is None else request.content_length
+        if room:
+            await self.take(room)
         loop = asyncio.get_running_loop()
         window_end, window_from = loop.time() + self.stall_s, 0
         body = bytearray()

@@ -121,6 +121,20 @@ async def test_a_body_that_stalls_gives_back_the_room_it_has_not_filled() -> Non
     assert budget.take_arrived(200) and not budget.take_arrived(1)
 
 
+async def test_a_body_of_unknown_length_holds_only_what_it_sent() -> None:
+    """Chunked uploads that sent a few bytes and went quiet each held the whole cap ahead, and every
+    other body waited behind them."""
+    budget = BodyBudget(100, 5.0, stall_s=60.0)  # no stall window ends within the test
+    idle = _Body(None)
+    reading = asyncio.create_task(budget.read_whole(idle, 80))  # type: ignore[arg-type]
+    idle.send(b"x" * 5)
+    await until("the bytes that came held", lambda: budget.used == 5)
+    assert budget.try_take(95)  # a declared body takes the rest at once
+    idle.send(b"y" * 10)
+    idle.send(b"")
+    assert await reading == b"x" * 5 + b"y" * 10 and budget.used == 110
+
+
 async def test_a_waiter_cancelled_while_room_is_given_back_is_skipped_not_granted() -> None:
     """Waits that timed out together: a give() in between granted the cancelled waiter (a 500 and
     room lost for good)."""
