@@ -27,6 +27,7 @@ class Fault(Enum):
     SLOW_HEAD = "request head not complete in time"
     SLOW_BODY = "request body stalled"
     SLOW_READER = "answer not read"
+    CROWDED = "client connections near the open-file limit"
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from stargate.errors import ExpectationFailed, HandlerTimedOut, RequestError, StargateError
 from stargate.responses import error_response
 from stargate.wire.client_faults import ClientFaults, Fault, detail
+from stargate.wire.runner import open_files_limit
 
 MAX_LINE_BYTES = 8190
 """aiohttp's parser limit on the request line and on each header field (neither server changes it)."""
@@ -271,11 +272,25 @@ class GuardedRequestHandler(RequestHandler):
         self.force_close()
 
 
+CROWDED_SHARE = 0.8
+"""Share of the process's open-file limit one listener's connections may reach before a warning."""
+
+
 class _GuardedServer(web.Server):
-    """aiohttp's server (the protocol factory) making ``GuardedRequestHandler`` connections."""
+    """aiohttp's server (the protocol factory) making ``GuardedRequestHandler`` connections.
+
+    Past the open-file limit the event loop fails to accept a connection without a word (uvloop
+    logs nothing), so idle connections held by one client turned every new client away with no
+    line in the log: from ``CROWDED_SHARE`` of the limit each new connection is a (rate-limited)
+    warning."""
 
     def __init__(
-        self, base: web.Server, faults: ClientFaults, timeouts: ClientTimeouts, problem: bool
+        self,
+        base: web.Server,
+        faults: ClientFaults,
+        timeouts: ClientTimeouts,
+        problem: bool,
+        open_files: int | None,
     ) -> None:
         super().__init__(
             base.request_handler,
@@ -287,6 +302,19 @@ class _GuardedServer(web.Server):
         self._faults = faults
         self._timeouts = timeouts
         self._problem = problem
+        self._open_files = open_files
+        self._crowded = 0 if open_files is None else max(1, int(open_files * CROWDED_SHARE))
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        if self._crowded and len(self._connections) >= self._crowded:
+            self._faults.report(
+                Fault.CROWDED,
+                "%d client connections open on one listener, the open-file limit is %d (ulimit -n): "
+                "past it new connections fail unlogged; close idle clients or raise the limit",
+                len(self._connections),
+                self._open_files,
+            )
 
     def __call__(self) -> RequestHandler:
         return GuardedRequestHandler(
@@ -317,17 +345,21 @@ class GuardedAppRunner(web.AppRunner):
         faults: ClientFaults,
         timeouts: ClientTimeouts,
         problem: bool = False,
+        open_files: int | None = None,
         **kwargs: Any,
     ) -> None:
+        """``open_files``: the process's open-file limit (``open_files_limit()`` when None)."""
         kwargs.setdefault("keepalive_timeout", IDLE_KEEPALIVE_S)
         super().__init__(app, handler_cancellation=True, **kwargs)
         app.on_response_prepare.append(_close_after_unframed_body)
         self._faults = faults
         self._timeouts = timeouts
         self._problem = problem
+        self._open_files = open_files_limit() if open_files is None else open_files
 
     async def _make_server(self) -> web.Server:
-        return _GuardedServer(await super()._make_server(), self._faults, self._timeouts, self._problem)
+        base = await super()._make_server()
+        return _GuardedServer(base, self._faults, self._timeouts, self._problem, self._open_files)
 
 
 async def _close_after_unframed_body(request: web.BaseRequest, response: web.StreamResponse) -> None:

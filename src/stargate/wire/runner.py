@@ -55,6 +55,16 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def open_files_limit() -> int | None:
+    """The soft limit on open files now; None where there is none."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def raise_open_files_limit() -> int | None:
     """Raise the soft limit on open files to the hard one, as Go's runtime does; the limit in force.
 

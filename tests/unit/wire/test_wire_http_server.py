@@ -3,12 +3,14 @@ fails here, by name, instead of silently switching a client deadline off."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from support.waiting import until
 
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner, GuardedRequestHandler
@@ -47,4 +49,30 @@ async def test_a_handler_that_raises_gets_the_json_error_body(problem: bool) -> 
             assert resp.content_type == ("application/problem+json" if problem else "application/json")
             assert (await resp.json(content_type=None))["error"]["code"] == "internal_error"
     finally:
+        await runner.cleanup()
+
+
+async def test_connections_near_the_open_file_limit_are_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Past the limit the event loop turns connections away without a word: warn before it."""
+    app = web.Application()
+    faults = ClientFaults(logging.getLogger("test.http_server"))
+    runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(0, 0, 0), open_files=10)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    writers = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="test.http_server"):
+            for _ in range(7):
+                writers.append((await asyncio.open_connection("127.0.0.1", port))[1])
+            await until("seven connections accepted", lambda: len(runner.server.connections) == 7)  # type: ignore[union-attr]
+            assert not caplog.records  # below 8 of 10
+            writers.append((await asyncio.open_connection("127.0.0.1", port))[1])
+            await until("the warning", lambda: bool(caplog.records))
+        assert "8 client connections" in caplog.records[0].getMessage()
+        assert "open-file limit is 10" in caplog.records[0].getMessage()
+    finally:
+        for writer in writers:
+            writer.close()
         await runner.cleanup()
