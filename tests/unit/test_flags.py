@@ -75,3 +75,13 @@ def test_a_bad_environment_value_names_its_variable() -> None:
     with pytest.raises(argparse.ArgumentError) as bad_flag:
         flag_set({"T_RETRIES": "5"}).parse_args(["--retries", "x"])
     assert "T_RETRIES" not in str(bad_flag.value)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_lb_config_path_naming_no_file_is_a_usage_error_not_the_permissive_default(value: str) -> None:
+    """``--lb-config-path "$LB_CONFIG"`` with the variable unset started a router that allowed everything."""
+    from stargate.router.cli import build_parser, settings_from_args
+
+    base = ["--stargate-id", "s", "--advertise-addr", "127.0.0.1:1", "--disable-dns-discovery"]
+    with pytest.raises(ConfigError, match="--lb-config-path"):
+        settings_from_args(build_parser({}).parse_args([*base, "--lb-config-path", value]))

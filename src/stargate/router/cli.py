@@ -292,6 +292,11 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
             f"not the start of a metric name ({METRIC_PREFIX.pattern}): {options.metrics_prefix!r}",
             path="--metrics-prefix",
         )
+    if options.lb_config_path is not None and not options.lb_config_path.strip():
+        # An unset shell variable (`--lb-config-path "$LB_CONFIG"`) must not mean "allow everything".
+        raise ConfigError(
+            "names no file: leave the flag out for the permissive default", path="--lb-config-path"
+        )
     lb_config = load_lb_config(options.lb_config_path) if options.lb_config_path else LbConfig.permissive()
     urls = tuple(
         part.strip() for raw in options.remote_stargate_url or () for part in raw.split(",") if part.strip()
