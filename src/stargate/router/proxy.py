@@ -288,8 +288,9 @@ class ProxyHandler:
         except UpstreamError as exc:
             # Headers are gone already: the only honest signal left is an aborted connection.
             log.warning(
-                "upstream %s broke mid-response for model %s: %s",
+                "upstream %s broke mid-response to request %s for model %s: %s",
                 backend.inference_server_id,
+                parsed.request_id,
                 target.model_id,
                 exc,
             )
