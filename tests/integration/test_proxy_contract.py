@@ -784,13 +784,19 @@ async def test_requests_still_held_when_the_drain_runs_out_get_503(sg: Harness) 
     )
 
 
-async def test_upstream_dying_mid_stream_aborts_the_client_connection(sg: Harness) -> None:
+async def test_upstream_dying_mid_stream_aborts_the_client_connection(
+    sg: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
     backend = await sg.backend("b1")
     backend.abort_after_first = True
-    async with sg.http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp:
-        assert resp.status == 200
-        with pytest.raises(aiohttp.ClientError):
-            await resp.read()
+    with caplog.at_level(logging.WARNING, logger="stargate.router.proxy"):
+        async with sg.http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientError):
+                await resp.read()
+        await until("the cut logged", lambda: bool(caplog.records))
+    # The line names the request, as the client can quote it (its x-request-id).
+    assert f"request {HEADERS['x-request-id']} " in caplog.records[0].getMessage()
     await until(
         "the request counted",
         lambda: sg.metric("stargate_requests_total", **labels(inference_server_id="b1", status="200")) == 1,
