@@ -89,6 +89,9 @@ def test_process_prints_address_serves_and_stops_on_sigterm() -> None:
         url = line[len(LISTEN_LINE) :].strip()
         with urllib.request.urlopen(url + "/health", timeout=5) as response:
             assert response.read() == b"ok"
+        process.send_signal(signal.SIGHUP)  # logged and ignored: it used to kill the process
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            assert response.read() == b"ok"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
     finally:

@@ -127,6 +127,13 @@ async def test_p124_cli_prints_ready_line_and_drains_on_sigterm() -> None:
                 assert resp.status == 200
             async with session.get(f"http://{metrics}/metrics") as resp:
                 assert resp.status == 200 and b"stargate_tls_reloads_total" in await resp.read()
+            proc.send_signal(signal.SIGHUP)  # logged and ignored: it used to kill the router undrained
+            assert proc.stderr is not None
+            logged = await asyncio.wait_for(proc.stderr.readline(), 10)
+            while b"SIGHUP ignored" not in logged:
+                logged = await asyncio.wait_for(proc.stderr.readline(), 10)
+            async with session.get(f"http://{http}/readyz") as resp:
+                assert resp.status == 200
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     finally:

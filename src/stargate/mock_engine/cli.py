@@ -221,9 +221,10 @@ async def serve(config: EngineConfig, host: str, port: int) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    runner.ignore_hangup(loop, log)
     try:
         engine = Engine(config)
-        runner, url = await start_server(engine, host, port)
+        app_runner, url = await start_server(engine, host, port)
     except OSError as exc:
         reason = f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}"
         print(f"stargate-mock-engine: error: --http-listen-addr/--host/--port: {reason}", file=sys.stderr)
@@ -233,7 +234,7 @@ async def serve(config: EngineConfig, host: str, port: int) -> int:
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await app_runner.cleanup()
     return 0
 
 

@@ -27,6 +27,7 @@ async def _main(settings: PylonSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    runner.ignore_hangup(loop, log)
     try:
         if not await runner.unless_set(app.start(), stop):
             return 0  # a signal while waiting for the engine (up to --upstream-health-wait-ms)

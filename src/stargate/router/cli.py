@@ -387,11 +387,12 @@ async def serve(settings: StargateSettings, stop: asyncio.Event | None = None) -
 
     for sig in signals:
         loop.add_signal_handler(sig, on_signal)
+    runner.ignore_hangup(loop, log)
     try:
         await stop.wait()
         drained = await server.shutdown()
     finally:
-        for sig in signals:
+        for sig in (*signals, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     return EXIT_OK if drained else EXIT_FAILURE
 

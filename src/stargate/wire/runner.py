@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -83,6 +84,18 @@ def raise_open_files_limit() -> int | None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
             soft = wanted
     return soft
+
+
+def ignore_hangup(loop: asyncio.AbstractEventLoop, logger: logging.Logger) -> None:
+    """SIGHUP (``kill -HUP``, ``systemctl reload``, a closed terminal) is logged and ignored. Its
+    default action killed the process at once, cutting every stream without the SIGTERM drain;
+    nothing here reloads, so there is nothing else for it to do."""
+    with contextlib.suppress(NotImplementedError, AttributeError):  # no SIGHUP (not POSIX)
+        loop.add_signal_handler(
+            signal.SIGHUP,
+            logger.warning,
+            "SIGHUP ignored: nothing is reloaded; restart to apply new settings (SIGTERM drains first)",
+        )
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
