@@ -169,19 +169,33 @@ def _model_id(raw: str) -> str:
 DEFAULT_STARGATE_ADDRESS = "127.0.0.1:50071"
 
 
+def _dialable(address: str) -> bool:
+    """``host:port`` a peer can dial: a name or an IP, port 1-65535, nothing a dialer reads as more."""
+    try:
+        host, port = split_host_port(address)
+    except ValueError:
+        return False
+    return port > 0 and bool(host) and not any(c.isspace() or c in "/?#@" for c in host)
+
+
 def _stargate_url(raw: str) -> str:
-    address = _non_blank(raw)
-    return address if "://" in address else "http://" + address
+    """``host:port`` or ``http(s)://host:port`` (https = TLS), the channel's target: a port gRPC
+    would take modulo 65536, or a target it cannot resolve, retried for ever without the flag."""
+    address = raw.strip()
+    scheme, sep, target = address.partition("://")
+    if not sep:
+        scheme, target = "http", address
+    if scheme not in ("http", "https") or not _dialable(target.rstrip("/")):
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT or http(s)://HOST:PORT with a port of 1-65535, got {raw!r}"
+        )
+    return f"{scheme}://{target}"
 
 
 def _advertise_addr(raw: str) -> str:
     """``host:port`` Stargate dials (a name or an IP, port 1-65535): registered as ``http://host:port``."""
-    try:
-        host, port = split_host_port(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {raw!r}") from None
-    if port == 0 or not host.strip() or any(c.isspace() or c in "/?#@" for c in host):
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port above 0, got {raw!r}")
+    if not _dialable(raw.strip()):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port of 1-65535, got {raw!r}")
     return raw.strip()
 
 

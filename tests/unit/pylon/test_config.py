@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,29 @@ def test_stargate_address_is_repeatable_with_one_default() -> None:
     seeds = [*base, "--stargate-address", "a:1", "--stargate-address", "https://b:2"]
     seeds += ["--stargate-address", "a:1"]
     assert parse_settings(seeds).stargate_addresses == ("http://a:1", "https://b:2")
+    assert parse("--stargate-address", " [::1]:7/ ").stargate_addresses == ("http://[::1]:7/",)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "127.0.0.1:127976",
+        "127.0.0.1:99999",
+        "127.0.0.1:-5",
+        "127.0.0.1:0",
+        "127.0.0.1",
+        "127.0.0.1:x",
+        "http://",
+        "https://:80",
+        ":80",
+        " ",
+        "dns:///127.0.0.1:5",
+        "HTTPS://b:2",
+        "http://u@b:2",
+        "http://b:2/x",
+    ],
+)
+def test_a_stargate_address_grpc_cannot_dial_is_a_usage_error(value: str) -> None:
+    """gRPC dials such a port modulo 65536 (another process's), or retries such a target for ever."""
+    with pytest.raises(ConfigError, match=f"--stargate-address.*{re.escape(repr(value))}"):
+        parse("--stargate-address", value)
