@@ -166,6 +166,20 @@ def _model_id(raw: str) -> str:
     return model_id
 
 
+def _identity(field: str) -> Callable[[str], str]:
+    """An identity Stargate accepts as a registration's ``field``: any other is refused by every
+    Stargate, and the registration retried for ever."""
+
+    def parse(raw: str) -> str:
+        value = _non_blank(raw)
+        problem = h.identity_problem(field, value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse
+
+
 DEFAULT_STARGATE_ADDRESS = "127.0.0.1:50071"
 
 
@@ -274,9 +288,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--stargate-address", type=_stargate_url, action="append", default=[],
       help="seed Stargate for WatchStargates (repeatable: a seed that is down does not keep Pylon "
            f"from the others; default {DEFAULT_STARGATE_ADDRESS})")
-    a("--inference-server-id", type=_non_blank, default="pylon",
+    a("--inference-server-id", type=_identity("inference_server_id"), default="pylon",
       help="backend identity registered with Stargate")
-    a("--cluster-id", default=None, help="cluster identity (default: the inference server id)")
+    a("--cluster-id", type=_identity("cluster_id"), default=None,
+      help="cluster identity (default: the inference server id)")
     a("--disable-bringup", action="store_true", help="no canaries and no startup health probe")
     a("--upstream-health-path", action="append", default=[], help="health path tried first (repeatable)")
     a("--upstream-health-wait-ms", type=non_negative_int, default=60000,

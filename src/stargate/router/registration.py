@@ -19,9 +19,6 @@ from stargate.wire.limits import U64_MAX
 from stargate.wire.proto import stats_from_proto as convert_stats
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-MAX_ID_CHARS = 512
-"""Longest ``inference_server_id``/``cluster_id``: every health probe carries the id in a header,
-and a megabyte id made each probe fail (header too long) and each log line a megabyte."""
 MAX_URL_CHARS = 2048
 _ACTIVE = stargate_pb2.INFERENCE_SERVER_STATUS_ACTIVE
 
@@ -111,13 +108,12 @@ def admit_first(message: stargate_pb2.InferenceServerRegistration, *, reverse_li
         raise RegistrationRejected("reverse tunnel flag set but no reverse tunnel config")
     # Stargate sets these on every response it proxies for this backend; a value no header can hold
     # would turn each of those requests into a 500 (docs/compat.md), so it is refused here instead.
-    for name, value, limit in (("inference_server_id", message.inference_server_id, MAX_ID_CHARS),
+    for name, value, limit in (("inference_server_id", message.inference_server_id, h.MAX_ID_CHARS),
                                ("inference_server_url", message.inference_server_url, MAX_URL_CHARS),
-                               ("cluster_id", message.cluster_id, MAX_ID_CHARS)):  # fmt: skip
-        if value and not h.valid_header_value(value):
-            raise RegistrationRejected(f"{name} must be visible ASCII without surrounding spaces")
-        if len(value) > limit:
-            raise RegistrationRejected(f"{name} is longer than {limit} characters")
+                               ("cluster_id", message.cluster_id, h.MAX_ID_CHARS)):  # fmt: skip
+        problem = h.identity_problem(name, value, limit)
+        if problem is not None:
+            raise RegistrationRejected(problem)
     return Identity(
         inference_server_id=message.inference_server_id,
         inference_server_url=message.inference_server_url,

@@ -101,6 +101,21 @@ def model_id_problem(model_id: str) -> str | None:
     return None
 
 
+MAX_ID_CHARS = 512
+"""Longest ``inference_server_id``/``cluster_id``: every health probe carries the id in a header,
+and a megabyte id made each probe fail (header too long) and each log line a megabyte."""
+
+
+def identity_problem(name: str, value: str, limit: int = MAX_ID_CHARS) -> str | None:
+    """Why Stargate refuses ``value`` as a registration's ``name`` field, or None: it sets the
+    identity as a header on every response it proxies for the backend."""
+    if value and not valid_header_value(value):
+        return f"{name} must be visible ASCII without surrounding spaces"
+    if len(value) > limit:
+        return f"{name} is longer than {limit} characters"
+    return None
+
+
 def text_value(raw: str | None) -> str | None:
     """Trimmed visible-ASCII value; non-ASCII or blank counts as absent."""
     if raw is None or not is_visible_ascii(raw):

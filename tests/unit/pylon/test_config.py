@@ -272,3 +272,13 @@ def test_a_stargate_address_grpc_cannot_dial_is_a_usage_error(value: str) -> Non
     """gRPC dials such a port modulo 65536 (another process's), or retries such a target for ever."""
     with pytest.raises(ConfigError, match=f"--stargate-address.*{re.escape(repr(value))}"):
         parse("--stargate-address", value)
+
+
+@pytest.mark.parametrize("flag", ["--inference-server-id", "--cluster-id"])
+def test_an_identity_every_stargate_refuses_is_a_usage_error(flag: str) -> None:
+    """Stargate's own rule: it sets the identity as a header on every response it proxies."""
+    for value in (" ", "\u00e9", "a\nb", "x" * 513):
+        with pytest.raises(ConfigError, match=flag):
+            parse(flag, value)
+    assert getattr(parse(flag, " pylon-0 "), flag.removeprefix("--").replace("-", "_")) == "pylon-0"
+    assert getattr(parse(flag, "x" * 512), flag.removeprefix("--").replace("-", "_")) == "x" * 512
