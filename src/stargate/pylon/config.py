@@ -166,11 +166,14 @@ def _model_id(raw: str) -> str:
     return model_id
 
 
-def _identity(field: str) -> Callable[[str], str]:
+def _identity(field: str, *, blank: bool = False) -> Callable[[str], str]:
     """An identity Stargate accepts as a registration's ``field``: any other is refused by every
-    Stargate, and the registration retried for ever."""
+    Stargate, and the registration retried for ever. With ``blank`` an empty value stays empty (the
+    flag's default applies: ``--cluster-id "$CLUSTER"`` with the variable unset)."""
 
     def parse(raw: str) -> str:
+        if blank and not raw.strip():
+            return ""
         value = _non_blank(raw)
         problem = h.identity_problem(field, value)
         if problem is not None:
@@ -290,7 +293,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
            f"from the others; default {DEFAULT_STARGATE_ADDRESS})")
     a("--inference-server-id", type=_identity("inference_server_id"), default="pylon",
       help="backend identity registered with Stargate")
-    a("--cluster-id", type=_identity("cluster_id"), default=None,
+    a("--cluster-id", type=_identity("cluster_id", blank=True), default=None,
       help="cluster identity (default: the inference server id)")
     a("--disable-bringup", action="store_true", help="no canaries and no startup health probe")
     a("--upstream-health-path", action="append", default=[], help="health path tried first (repeatable)")

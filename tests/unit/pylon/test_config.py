@@ -277,8 +277,15 @@ def test_a_stargate_address_grpc_cannot_dial_is_a_usage_error(value: str) -> Non
 @pytest.mark.parametrize("flag", ["--inference-server-id", "--cluster-id"])
 def test_an_identity_every_stargate_refuses_is_a_usage_error(flag: str) -> None:
     """Stargate's own rule: it sets the identity as a header on every response it proxies."""
-    for value in (" ", "\u00e9", "a\nb", "x" * 513):
+    for value in ("\u00e9", "a\nb", "x" * 513):
         with pytest.raises(ConfigError, match=flag):
             parse(flag, value)
     assert getattr(parse(flag, " pylon-0 "), flag.removeprefix("--").replace("-", "_")) == "pylon-0"
     assert getattr(parse(flag, "x" * 512), flag.removeprefix("--").replace("-", "_")) == "x" * 512
+
+
+def test_a_blank_cluster_id_is_the_default_and_a_blank_server_id_an_error() -> None:
+    """``--cluster-id "$CLUSTER"`` with the variable unset keeps the spec's default."""
+    assert parse("--inference-server-id", "p1", "--cluster-id", " ").cluster_id == "p1"
+    with pytest.raises(ConfigError, match="--inference-server-id"):
+        parse("--inference-server-id", " ")
