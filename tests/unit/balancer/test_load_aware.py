@@ -227,33 +227,26 @@ def test_waw_load_aware_capacity_counts_own_in_flight() -> None:
     assert chosen_id((full, other), policy.decide((full, other), make_request(), rng())) == "b"
 
 
-def test_waw_load_aware_compares_the_samples_ties_with_the_whole_open_bucket() -> None:
-    """Four equal idle backends: a sample of two leaves the one with fewest running out half the
-    time; the tie is exact (same estimate step), so every cluster in it is compared."""
-    candidates = (
-        make_candidate("busy-a", tps=1000.0, running=6, max_concurrency=16),
-        make_candidate("busy-b", tps=1000.0, running=5, max_concurrency=16),
-        make_candidate("light", tps=1000.0, running=1, max_concurrency=16),
-        make_candidate("busy-c", tps=1000.0, running=6, max_concurrency=16),
+def _sample_picks(times: int, **running: int) -> list[str]:
+    """Load-aware wait-and-widen (``n`` 2) picks on idle-estimated backends running ``running``."""
+    candidates = tuple(
+        make_candidate(name.replace("_", "-"), tps=1000.0, running=count, max_concurrency=16)
+        for name, count in running.items()
     )
     policy = build_policy(waw(n=2, load_aware=True))
     request = make_request(input_tokens=500)
-    picks = {chosen_id(candidates, policy.decide(candidates, request, rng(s))) for s in range(100)}
-    assert picks == {"light"}
+    return [chosen_id(candidates, policy.decide(candidates, request, rng(s))) for s in range(times)]
+
+
+def test_waw_load_aware_compares_the_samples_ties_with_the_whole_open_bucket() -> None:
+    """Four equal idle backends: a sample of two leaves the one with fewest running out half the
+    time; the tie is exact (same estimate step), so every cluster in it is compared."""
+    assert set(_sample_picks(100, busy_a=6, busy_b=5, light=1, busy_c=6)) == {"light"}
 
 
 def test_waw_load_aware_equal_ties_fall_to_a_coin() -> None:
     """Two backends equally light and equally estimated share the picks, wherever the sample fell."""
-    candidates = (
-        make_candidate("busy-a", tps=1000.0, running=6, max_concurrency=16),
-        make_candidate("light-a", tps=1000.0, running=1, max_concurrency=16),
-        make_candidate("busy-b", tps=1000.0, running=6, max_concurrency=16),
-        make_candidate("busy-c", tps=1000.0, running=6, max_concurrency=16),
-        make_candidate("light-b", tps=1000.0, running=1, max_concurrency=16),
-    )
-    policy = build_policy(waw(n=2, load_aware=True))
-    request = make_request(input_tokens=500)
-    picks = [chosen_id(candidates, policy.decide(candidates, request, rng(s))) for s in range(1000)]
+    picks = _sample_picks(1000, busy_a=6, light_a=1, busy_b=6, busy_c=6, light_b=1)
     assert set(picks) == {"light-a", "light-b"}
     assert 420 <= picks.count("light-a") <= 580
 
