@@ -27,15 +27,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from operator import attrgetter
-from typing import TypeVar
 
 from stargate.balancer.ring import AffinityRing, KeyCache, hash_prefix
 from stargate.balancer.settings import AlgorithmDefinition, Placement
 from stargate.balancer.types import Candidate, Target
-from stargate.wire.limits import remembered
+from stargate.wire.limits import remember_newest, remembered
 
 _cluster_id = attrgetter("cluster_id")
-_V = TypeVar("_V")
 
 
 PLACED_CAPACITY = 65_536
@@ -73,8 +71,7 @@ class AffinityGroups:
         self._ring: AffinityRing | None = None
         self._last: tuple[Candidate, ...] = ()
         self._cache: KeyCache[tuple[int, ...]] = KeyCache()
-        # Least recently used first (``_remember``): OrderedDict drops its oldest entry in O(1), a
-        # dict scans every slot its evictions left behind (60x a key past the cap).
+        # Least recently used first (``remember_newest``).
         self._placed: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # the key's group, newest last
         self._routed: OrderedDict[str, tuple[_Route, ...]] = OrderedDict()  # per cluster, newest last
         self._index: dict[str, int] = {}
@@ -83,12 +80,12 @@ class AffinityGroups:
     def place(self, key: str, cluster_id: str) -> None:
         """The key's request went to ``cluster_id``: its KV cache is there now, so that cluster is
         the key's group from now on."""
-        _remember(self._placed, remembered(key), (cluster_id,))
+        remember_newest(self._placed, remembered(key), (cluster_id,), PLACED_CAPACITY)
 
     def spread(self, key: str, group: tuple[str, ...], cluster_id: str) -> None:
         """The key's request spilled to ``cluster_id`` past its full ``group`` (cluster ids, from
         the ring or placed): that cluster joins it (the oldest member leaves past ``RESIDENCY``)."""
-        _remember(self._placed, remembered(key), _joined(group, cluster_id))
+        remember_newest(self._placed, remembered(key), _joined(group, cluster_id), PLACED_CAPACITY)
 
     def routed(self, key: str, cluster_id: str, input_tokens: int, at: float) -> None:
         """The key's request of ``input_tokens`` went to ``cluster_id`` at ``at`` (monotonic s).
@@ -97,11 +94,11 @@ class AffinityGroups:
         route = (cluster_id, input_tokens, at)
         routes = self._routed.get(key)
         if routes is None or (len(routes) == 1 and routes[0][0] == cluster_id):
-            _remember(self._routed, key, (route,))
+            remember_newest(self._routed, key, (route,), PLACED_CAPACITY)
             return
         members = self._placed.get(key, ())
         kept = (known for known in routes if known[0] != cluster_id and known[0] in members)
-        _remember(self._routed, key, (*kept, route)[-RESIDENCY:])
+        remember_newest(self._routed, key, (*kept, route)[-RESIDENCY:], PLACED_CAPACITY)
 
     def learn(self, key: str, cluster_id: str, input_tokens: int, at: float, parallel: bool = False) -> None:
         """A backend of ``cluster_id`` admitted the key's request at ``at``, maybe from another
@@ -184,10 +181,3 @@ def _joined(members: tuple[str, ...], cluster_id: str) -> tuple[str, ...]:
     """``members`` with ``cluster_id`` as the newest, at most ``RESIDENCY`` of them."""
     return (*(member for member in members if member != cluster_id), cluster_id)[-RESIDENCY:]
 
-
-def _remember(memory: OrderedDict[str, _V], key: str, value: _V) -> None:
-    """Insert as most recently used; past ``PLACED_CAPACITY`` the least recently used goes."""
-    memory.pop(key, None)
-    if len(memory) >= PLACED_CAPACITY:
-        memory.popitem(last=False)
-    memory[key] = value

@@ -32,7 +32,7 @@ from typing import TypeVar
 from stargate.balancer.estimates import SlotMeter
 from stargate.balancer.types import valid_tps
 from stargate.pylon.models import Generation
-from stargate.wire.limits import U64_MAX, remembered, sat_u64
+from stargate.wire.limits import U64_MAX, remember_newest, remembered, sat_u64
 from stargate.wire.proto import MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES
 
 _K = TypeVar("_K")
@@ -210,12 +210,8 @@ class LiveLoad:
             t.slot_since = self._clock()
         if not self._prefix_caching or not t.key or len(t.key) > MAX_AFFINITY_KEY_CHARS:
             return
-        prompt = (t.generation, remembered(t.key))  # a long key by its digest, as the router keeps it
-        prompts = self._prompts
-        prompts.pop(prompt, None)
-        if len(prompts) >= PROMPT_MEMORY:
-            prompts.popitem(last=False)
-        prompts[prompt] = t.input_tokens
+        # A long key by its digest, as the router keeps it.
+        remember_newest(self._prompts, (t.generation, remembered(t.key)), t.input_tokens, PROMPT_MEMORY)
 
     def release(self, request_id: str) -> None:
         t = self._requests.pop(request_id, None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
+from typing import TypeVar
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -42,6 +44,20 @@ def remembered(text: str) -> str:
     if len(text) <= MAX_REMEMBERED_CHARS:
         return text
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def remember_newest(memory: OrderedDict[_K, _V], key: _K, value: _V, capacity: int) -> None:
+    """``key`` as the most recently used entry of a bounded memory; past ``capacity`` entries the
+    least recently used goes. An ``OrderedDict`` drops its oldest in O(1): a dict scans every slot
+    its evictions left behind (60x a key past the cap)."""
+    memory.pop(key, None)
+    if len(memory) >= capacity:
+        memory.popitem(last=False)
+    memory[key] = value
 
 
 def sat_u64(value: int) -> int:

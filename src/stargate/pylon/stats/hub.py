@@ -24,7 +24,7 @@ from stargate.pylon.stats.counters import CounterTracker, Outcome
 from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
-from stargate.wire.limits import sat_u64
+from stargate.wire.limits import remember_newest, sat_u64
 from stargate.wire.proto import CACHED_PROMPT_WORK, MAX_AFFINITY_KEY_CHARS, MAX_AFFINITY_ROUTES
 
 MAX_ENGINE_LIMITS = 4096
@@ -156,11 +156,7 @@ class StatsHub:
         every request it held went to the new engine at once)."""
         if ping.model is None or ping.max_engine_concurrency is None:
             return
-        limits = self._engine_limits
-        limits.pop(ping.model, None)
-        limits[ping.model] = ping.max_engine_concurrency
-        if len(limits) > MAX_ENGINE_LIMITS:
-            limits.popitem(last=False)
+        remember_newest(self._engine_limits, ping.model, ping.max_engine_concurrency, MAX_ENGINE_LIMITS)
         gen = self.registry.current(ping.model)
         if gen is not None:
             self.apply_concurrency(ConcurrencyUpdate(gen, LimitSource.ENGINE, ping.max_engine_concurrency))
