@@ -94,11 +94,7 @@ def model_id_problem(model_id: str) -> str | None:
     """Why no request could name ``model_id`` (``x-model`` is trimmed visible ASCII), or None."""
     if not model_id:
         return "model id is empty"
-    if not valid_header_value(model_id):
-        return "model id must be visible ASCII without surrounding spaces"
-    if len(model_id) > MAX_MODEL_ID_CHARS:
-        return f"model id is longer than {MAX_MODEL_ID_CHARS} characters"
-    return None
+    return identity_problem("model id", model_id, MAX_MODEL_ID_CHARS)
 
 
 MAX_ID_CHARS = 512
