@@ -31,6 +31,7 @@ for a header violation) naming what was wrong.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +197,12 @@ class GuardedRequestHandler(RequestHandler):
         response.force_close()
         return response
 
+    def idle_keepalive(self) -> bool:
+        """Served a request and waits for the next with none of its bytes yet: closing it loses
+        nothing, a client must expect it as at the keep-alive timeout (with the head deadline off,
+        a head begun is not seen)."""
+        return self._request_count > 0 and self._head_timer is None and self._awaiting_head()
+
     def _awaiting_head(self) -> bool:
         waiter = self._waiter
         return waiter is not None and not waiter.done()
@@ -276,13 +283,18 @@ CROWDED_SHARE = 0.8
 """Share of the process's open-file limit one listener's connections may reach before a warning."""
 
 
+SHED_EVERY_S = 1.0
+"""How often a crowded listener looks for idle keep-alive connections to close (each look reads
+every connection)."""
+
+
 class _GuardedServer(web.Server):
     """aiohttp's server (the protocol factory) making ``GuardedRequestHandler`` connections.
 
     Past the open-file limit the event loop fails to accept a connection without a word (uvloop
-    logs nothing), so idle connections held by one client turned every new client away with no
-    line in the log: from ``CROWDED_SHARE`` of the limit each new connection is a (rate-limited)
-    warning."""
+    logs nothing), so idle keep-alive connections held by one client turned every new client away
+    for their 75 s. From ``CROWDED_SHARE`` of the limit a new connection closes the idle keep-alive
+    ones (as Envoy's overload manager shortens idle timeouts) and is a (rate-limited) warning."""
 
     def __init__(
         self,
@@ -304,17 +316,29 @@ class _GuardedServer(web.Server):
         self._problem = problem
         self._open_files = open_files
         self._crowded = 0 if open_files is None else max(1, int(open_files * CROWDED_SHARE))
+        self._next_shed = -math.inf
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
-        if self._crowded and len(self._connections) >= self._crowded:
-            self._faults.report(
-                Fault.CROWDED,
-                "%d client connections open on one listener, the open-file limit is %d (ulimit -n): "
-                "past it new connections fail unlogged; close idle clients or raise the limit",
-                len(self._connections),
-                self._open_files,
-            )
+        if not self._crowded or len(self._connections) < self._crowded:
+            return
+        open_now, now = len(self._connections), self._loop.time()
+        idle: list[GuardedRequestHandler] = []
+        if now >= self._next_shed:
+            self._next_shed = now + SHED_EVERY_S
+            idle = [
+                c for c in self._connections if isinstance(c, GuardedRequestHandler) and c.idle_keepalive()
+            ]
+            for connection in idle:
+                connection.force_close()
+        self._faults.report(
+            Fault.CROWDED,
+            "%d client connections open on one listener, the open-file limit is %d (ulimit -n): "
+            "closed %d idle keep-alive ones; past the limit new connections fail unlogged",
+            open_now,
+            self._open_files,
+            len(idle),
+        )
 
     def __call__(self) -> RequestHandler:
         return GuardedRequestHandler(

@@ -21,6 +21,7 @@ def test_the_aiohttp_connection_state_the_client_deadlines_read_exists() -> None
     for cls in RequestHandler.__mro__:
         slots.update(getattr(cls, "__slots__", ()))
     needed = ("_waiter", "_messages", "_current_request", "_reading_paused", "_buffer_paused")
+    needed += ("_request_count",)
     assert [name for name in needed if name not in slots] == []
     assert isinstance(RequestHandler.writing_paused, property)
     assert issubclass(GuardedRequestHandler, RequestHandler)
@@ -74,5 +75,53 @@ async def test_connections_near_the_open_file_limit_are_a_warning(caplog: pytest
         assert "open-file limit is 10" in caplog.records[0].getMessage()
     finally:
         for writer in writers:
+            writer.close()
+        await runner.cleanup()
+
+
+async def test_a_crowded_listener_closes_its_idle_keepalive_connections() -> None:
+    """Idle keep-alives held by one client would turn every other client away for their 75 s;
+    a connection sending a head or waiting for its answer is left alone."""
+    release = asyncio.Event()
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def slow(_request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="late")
+
+    app = web.Application()
+    app.router.add_get("/", ok)
+    app.router.add_get("/slow", slow)
+    faults = ClientFaults(logging.getLogger("test.http_server"))
+    runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(60, 0, 0), open_files=10)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    server = runner.server
+    assert server is not None
+    streams = []
+    try:
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+            streams.append((reader, writer))
+        partial = await asyncio.open_connection("127.0.0.1", port)
+        partial[1].write(b"GET / HTTP/1.1\r\nHo")
+        waiting = await asyncio.open_connection("127.0.0.1", port)
+        waiting[1].write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        streams += [partial, waiting]
+        await until("seven connections accepted", lambda: len(server.connections) == 7)
+        streams.append(await asyncio.open_connection("127.0.0.1", port))  # the 8th of 10
+        for reader, _ in streams[:5]:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        await until("the idle ones gone", lambda: len(server.connections) == 3)
+        release.set()
+        assert (await waiting[0].readuntil(b"late")).startswith(b"HTTP/1.1 200")
+    finally:
+        for _, writer in streams:
             writer.close()
         await runner.cleanup()
