@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from stargate.balancer.config import parse_lb_config
 from stargate.bench.traffic import (
@@ -354,20 +355,29 @@ def _path_of(loc: tuple[int | str, ...], data: Any) -> str:
     return path
 
 
+MAX_LISTED_ERRORS = 10
+
+
+def _reason(error: ErrorDetails) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown field"
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
 def parse_scenario(data: Any, *, file: str = "", base_dir: Path | None = None) -> Scenario:
     if not isinstance(data, dict):
         raise ConfigError("a scenario must be a mapping", file=file)
     try:
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        reason = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            reason = "unknown field"
-        more = exc.error_count() - 1
-        if more:
-            reason += f" (and {more} more error{'s' if more > 1 else ''})"
-        raise ConfigError(reason, path=_path_of(tuple(first["loc"]), data), file=file) from exc
+        # Every problem at once (up to a screenful): a user fixing a file one error per run
+        # would otherwise run it again for each.
+        problems = [(_path_of(tuple(e["loc"]), data), _reason(e)) for e in exc.errors(include_url=False)]
+        (path, reason), more = problems[0], problems[1:MAX_LISTED_ERRORS]
+        reason += "".join(f"; {p}: {r}" for p, r in more)
+        if len(problems) > MAX_LISTED_ERRORS:
+            reason += f" (and {len(problems) - MAX_LISTED_ERRORS} more)"
+        raise ConfigError(reason, path=path, file=file) from exc
     except ConfigError as exc:
         raise exc.in_file(file) from None
     if base_dir is not None:

@@ -127,6 +127,17 @@ def test_load_reports_the_file_and_yaml_errors(tmp_path: Path) -> None:
         load_scenario(tmp_path / "missing.yaml")
 
 
+def test_every_problem_of_a_file_is_named_at_once() -> None:
+    data = with_change(["max_concurrency"], -1)
+    data["request_count"] = 0
+    data["surprise"] = 1
+    with pytest.raises(ConfigError) as info:
+        parse_scenario(data, file="s.yaml")
+    message = str(info.value)
+    for named in ("$.max_concurrency: ", "$.request_count: ", "$.surprise: unknown field"):
+        assert named in message
+
+
 def test_select_algorithms_keeps_order_and_rejects_unknown() -> None:
     data = base()
     data["algorithms"] = [{"name": n, "config": {"default": n}} for n in ("random", "round-robin")]
