@@ -272,6 +272,28 @@ async def test_client_abandoning_a_stream_through_stargate_logs_one_warning(
     assert_quiet(caplog)
 
 
+async def test_a_client_leaving_after_done_abandons_nothing_at_stargate(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The openai SDK closes its connection as it reads ``data: [DONE]``, before the end of a
+    chunked body that an engine writes a moment later: the answer was whole, no cut to log."""
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    backend.chunks = (b'data: {"n":1}\n\ndata: [DONE]\n\n',)
+    backend.gate = asyncio.Event()  # the body's end waits after [DONE]
+    reader = await conns.open(sg.base, head(CHAT, b"{}", "m", "done-1") + b"{}")
+    await until(reader, b"data: [DONE]\n\n")
+    conns.abort()
+    assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
+    backend.gate.set()
+    assert client_lines(caplog, "test.router.clients") == []
+    cut = {"routing_key": "", "model": "m", "inference_server_id": "b1", "by": "client"}
+    assert sg.metric("stargate_responses_cut_total", **cut) == 0
+    ok = {"routing_key": "", "model": "m", "inference_server_id": "b1", "status": "200"}
+    assert sg.metric("stargate_requests_total", **ok) == 1
+    assert_quiet(caplog)
+
+
 async def test_client_abandoning_its_request_body_at_stargate_logs_one_warning(
     sg: Harness, conns: Connections, router_log: Signal, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -305,6 +327,26 @@ async def test_client_abandoning_a_stream_through_pylon_logs_one_warning(
     assert client_lines(caplog, "test.pylon.clients") == [
         "client closed the connection mid-response (request id gone-3)"
     ]
+    assert_quiet(caplog)
+
+
+async def test_a_client_leaving_after_done_abandons_nothing_at_pylon(
+    pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    engine.end_gate = asyncio.Event()
+    reader = await conns.open(pylon.http_url, head("/v1/chat/completions", PYLON_CHAT, "llama", "done-2"))
+    conns.send(PYLON_CHAT)
+    await until(reader, b"data: [DONE]\n\n")
+    conns.abort()
+    registry = pylon.metrics.registry
+    labels = {"model": "llama", "routing_key": "", "status": "complete"}
+    await waiting.until("it ended", lambda: registry.get_sample_value("pylon_requests_total", labels) == 1)
+    engine.end_gate.set()
+    assert len(pylon.load) == 0
+    cancelled = {"model": "llama", "routing_key": "", "status": "cancelled"}
+    assert registry.get_sample_value("pylon_requests_total", cancelled) in (None, 0)
+    assert client_lines(caplog, "test.pylon.clients") == []
     assert_quiet(caplog)
 
 

@@ -33,6 +33,7 @@ class FakeEngine:
     calibration_status: int = 200
     hold_canaries: bool = False  # canaries wait unanswered, as behind a saturated engine's queue
     first_byte_delay_s: float = 0.0  # a stream's headers at once, its first byte this much later
+    end_gate: asyncio.Event | None = None  # when set: a stream's end waits for it, after [DONE] (uvicorn's)
     requests: list[tuple[str, str, CIMultiDict[str], bytes]] = field(default_factory=list)
     url: str = ""
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # a caller hung up on a request
@@ -92,6 +93,8 @@ class FakeEngine:
             await resp.write(b'data: {"choices":[{"delta":{"content":"%s"}}]}\n\n' % piece.encode())
         await resp.write(b'data: {"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":3}}\n\n')
         await resp.write(b"data: [DONE]\n\n")
+        if self.end_gate is not None:
+            await asyncio.wait_for(self.end_gate.wait(), 10)
         await resp.write_eof()
         return resp
 

@@ -17,7 +17,7 @@ import orjson
 from stargate.pylon.models import Generation
 from stargate.pylon.stats.observation import Endpoint, Observation, State
 from stargate.wire.clock import Clock
-from stargate.wire.sse import event_data, is_answer, is_output, iter_events, split_complete
+from stargate.wire.sse import Delivered, event_data, is_answer, is_output, iter_events, split_complete
 
 PROGRESS_INTERVAL_S = 1.0
 _TEXT_MARKERS = (b'"content":"', b'"content": "', b'"delta":"', b'"delta": "')
@@ -165,6 +165,7 @@ class RequestObserver:
         self.embedding_items: int | None = None  # set by the relay from an embeddings body
         self.streamed = True  # the relay clears it for a JSON answer
         self.reported_input_tokens: int | None = None  # the engine's usage.prompt_tokens, if seen
+        self.delivered = Delivered()  # what the client has been sent of a stream, fed by the relay
         self._last_progress = 0.0
         self._emit()
 

@@ -367,7 +367,11 @@ class Relay:
             status = response.status
             return response
         except asyncio.CancelledError:
-            # Stargate hung up (aiohttp cancels the handler): the engine request is closed with it.
+            # Stargate hung up (aiohttp cancels the handler): the engine request is closed with it,
+            # unless its answer was whole (``Delivered``).
+            if observer is not None and observer.delivered.done:
+                observer.finish()
+                raise
             started = observer is not None and observer.status is not None
             report_client_gone(self.faults, request, request_id, started=started)
             if observer is not None:
@@ -538,13 +542,16 @@ class Relay:
                     kept = bytearray()  # a JSON answer: its usage counts the output tokens
                 ok, tail = await self._pump(upstream, response, kept)
             if not ok:
-                # The client hung up (cancelled, as when it goes away earlier), or the engine broke.
-                gone = report_client_gone(self.faults, request, request_id, started=True)
-                if observer is not None:
-                    if gone:
-                        observer.cancel()
-                    else:
-                        observer.finish(failed=True)
+                if observer is not None and observer.delivered.done:
+                    observer.finish()  # the client left, or the engine broke, after the whole answer
+                else:
+                    # The client hung up (cancelled, as when it goes away earlier), or the engine broke.
+                    gone = report_client_gone(self.faults, request, request_id, started=True)
+                    if observer is not None:
+                        if gone:
+                            observer.cancel()
+                        else:
+                            observer.finish(failed=True)
                 if tail:
                     with contextlib.suppress(ConnectionError):
                         await response.write(tail)
@@ -564,7 +571,8 @@ class Relay:
             try:
                 await response.write_eof(tail)
             except ConnectionError:
-                report_client_gone(self.faults, request, request_id, started=True)
+                if observer is None or not observer.delivered.done:
+                    report_client_gone(self.faults, request, request_id, started=True)
             return response
 
     def _record_status(self, status: int, failure: str | None) -> None:
@@ -621,6 +629,7 @@ class Relay:
                     tail = chunk
                 else:
                     await response.write(chunk)
+                    observer.delivered.sent(chunk)
                 if scanner.output_seen:
                     explicit = scanner.explicit_tokens
                     observer.output(scanner.tokens, explicit=explicit is not None)

@@ -43,6 +43,7 @@ from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.client_faults import ClientFaults, detail
 from stargate.wire.http_server import expectation_problem, report_client_gone, send_continue
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
+from stargate.wire.sse import Delivered
 
 if TYPE_CHECKING:
     from stargate.otel import Span, Tracing
@@ -272,6 +273,7 @@ class ProxyHandler:
         # The id a client can quote in a report: in plain-client mode the router made it up.
         response.headers.setdefault(h.REQUEST_ID, parsed.request_id)
         started = False
+        delivered = Delivered()
         try:
             await response.prepare(request)
             started = True
@@ -283,6 +285,7 @@ class ProxyHandler:
                     await response.write_eof(chunk)
                     break
                 await response.write(chunk)
+                delivered.sent(chunk)
                 chunk = await anext(outcome.rest, None)
             await response.write_eof()  # no-op once sent
         except UpstreamError as exc:
@@ -298,10 +301,12 @@ class ProxyHandler:
                 request.transport.abort()
             self._metrics.response_cut(target, backend.inference_server_id, "backend")
         except ConnectionError:
-            # The client went away; nothing left to tell it.
-            self._client_gone(request, parsed, backend.inference_server_id, started)
+            # The client went away; nothing left to tell it (and nothing missed after [DONE]).
+            if not delivered.done:
+                self._client_gone(request, parsed, backend.inference_server_id, started)
         except asyncio.CancelledError:
-            self._client_gone(request, parsed, backend.inference_server_id, started)
+            if not delivered.done:
+                self._client_gone(request, parsed, backend.inference_server_id, started)
             raise
         finally:
             upstream.release()

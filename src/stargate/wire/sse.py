@@ -128,3 +128,37 @@ class FirstOutput:
         if self.seen:
             self._tail = b""
         return self.seen
+
+
+_DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
+_DONE_TAIL = 24
+"""Bytes kept of what a client was sent: a ``data: [DONE]`` event with its delimiters fits."""
+
+
+class Delivered:
+    """The end of the bytes a client has been sent, to tell whether they end with a whole
+    ``data: [DONE]`` event. The answer is complete there: the openai SDK closes its connection as it
+    reads that event, before the chunked body's end, which an engine may write a moment later
+    (uvicorn's do), and that hang-up abandons nothing."""
+
+    __slots__ = ("_start", "_tail")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._start = True  # the tail still holds the stream's first byte
+
+    def sent(self, chunk: bytes) -> None:
+        tail = self._tail + chunk if len(chunk) < _DONE_TAIL else chunk
+        self._start = self._start and len(tail) <= _DONE_TAIL
+        self._tail = tail[-_DONE_TAIL:]
+
+    @property
+    def done(self) -> bool:
+        """The client has the stream's ``data: [DONE]`` event, whole, as the last it was sent."""
+        tail = self._tail
+        for delim in _DELIMS:
+            if tail.endswith(delim):
+                event = tail[: -len(delim)]
+                start = max(event.rfind(b"\n"), event.rfind(b"\r")) + 1
+                return (start > 0 or self._start) and event[start:] in _DONE_LINES
+        return False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stargate.wire.sse import FirstOutput, is_answer, is_output, split_complete
+from stargate.wire.sse import Delivered, FirstOutput, is_answer, is_output, split_complete
 
 
 @pytest.mark.parametrize(
@@ -33,3 +33,26 @@ def test_an_event_ends_at_a_blank_line_of_any_line_ending(end: bytes) -> None:
     assert not watch.feed(b'event: response.created\ndata: {"type":"response.created"}' + end)
     assert not watch.feed(b'data: {"type":"response.output_text.delta"')
     assert watch.feed(b"}" + end) and watch.feed(b"anything")
+
+
+@pytest.mark.parametrize(
+    ("pieces", "done"),
+    [
+        ([b'data: {"n":1}\n\ndata: [DONE]\n\n'], True),
+        ([b'data: {"n":1}\n\n' * 10, b"data: [DO", b"NE]\n", b"\n"], True),  # split anywhere
+        ([b"data:[DONE]\r\n\r\n"], True),
+        ([b"x" * 100 + b"\rdata: [DONE]\r\r"], True),
+        ([b"data: [DONE]\n"], False),  # the event is not whole yet
+        ([b"data: [DONE]\n\n", b'data: {"n":2}\n\n'], False),  # not the last thing sent
+        ([b'data: {"text":"data: [DONE]"}\n\n'], False),
+        ([b'data: {"text":"' + b"x" * 30 + b"data: [DONE]\n\n"], False),  # a line whose start is gone
+        ([b"data: [DONE]\n\n"], True),  # the whole stream
+        ([b"data: [DONE] \n\n"], False),
+        ([], False),
+    ],
+)
+def test_delivered_tells_a_stream_whose_last_event_is_done(pieces: list[bytes], done: bool) -> None:
+    delivered = Delivered()
+    for piece in pieces:
+        delivered.sent(piece)
+    assert delivered.done is done
