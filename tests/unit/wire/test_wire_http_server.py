@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import aiohttp
 import pytest
@@ -27,18 +28,24 @@ def test_the_aiohttp_connection_state_the_client_deadlines_read_exists() -> None
     assert issubclass(GuardedRequestHandler, RequestHandler)
 
 
+async def listening(app: web.Application, head_s: float = 0, **kwargs: Any) -> tuple[GuardedAppRunner, int]:
+    """``app`` on a loopback port, its client faults logged on ``test.http_server``."""
+    faults = ClientFaults(logging.getLogger("test.http_server"))
+    runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(head_s, 0, 0), **kwargs)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, runner.addresses[0][1]
+
+
 async def served(problem: bool) -> tuple[web.AppRunner, str]:
     async def broken(_request: web.Request) -> web.Response:
         raise RuntimeError("a bug")
 
     app = web.Application()
     app.router.add_get("/", broken)
-    faults = ClientFaults(logging.getLogger("test.http_server"))
-    runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(0, 0, 0), problem=problem)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    runner, port = await listening(app, problem=problem)
+    return runner, f"http://127.0.0.1:{port}/"
 
 
 @pytest.mark.parametrize("problem", [False, True])
@@ -55,13 +62,7 @@ async def test_a_handler_that_raises_gets_the_json_error_body(problem: bool) -> 
 
 async def test_connections_near_the_open_file_limit_are_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     """Past the limit the event loop turns connections away without a word: warn before it."""
-    app = web.Application()
-    faults = ClientFaults(logging.getLogger("test.http_server"))
-    runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(0, 0, 0), open_files=10)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await listening(web.Application(), open_files=10)
     writers = []
     try:
         with caplog.at_level(logging.WARNING, logger="test.http_server"):
@@ -94,12 +95,7 @@ async def test_a_crowded_listener_closes_its_idle_keepalive_connections() -> Non
     app = web.Application()
     app.router.add_get("/", ok)
     app.router.add_get("/slow", slow)
-    faults = ClientFaults(logging.getLogger("test.http_server"))
-    runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(60, 0, 0), open_files=10)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await listening(app, head_s=60, open_files=10)
     server = runner.server
     assert server is not None
     streams = []
