@@ -174,6 +174,26 @@ async def test_prefix_mode_concurrent_same_prefix_then_hit() -> None:
         assert int(third.headers["x-kv-cache-uncached-input-tokens"]) == input_tokens - reused
 
 
+async def test_prefix_mode_counts_and_caches_responses_instructions() -> None:
+    """A Responses conversation re-sends its ``instructions`` every turn: prompt work a router
+    counts and an engine caches, like a chat's system prompt."""
+    timing = TimingConfig(num_tokens=1, token_delay_ms=0, prefill_tokens_per_s=100_000)
+    config = {"kv_cache_capacity_tokens": 10_000, "kv_cache_mode": "prefix", "kv_block_size": 16}
+    instructions = "Answer in French. " * 50  # 900 bytes
+    async with running(timing=timing, **config) as (url, _, session):
+
+        async def turn(text: str) -> aiohttp.ClientResponse:
+            body = {"model": "m", "instructions": instructions, "input": text, "stream": True}
+            response = await session.post(url + "/v1/responses", json=body)
+            await response.read()
+            return response
+
+        first = await turn("hello")
+        assert int(first.headers["x-mock-input-tokens"]) > len(instructions) // 4
+        second = await turn("bonjour")
+        assert int(second.headers["x-kv-cache-reused-input-tokens"]) >= len(instructions) // 4 - 16
+
+
 async def test_continuous_batching_shares_prefill_throughput() -> None:
     timing = TimingConfig(num_tokens=1, token_delay_ms=0, prefill_tokens_per_s=1000, batching="continuous")
     async with running(timing=timing) as (url, _, session):

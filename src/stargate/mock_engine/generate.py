@@ -104,6 +104,8 @@ def _input_tokens(engine: Engine, kind: Kind, body: dict[str, Any], header: int 
     else:
         value = body.get("prompt" if kind == "completions" else "input")
         prompt = tok.raw_prompt_bytes(value) if prefix_mode else b""
+        if prefix_mode and kind == "responses":
+            prompt = tok.instructions_bytes(body.get("instructions")) + prompt
     if header is not None:
         return max(1, header), prompt
     if prefix_mode:

@@ -146,6 +146,14 @@ def raw_prompt_bytes(value: Any) -> bytes:
     return _text_of(value)
 
 
+def instructions_bytes(instructions: Any) -> bytes:
+    """A Responses request's ``instructions`` as the system message they are to an engine's chat
+    template: prompt work, cached as the leading blocks every turn re-sends."""
+    if not isinstance(instructions, str) or not instructions:
+        return b""
+    return chat_prompt_bytes([{"role": "system", "content": instructions}])
+
+
 def text_token_estimate(prompt: bytes) -> int:
     """Tokens of the prefix-mode approximation: ceil(bytes / BYTES_PER_TOKEN), at least 1."""
     return max(1, -(-len(prompt) // BYTES_PER_TOKEN))
