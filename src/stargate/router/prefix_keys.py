@@ -12,12 +12,16 @@ one starts its own. A prompt sent again as it is (a load test's, a canned questi
 no key: its copies are placed by load, each replica caching it once, rather than queued on one.
 
 Prompts are indexed by a chain of digests over fixed blocks of characters; an earlier prompt is
-found by the digest of its last whole block, then checked exactly (its length and the digest of its
-whole text). Memory is bounded: the least recently seen block is forgotten first.
+found by the digest of its last whole block, then checked at each length a prompt ending there has:
+first by its last few characters, then exactly (its length and the digest of its whole text).
+Memory is bounded: the least recently seen prompt is forgotten first, however many share a block
+(every conversation of a template whose system prompt outlasts its first question ends its first
+turn in one block).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from hashlib import blake2b
 
@@ -25,20 +29,20 @@ KEY_PREFIX = "prefix:"
 BLOCK_CHARS = 512
 """Prompts shorter than this get no key: there is little cache to keep."""
 CAPACITY = 65_536
-"""Prompts remembered (about 27 MB), as many as the keys the balancer remembers (``PLACED_CAPACITY``)."""
-PER_BLOCK = 16
-"""Prompts remembered per last block: requests that differ only in a short tail share one."""
+"""Prompts remembered (about 60 MB), as many as the keys the balancer remembers (``PLACED_CAPACITY``)."""
+TAIL_CHARS = 8
+"""Last characters compared before a prompt's digest: most lengths in a crowded block fail there."""
 _DIGEST_BYTES = 16
 
 
 class _Prompt:
-    """A remembered prompt: its length, the digest of its whole text, its key, and whether a
-    longer prompt has continued it."""
+    """A remembered prompt: the digest of its last whole block, its length and last characters, the
+    digest of its whole text, its key, and whether a longer prompt has continued it."""
 
-    __slots__ = ("continued", "key", "length", "whole")
+    __slots__ = ("continued", "end", "key", "length", "tail", "whole")
 
-    def __init__(self, length: int, whole: bytes, key: str) -> None:
-        self.length, self.whole, self.key = length, whole, key
+    def __init__(self, end: bytes, length: int, tail: str, whole: bytes, key: str) -> None:
+        self.end, self.length, self.tail, self.whole, self.key = end, length, tail, whole, key
         self.continued = False
 
 
@@ -48,13 +52,15 @@ class PrefixKeys:
     def __init__(self, capacity: int = CAPACITY, block_chars: int = BLOCK_CHARS) -> None:
         self._capacity = capacity
         self._block = block_chars
-        self._ends: OrderedDict[bytes, list[_Prompt]] = OrderedDict()
-        """digest of a prompt's last whole block -> the prompts that end in it, newest last."""
-        self._prompts = 0
-        """Prompts in ``_ends``, which ``capacity`` bounds (a block holds up to ``PER_BLOCK``)."""
+        self._lengths: dict[bytes, list[int]] = {}
+        """digest of a last whole block -> the lengths of the prompts that end in it, ascending."""
+        self._prompts: dict[tuple[bytes, int], dict[str, list[_Prompt]]] = {}
+        """(last block, length) -> the prompts that end there, by their last characters."""
+        self._recent: OrderedDict[bytes, _Prompt] = OrderedDict()
+        """Every prompt by its whole digest, least recently seen first."""
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return len(self._recent)
 
     def key(self, text: str) -> str | None:
         """The key of the longest earlier prompt ``text`` continues, else a new one; None for a
@@ -62,46 +68,62 @@ class PrefixKeys:
         chain = _chain(text, self._block)
         if not chain:
             return None
-        whole = _digest(chain[-1], text[len(chain) * self._block :])
         earlier = self._earlier(text, chain)
         if earlier is not None and earlier.length == len(text):
-            self._remember(chain[-1], earlier)
+            self._recent.move_to_end(earlier.whole)
             return None  # a repeat, not a continuation: placed by load like a request without a key
+        whole = _digest(chain[-1], text[len(chain) * self._block :])
         if earlier is None or earlier.continued:
             key = KEY_PREFIX + whole.hex()
         else:
             earlier.continued = True
             key = earlier.key
-        self._remember(chain[-1], _Prompt(len(text), whole, key))
+        self._remember(_Prompt(chain[-1], len(text), text[-TAIL_CHARS:], whole, key))
         return key
 
     def _earlier(self, text: str, chain: list[bytes]) -> _Prompt | None:
-        """The longest remembered prompt that ``text`` starts with."""
-        ends = self._ends
+        """The longest remembered prompt that ``text`` starts with (itself included)."""
+        prompts = self._prompts
         for index in range(len(chain) - 1, -1, -1):
-            entries = ends.get(chain[index])
-            if entries is None:
+            end = chain[index]
+            lengths = self._lengths.get(end)
+            if lengths is None:
                 continue
             start = (index + 1) * self._block
-            for prompt in reversed(entries):
-                if (
-                    prompt.length <= len(text)
-                    and _digest(chain[index], text[start : prompt.length]) == prompt.whole
-                ):
-                    return prompt
+            for at in range(bisect.bisect_right(lengths, len(text)) - 1, -1, -1):
+                length = lengths[at]
+                shaped = prompts[end, length].get(text[length - TAIL_CHARS : length])
+                if shaped is not None:
+                    whole = _digest(end, text[start:length])
+                    for prompt in shaped:
+                        if prompt.whole == whole:
+                            return prompt
         return None
 
-    def _remember(self, end: bytes, prompt: _Prompt) -> None:
-        ends = self._ends
-        old = ends.pop(end, [])
-        entries = [e for e in old if e.whole != prompt.whole]
-        entries.append(prompt)
-        if len(entries) > PER_BLOCK:
-            del entries[0]
-        self._prompts += len(entries) - len(old)
-        while self._prompts > self._capacity and ends:  # the least recently seen ends go first
-            self._prompts -= len(ends.popitem(last=False)[1])
-        ends[end] = entries
+    def _remember(self, prompt: _Prompt) -> None:
+        by_tail = self._prompts.get((prompt.end, prompt.length))
+        if by_tail is None:
+            by_tail = self._prompts[prompt.end, prompt.length] = {}
+            bisect.insort(self._lengths.setdefault(prompt.end, []), prompt.length)
+        by_tail.setdefault(prompt.tail, []).append(prompt)
+        self._recent[prompt.whole] = prompt
+        while len(self._recent) > self._capacity:
+            self._forget(self._recent.popitem(last=False)[1])
+
+    def _forget(self, prompt: _Prompt) -> None:
+        by_tail = self._prompts[prompt.end, prompt.length]
+        shaped = by_tail[prompt.tail]
+        shaped.remove(prompt)
+        if shaped:
+            return
+        del by_tail[prompt.tail]
+        if by_tail:
+            return
+        del self._prompts[prompt.end, prompt.length]
+        lengths = self._lengths[prompt.end]
+        lengths.remove(prompt.length)
+        if not lengths:
+            del self._lengths[prompt.end]
 
 
 def _encode(text: str) -> bytes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stargate.router.prefix_keys import BLOCK_CHARS, KEY_PREFIX, PER_BLOCK, PrefixKeys
+from stargate.router.prefix_keys import BLOCK_CHARS, KEY_PREFIX, PrefixKeys
 
 SYSTEM = "You are a helpful assistant. " * 40  # 1 160 characters: two whole blocks
 
@@ -69,23 +69,36 @@ def test_memory_is_bounded_and_forgets_the_least_recent_first() -> None:
     assert keys.key(prompts[2] + " more") == third
 
 
-def test_the_bound_counts_prompts_not_the_blocks_they_end_in() -> None:
-    """A block holds up to PER_BLOCK prompts: 65 536 blocks took 260 MB, not the 27 MB meant."""
-    keys = PrefixKeys(capacity=PER_BLOCK)
-    for n in range(PER_BLOCK):
-        keys.key(SYSTEM + f"\nq{n:02d}")  # one last block, tails differ
-    assert len(keys) == 1
-    keys.key("another system prompt. " * 40)  # one prompt too many: the oldest block goes
-    assert len(keys) == 1
-
-
-def test_a_block_keeps_its_newest_prompts() -> None:
-    keys = PrefixKeys()
-    prompts = [SYSTEM + f"\nq{n:02d}" for n in range(PER_BLOCK + 1)]  # one last block, tails differ
+def test_the_bound_counts_prompts_and_forgets_them_one_by_one() -> None:
+    """Prompts that end in one block go one at a time, the least recently seen first, not the
+    block's all at once."""
+    keys = PrefixKeys(capacity=3)
+    prompts = [SYSTEM + f"\nq{n:02d}" for n in range(4)]  # one last block, tails differ
     found = [keys.key(p) for p in prompts]
-    assert len(set(found)) == len(prompts)
-    assert keys.key(prompts[-1] + "\nmore") == found[-1]
-    assert keys.key(prompts[0] + "\nmore") != found[0]  # pushed out by newer ones
+    assert len(keys) == 3
+    assert keys.key(prompts[0] + "\nmore") != found[0]  # forgotten: a key of its own
+    assert keys.key(prompts[3] + "\nmore") == found[3]
+
+
+def test_every_conversation_of_a_shared_system_prompt_keeps_its_key() -> None:
+    """Thousands of chats whose first turns end in the system prompt's last block: each next turn
+    still finds its own first one (a block held its newest 16, and every other chat moved)."""
+    keys = PrefixKeys()
+    firsts = [SYSTEM + f"\nhello from chat {n:04d}" for n in range(2000)]
+    found = [keys.key(p) for p in firsts]
+    assert len(set(found)) == len(firsts)
+    seconds = [p + f"\nan answer\nand then {n}?" for n, p in enumerate(firsts)]
+    assert [keys.key(p) for p in seconds] == found
+
+
+def test_the_longest_earlier_prompt_in_a_block_wins() -> None:
+    keys = PrefixKeys()
+    short = keys.key(SYSTEM + "\nq")
+    keys.key("another system prompt. " * 40)
+    assert keys.key(SYSTEM + "\nq\nmore") == short  # continued: the conversation goes on
+    longer = keys.key(SYSTEM + "\nq\nmore")  # a repeat, no key
+    assert longer is None
+    assert keys.key(SYSTEM + "\nq\nmore\nand more") == short  # the longer earlier prompt, same key
 
 
 def test_non_ascii_and_lone_surrogates_are_hashed() -> None:
