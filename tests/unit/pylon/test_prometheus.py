@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import gzip
 import logging
 from collections.abc import Callable
@@ -105,6 +106,27 @@ vllm:cache_config_info{block_size="10",num_gpu_blocks="100",model_name="llama",e
     snap = rig.hub.snapshot(rig.gen)
     assert snap.num_running_queries == 5
     assert (snap.kv_cache_capacity_tokens, snap.kv_cache_used_tokens) == (2000, 600)
+
+
+def test_tensor_parallel_ranks_count_once_and_a_repeated_series_once() -> None:
+    """SGLang's TP ranks (``--enable-metrics-for-all-schedulers``) report one shared batch; a page
+    repeating a series is no second engine."""
+    page = """sglang:num_running_reqs{model_name="llama",tp_rank="0",dp_rank="0"} 5
+sglang:num_running_reqs{model_name="llama",tp_rank="1",dp_rank="0"} 5
+sglang:num_running_reqs{model_name="llama",tp_rank="0",dp_rank="1"} 3
+sglang:num_running_reqs{model_name="llama",tp_rank="1",dp_rank="1"} 3
+sglang:max_total_num_tokens{model_name="llama",tp_rank="0",dp_rank="0"} 1000
+sglang:max_total_num_tokens{model_name="llama",tp_rank="1",dp_rank="0"} 1000
+sglang:num_used_tokens{model_name="llama",tp_rank="0",dp_rank="0"} 100
+sglang:num_used_tokens{model_name="llama",tp_rank="1",dp_rank="0"} 100
+vllm:num_requests_waiting{model_name="llama",engine="0"} 2
+vllm:num_requests_waiting{model_name="llama",engine="0"} 2
+"""
+    rig = make_rig()
+    apply_engine_metrics(rig.hub, parse_engine_metrics(page))
+    snap = rig.hub.snapshot(rig.gen)
+    assert (snap.num_running_queries, snap.queue_size) == (5 + 3 + 2, 2)
+    assert (snap.kv_cache_capacity_tokens, snap.kv_cache_used_tokens) == (1000, 100)
 
 
 def test_sglang_used_tokens_and_old_name_label() -> None:
@@ -217,6 +239,7 @@ async def poll_pages(
     check: Callable[[int], None],
     *,
     gzip_when_asked: bool = False,
+    answer_after_s: float = 0.0,
 ) -> str:
     """Run the poller over ``pages`` with Pylon's own session; ``check(i)`` after the i-th poll;
     the page's URL."""
@@ -224,6 +247,7 @@ async def poll_pages(
 
     async def page(request: web.Request) -> web.Response:
         status, text = next(served)
+        await asyncio.sleep(answer_after_s)  # a busy engine rendering its page
         if gzip_when_asked and "gzip" in request.headers.get("Accept-Encoding", ""):
             # what prometheus_client's ASGI/WSGI app (vLLM's and SGLang's /metrics) does
             return web.Response(status=status, body=gzip.compress(text.encode()),
@@ -270,6 +294,20 @@ async def test_an_engine_metrics_page_that_fails_is_logged_once_per_change(
         ("INFO", f"engine metrics polling with {peer} established"),
         ("WARNING", f"engine metrics polling with {peer} lost (HTTP 500); reconnecting"),
     ]  # fmt: skip
+
+
+async def test_a_page_slower_than_the_interval_is_still_read() -> None:
+    """The poll's timeout was the interval (at least 1 s): a busy engine's page taking 1.2 s was
+    never read, and its load never published."""
+    rig = make_rig()
+    seen: list[int] = []
+    await poll_pages(
+        rig.hub,
+        [(200, VLLM)],
+        lambda _n: seen.append(rig.hub.snapshot(rig.gen).num_running_queries),
+        answer_after_s=1.2,
+    )
+    assert seen == [5]
 
 
 async def test_failed_polls_are_counted_by_reason() -> None:

@@ -7,10 +7,13 @@ from OpenAI chunk usage (fallback math). Series carrying a ``model_name`` (or ol
 
 One quantity may be exported under several names (vLLM's and SGLang's, old and new): the
 series of one name are summed (data-parallel ranks each export their own), and the names of one
-quantity are never added together — the largest wins. An engine that exports both families
-(the mock engine does) is therefore counted once. A page that cannot be had, or that carries none
-of these series for a served model (a wrong ``--engine-metrics-path``, another engine, a
-``model_name`` other than ``--model-name``), is logged once until it is.
+quantity are never added together — the largest wins. An engine that exports both families (the
+mock engine does) is therefore counted once. A series is counted once however often the page
+repeats it, and of SGLang's tensor-parallel ranks (``tp_rank``, all exporting with
+``--enable-metrics-for-all-schedulers``) only rank 0: they report one shared batch. A page that
+cannot be had, or that carries none of these series for a served model (a wrong
+``--engine-metrics-path``, another engine, a ``model_name`` other than ``--model-name``), is
+logged once until it is.
 
 The engine's report is trusted only while it is fresh: a served model without running or waiting
 series on a page (its own or unlabelled ones, with a finite value) loses it at once, and every
@@ -53,6 +56,9 @@ _KNOWN_PREFIXES = tuple(KNOWN)
 MODEL_LABELS = ("model_name", "name")
 MAX_PAGE_BYTES = 16 * 1024 * 1024
 STALE_AFTER_FAILURES = 3
+MIN_POLL_TIMEOUT_S = 3.0
+"""A poll may take this long at least, whatever the interval: a busy engine's page (many
+histogram series) can take over a second, and a timeout at the 1 s interval never read it."""
 POLL_FAILURE_REASONS = ("http_status", "timeout", "connection", "too_large", "unreadable", "no_load_series")
 """``reason`` of ``pylon_engine_metrics_poll_failures_total``, each counted from 0."""
 
@@ -149,17 +155,20 @@ def parse_engine_metrics(text: str) -> dict[str | None, EngineMetrics]:
     """Per model label (None = unlabelled) engine numbers from Prometheus text; a line the
     parser refuses is skipped."""
     out: dict[str | None, EngineMetrics] = {}
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     for line in _known_lines(text):
         try:
             samples = [s for family in text_string_to_metric_families(line) for s in family.samples]
         except (ValueError, IndexError, KeyError, TypeError, OverflowError):
             continue
         for sample in samples:
-            if sample.name not in KNOWN:
+            if sample.name not in KNOWN or sample.labels.get("tp_rank", "0") != "0":
                 continue
             value = _sample_value(sample.name, sample.labels, sample.value)
-            if value is None:
+            series = (sample.name, frozenset(sample.labels.items()))
+            if value is None or series in seen:
                 continue
+            seen.add(series)
             model = next((sample.labels[k] for k in MODEL_LABELS if k in sample.labels), None)
             out.setdefault(model, EngineMetrics()).add(sample.name, value)
     return out
@@ -237,7 +246,8 @@ async def _poll(
     the log), or None."""
     too_large = ("too_large", f"the page is larger than {MAX_PAGE_BYTES} bytes")
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(interval_s, 1.0))) as resp:
+        timeout = aiohttp.ClientTimeout(total=max(interval_s, MIN_POLL_TIMEOUT_S))
+        async with session.get(url, timeout=timeout) as resp:
             if not 200 <= resp.status < 300:
                 return "http_status", f"HTTP {resp.status}"
             coding = resp.headers.get("Content-Encoding", "identity").strip().lower()
