@@ -4,7 +4,7 @@ The public entry points of the scenario/scoring half::
 
     load_scenario(path) -> Scenario            # original schema (spec section 3) plus extensions
     build_workload(scenario, seed) -> Workload # deterministic, one RNG stream per dimension
-    summarize(run, records, scenario, duration_s, slo_ttft_ms) -> RunSummary
+    summarize(run, records, scenario, duration_s, slo_ttft_ms, *, pylons_in_path) -> RunSummary
     write_report(out_dir, scenario, summaries, records_by_run) -> Path
 """
 

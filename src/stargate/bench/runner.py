@@ -70,6 +70,7 @@ class RunOutcome:
     duration_s: float = 0.0
     error: str | None = None
     faults: FaultReport | None = None
+    pylons_in_path: bool = True  # False: a router straight to the engines, scored over them
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,8 @@ def write_runs(path: Path, outcomes: Sequence[RunOutcome]) -> None:
 
 
 def summarize_outcome(outcome: RunOutcome, scenario: Scenario, slo_ttft_ms: float | None) -> RunSummary:
-    summary = summarize(outcome.planned.name, outcome.records, scenario, outcome.duration_s, slo_ttft_ms)
+    summary = summarize(outcome.planned.name, outcome.records, scenario, outcome.duration_s, slo_ttft_ms,
+                        pylons_in_path=outcome.pylons_in_path)
     (outcome.planned.run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     return summary
 

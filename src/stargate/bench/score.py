@@ -224,17 +224,17 @@ def _ms(seconds: float) -> float:
 
 
 def _members(
-    records: Sequence[RequestRecord], scenario: Scenario
+    scenario: Scenario, pylons_in_path: bool
 ) -> tuple[dict[str, str], dict[str, float], dict[str, float]]:
     """Attribution universe: member id → cluster id, → capacity weight and → engine slots.
 
-    Normally the Pylon ids of the topology; for routers without Pylons (records carry engine ids
-    only) the engines, each with the capacity and slots of its Pylons.
+    The Pylon ids of the topology; for a run without Pylons in its path, the engines, each with the
+    capacity and slots of its Pylons (such a run's backend ids are only named after the engine: with
+    several Pylons per engine, one of them, which served nothing).
     """
     specs = plan.backend_specs(scenario)
     weights, slots = scenario.capacity_weights(), scenario.slot_counts()
-    backend_ids = {spec.backend_id for spec in specs}
-    if any(r.backend_id in backend_ids for r in records) or not any(r.engine_id for r in records):
+    if pylons_in_path:
         return {s.backend_id: s.cluster_id for s in specs}, weights, slots
     cluster_of: dict[str, str] = {}
     capacity: dict[str, float] = defaultdict(float)
@@ -246,12 +246,8 @@ def _members(
     return cluster_of, dict(capacity), dict(engine_slots)
 
 
-def _member_of(record: RequestRecord, cluster_of: Mapping[str, str]) -> str | None:
-    if record.backend_id in cluster_of:
-        return record.backend_id
-    if record.engine_id in cluster_of:
-        return record.engine_id
-    return record.backend_id or record.engine_id
+def _member_of(record: RequestRecord, pylons_in_path: bool) -> str | None:
+    return (record.backend_id or record.engine_id) if pylons_in_path else record.engine_id
 
 
 def _summarize_members(
@@ -291,8 +287,13 @@ def summarize(
     scenario: Scenario,
     duration_s: float,
     slo_ttft_ms: float | None,
+    *,
+    pylons_in_path: bool = True,
 ) -> RunSummary:
-    """Score one run; without ``slo_ttft_ms`` the scenario's ``client.request_slo_ms`` is the TTFT SLO."""
+    """Score one run; without ``slo_ttft_ms`` the scenario's ``client.request_slo_ms`` is the TTFT SLO.
+
+    ``pylons_in_path=False`` (a router without Pylons) scores its backends as the engines.
+    """
     if slo_ttft_ms is None:
         slo_ttft_ms = scenario.client.request_slo_ms
     oks = [r for r in records if r.ok]
@@ -319,12 +320,12 @@ def summarize(
     reused = sum(r.cache_hit_tokens or 0 for r in observed)
     uncached = sum(max(0, r.input_tokens - (r.cache_hit_tokens or 0)) for r in observed)
 
-    cluster_of, capacity, slots = _members(records, scenario)
+    cluster_of, capacity, slots = _members(scenario, pylons_in_path)
     by_member: dict[str, list[RequestRecord]] = defaultdict(list)
     by_cluster: dict[str, list[RequestRecord]] = defaultdict(list)
     key_clusters: dict[str, set[str]] = defaultdict(set)
     for record in records:
-        member = _member_of(record, cluster_of)
+        member = _member_of(record, pylons_in_path)
         if member is None:
             continue
         by_member[member].append(record)

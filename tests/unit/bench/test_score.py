@@ -147,9 +147,43 @@ def test_cache_rates_and_stickiness() -> None:
 
 def test_engine_attribution_for_routers_without_pylons() -> None:
     records = [record(i, None, engine_id="engine-1") for i in range(2)]
-    s = summarize("x", records, make_scenario(), 1.0, None)
+    s = summarize("x", records, make_scenario(), 1.0, None, pylons_in_path=False)
     assert [b.member_id for b in s.backends] == ["engine-0", "engine-1", "engine-2", "engine-3"]
     assert s.equal_balance == pytest.approx(0.25)
+
+
+def grouped_scenario() -> Scenario:
+    """Two engines, each behind two Pylons (backend-0 and -1 front engine-0, backend-2 and -3 engine-2)."""
+    return parse_scenario({
+        "name": "g", "model": "m", "request_count": 4, "max_concurrency": 4,
+        "backends": {"count": 4, "pylons_per_cluster": 2, "cluster_id_template": "cluster-{cluster_index}",
+                     "profile": {"max_concurrent_requests": 6,
+                                 "service_time_ms": {"ttft_mean": 1, "decode_tokens_per_s": 10},
+                                 "registration": {"last_mean_input_tps": 100}}},
+        "traffic_pattern": {"kind": "uniform", "input_tokens": {"distribution": "constant", "value": 1},
+                            "output_tokens": {"distribution": "constant", "value": 1},
+                            "arrival": {"distribution": "constant", "interval_ms": 0}},
+    })  # fmt: skip
+
+
+def test_a_router_without_pylons_is_scored_over_the_engines_on_grouped_pylons() -> None:
+    """Its records' backend ids are named after the engines (backend-0, backend-2), yet are Pylons."""
+    records = [record(i, f"backend-{2 * (i % 2)}", engine_id=f"engine-{2 * (i % 2)}") for i in range(4)]
+    s = summarize("direct", records, grouped_scenario(), 1.0, None, pylons_in_path=False)
+    assert [(b.member_id, b.success_count) for b in s.backends] == [("engine-0", 2), ("engine-2", 2)]
+    assert s.equal_balance == pytest.approx(1.0) and s.jain_index == pytest.approx(1.0)
+    assert (s.inflight_imbalance, s.inflight_imbalance_p99) == (1.0, 1.0)
+    assert (s.slot_inflight_imbalance, s.prefill_inflight_imbalance) == (1.0, 1.0)
+    assert [(c.member_id, c.request_share) for c in s.clusters] == [("cluster-0", 0.5), ("cluster-1", 0.5)]
+
+
+def test_a_stargate_run_is_scored_over_the_pylons_on_grouped_pylons() -> None:
+    records = [record(i, f"backend-{i % 2}", engine_id="engine-0") for i in range(4)]
+    s = summarize("x", records, grouped_scenario(), 1.0, None)
+    assert [b.member_id for b in s.backends] == ["backend-0", "backend-1", "backend-2", "backend-3"]
+    assert s.equal_balance == pytest.approx(0.5)  # one engine's two Pylons took everything
+    assert s.inflight_imbalance == pytest.approx(2.0)
+    assert [(c.member_id, c.request_share) for c in s.clusters] == [("cluster-0", 1.0), ("cluster-1", 0.0)]
 
 
 def test_record_round_trip_ignores_unknown_keys() -> None:

@@ -249,7 +249,7 @@ async def execute_choice(scenario: Scenario, workload: Workload, planned: Planne
                          progress: Progress, timeouts: FleetTimeouts | None,
                          tokenizer_dir: Path | None, by_body: bool) -> RunOutcome:
     """One run of one router; failures become ``outcome.error`` (cancellation propagates after teardown)."""
-    outcome = RunOutcome(planned)
+    outcome = RunOutcome(planned, pylons_in_path=choice.kind == "stargate")
     progress.run_started(planned.name, len(workload.requests))
     planned.run_dir.mkdir(parents=True, exist_ok=True)
     adapter = choice.make()

@@ -5,7 +5,8 @@ Every engine of a comparison run appends one JSON line per finished request to t
 forwards, so which engine served a request and whether its KV cache hit come from the engine itself,
 never from what a router passes back. A record of a router without Pylons has no
 ``x-inference-server-id``; its backend is then named after the engine (``engine-N`` serves the cluster
-whose first backend is ``backend-N``), which is exact for one Pylon per cluster.
+whose first backend is ``backend-N``), which is exact for one Pylon per cluster only: such a run is
+scored over the engines (``score.summarize(pylons_in_path=False)``).
 """
 
 from __future__ import annotations
