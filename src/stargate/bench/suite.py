@@ -126,6 +126,7 @@ class ScenarioStanding:
     best_p99_peer: RouterResult | None
     best_goodput_peer: RouterResult | None
     direct: RouterResult | None
+    peers_compared: bool = False  # some peer ran, so a missing best peer means none completed
 
     @property
     def p99_ratio(self) -> float | None:
@@ -144,24 +145,36 @@ def _over(ours: float | None, theirs: float | None) -> float | None:
 
 
 def _p99_key(result: RouterResult) -> tuple[float, float, float]:
-    """Lower is better: lost requests first, then TTFT p99, then (negated) goodput."""
+    """Stargate's best algorithm, lower is better: lost requests first, then TTFT p99, then (negated)
+    goodput."""
     p99 = result.p99_ttft_ms if result.p99_ttft_ms is not None else float("inf")
     return (-result.success_rate, p99, -(result.goodput_rps or 0.0))
 
 
+def _completed(result: RouterResult) -> bool:
+    """A peer that answered requests; one whose every run failed (not installable, say) has no TTFT."""
+    return result.p99_ttft_ms is not None
+
+
 def standing(scenario: str, results: Sequence[RouterResult]) -> ScenarioStanding | None:
-    """Stargate's best algorithm (by TTFT p99) against the best peer on each measure; None if no Stargate."""
+    """Stargate's best algorithm (by TTFT p99) against the best peer on each measure; None if no Stargate.
+
+    The best peer is the lowest TTFT p99 or the highest goodput of the peers that completed, whatever
+    their success rate: the caption says so, and the per-scenario tables show the lost requests.
+    """
     stargates = [r for r in results if r.is_stargate]
     if not stargates:
         return None
     peers = [r for r in results if r.is_peer]
+    completed = [r for r in peers if _completed(r)]
     direct = next((r for r in results if r.router == "direct"), None)
     return ScenarioStanding(
         scenario=scenario,
         stargate=min(stargates, key=_p99_key),
-        best_p99_peer=min(peers, key=_p99_key) if peers else None,
-        best_goodput_peer=max(peers, key=lambda r: r.goodput_rps or 0.0) if peers else None,
+        best_p99_peer=min(completed, key=lambda r: r.p99_ttft_ms or 0.0) if completed else None,
+        best_goodput_peer=max(completed, key=lambda r: r.goodput_rps or 0.0) if completed else None,
         direct=direct,
+        peers_compared=bool(peers),
     )
 
 
@@ -178,9 +191,9 @@ def load_suite(root: Path) -> dict[str, list[RouterResult]]:
     return suite
 
 
-def _who(result: RouterResult | None, attr: str, digits: int) -> str:
+def _who(row: ScenarioStanding, result: RouterResult | None, attr: str, digits: int) -> str:
     if result is None:
-        return "-"
+        return "none completed" if row.peers_compared else "-"
     return f"{_num(getattr(result, attr), digits)} ({result.router})"
 
 
@@ -194,13 +207,14 @@ def standings_table(standings: Sequence[ScenarioStanding]) -> list[str]:
         [
             [s.scenario, s.stargate.router.removeprefix("stargate:"), str(s.stargate.runs),
              _num(s.stargate.p99_ttft_ms), _num(s.stargate.goodput_rps, 2),
-             _who(s.best_p99_peer, "p99_ttft_ms", 0), _num(s.p99_ratio, 2),
-             _who(s.best_goodput_peer, "goodput_rps", 2), _num(s.goodput_ratio, 2),
+             _who(s, s.best_p99_peer, "p99_ttft_ms", 0), _num(s.p99_ratio, 2),
+             _who(s, s.best_goodput_peer, "goodput_rps", 2), _num(s.goodput_ratio, 2),
              _num(s.direct.p99_ttft_ms) if s.direct else "-", _pct(s.stargate.cache_hit_rate),
-             _num(s.stargate.inflight_imbalance, 2), _who(s.best_p99_peer, "inflight_imbalance", 2),
-             _num(s.stargate.slot_inflight_imbalance, 2), _who(s.best_p99_peer, "slot_inflight_imbalance", 2),
+             _num(s.stargate.inflight_imbalance, 2), _who(s, s.best_p99_peer, "inflight_imbalance", 2),
+             _num(s.stargate.slot_inflight_imbalance, 2),
+             _who(s, s.best_p99_peer, "slot_inflight_imbalance", 2),
              _num(s.stargate.prefill_inflight_imbalance, 2),
-             _who(s.best_p99_peer, "prefill_inflight_imbalance", 2)]
+             _who(s, s.best_p99_peer, "prefill_inflight_imbalance", 2)]
             for s in standings
         ],
     )  # fmt: skip
@@ -213,7 +227,8 @@ def write_summary(root: Path) -> tuple[Path, str]:
     lines = ["# Side by side: Stargate's best algorithm against the peer routers", ""]
     lines += [
         "Medians over each router's repeats. p99 ratio below 1 and goodput ratio at or above 1 mean "
-        "Stargate leads. Best peer is the best of sglang-router and vllm-router on that measure. "
+        "Stargate leads. Best peer is the best of sglang-router and vllm-router on that measure, of "
+        "those that answered requests (their success rates are in the tables below). "
         "In-flight imb: time-weighted mean of max / mean requests in flight across backends "
         "(1 = even; docs/bench.md), Stargate's best against the best-p99 peer's; per-slot: the same "
         "over requests per engine slot, the figure to compare on fleets of unequal backends; "

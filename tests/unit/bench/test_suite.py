@@ -49,6 +49,31 @@ def test_standing_picks_stargates_best_by_p99_and_the_best_peer_per_measure() ->
     assert standing("s", across_repeats([row("direct", 1, 1)])) is None
 
 
+def test_the_best_peer_is_the_lowest_p99_and_the_highest_goodput_whatever_its_success() -> None:
+    """Success first is the rule for Stargate's algorithms only; a peer that lost a request still leads."""
+    results = across_repeats([
+        row("stargate:power-of-n", 1000, 9.0),
+        row("sglang:cache_aware", 500, 9.5, success=0.99), row("vllm:cache_aware", 2000, 8.0),
+        row("vllm:round_robin", None, None, success=0.0),  # failed entirely: no candidate
+    ])  # fmt: skip
+    found = standing("s", results)
+    assert found is not None
+    assert found.best_p99_peer is not None and found.best_p99_peer.router == "sglang:cache_aware"
+    assert found.best_goodput_peer is not None and found.best_goodput_peer.router == "sglang:cache_aware"
+    assert found.p99_ratio == pytest.approx(2.0)
+
+
+def test_summarize_says_when_no_peer_completed(tmp_path: Path) -> None:
+    (tmp_path / "s1").mkdir()
+    (tmp_path / "s1" / "comparison.json").write_bytes(orjson.dumps([
+        row("stargate:power-of-n", 300, 9.0), row("sglang:cache_aware", None, None, success=0.0),
+    ]))  # fmt: skip
+    assert main(["summarize", str(tmp_path)]) == 0
+    text = (tmp_path / "summary.md").read_text()
+    assert "| s1 | power-of-n | 1 | 300 | 9.00 | none completed | - | none completed | - |" in text
+    assert "(sglang:cache_aware)" not in text
+
+
 def test_summarize_writes_one_table_across_scenarios(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
