@@ -24,6 +24,7 @@ from typing import Literal, Protocol
 
 import orjson
 
+import stargate
 from stargate.bench.driver import Driver, make_session
 from stargate.bench.faults import FaultInjector, FaultReport, arrival_args, markdown_section
 from stargate.bench.fleet import Fleet, FleetTimeouts
@@ -207,12 +208,25 @@ KNOWN_LIMITATIONS = (
 )
 
 
-def _git(*args: str) -> str:
+def _git(directory: Path, *args: str) -> str | None:
     try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, check=False)
+        done = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=5,
+                              check=False)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_facts(package_dir: Path) -> dict[str, object]:
+    """sha, branch and dirty of the checkout whose git tracks ``package_dir``: the code benchmarked,
+    wherever the bench runs from. An installed copy (untracked, or outside any work tree) has none:
+    ``unknown`` and dirty ``None``, never a clean claim."""
+    if _git(package_dir, "ls-files", "--error-unmatch", "__init__.py") is None:
+        return {"sha": "unknown", "branch": "unknown", "dirty": None}
+    status = _git(package_dir, "status", "--porcelain")
+    return {"sha": _git(package_dir, "rev-parse", "HEAD") or "unknown",
+            "branch": _git(package_dir, "rev-parse", "--abbrev-ref", "HEAD") or "unknown",
+            "dirty": None if status is None else status != ""}  # fmt: skip
 
 
 def _cgroup_cpu_limit() -> float | None:
@@ -224,7 +238,8 @@ def _cgroup_cpu_limit() -> float | None:
 
 
 def run_metadata(argv: Sequence[str]) -> dict[str, object]:
-    """Host and build facts that qualify the numbers (spec §5.4); unreadable facts are ``unknown``."""
+    """Host and build facts that qualify the numbers (spec §5.4); unreadable facts are ``unknown``
+    (a dirty flag ``None``)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     limit = _cgroup_cpu_limit()
     usable = min(cpus, limit) if limit is not None else float(cpus)
@@ -244,8 +259,7 @@ def run_metadata(argv: Sequence[str]) -> dict[str, object]:
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "cwd": str(Path.cwd()),
-        "git": {"sha": _git("rev-parse", "HEAD"), "branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
-                "dirty": _git("status", "--porcelain") not in ("", "unknown")},
+        "git": git_facts(Path(stargate.__file__).resolve().parent),
         "host": {"hostname": platform.node(), "uname": " ".join(platform.uname()),
                  "cpu_count": os.cpu_count(), "affinity_cpus": cpus, "cgroup_cpu_limit": limit,
                  "loadavg_1m": load1},
