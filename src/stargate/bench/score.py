@@ -320,7 +320,7 @@ def summarize(
     reused = sum(r.cache_hit_tokens or 0 for r in observed)
     uncached = sum(max(0, r.input_tokens - (r.cache_hit_tokens or 0)) for r in observed)
 
-    cluster_of, capacity, slots = _members(scenario, pylons_in_path)
+    cluster_of, capacity, _ = _members(scenario, pylons_in_path)
     by_member: dict[str, list[RequestRecord]] = defaultdict(list)
     by_cluster: dict[str, list[RequestRecord]] = defaultdict(list)
     key_clusters: dict[str, set[str]] = defaultdict(set)
@@ -344,13 +344,18 @@ def summarize(
     cluster_loads = {row.member_id: float(row.success_count) for row in cluster_rows}
     cluster_inputs = {row.member_id: float(row.input_tokens) for row in cluster_rows}
     moved = sum(1 for seen in key_clusters.values() if len(seen) > 1)
-    spans = [(member, r.dispatch_s, r.finished_s) for member, items in by_member.items() for r in items
-             if r.finished_s is not None]  # fmt: skip
-    imbalance = in_flight_imbalance(spans, universe)
-    slot_imbalance = in_flight_imbalance(spans, universe, slots)
-    waiting = [(member, r.dispatch_s, end) for member, items in by_member.items() for r in items
-               if (end := r.waited_until_s) is not None]  # fmt: skip
-    prefill_imbalance = in_flight_imbalance(waiting, universe, slots)
+    # Requests pile up on engines: the in-flight figures count per engine whatever the router, so a
+    # Stargate run (backends are Pylons, several to an engine on grouped fleets) and a router
+    # without Pylons are measured alike; with one Pylon per engine the two are the same.
+    _, _, engine_slots = _members(scenario, pylons_in_path=False)
+    engines = list(engine_slots)
+    engine_of = {spec.backend_id: spec.engine_id for spec in plan.backend_specs(scenario)}
+    at = [(engine, r) for r in records if (engine := r.engine_id or engine_of.get(r.backend_id or ""))]
+    spans = [(engine, r.dispatch_s, r.finished_s) for engine, r in at if r.finished_s is not None]
+    imbalance = in_flight_imbalance(spans, engines)
+    slot_imbalance = in_flight_imbalance(spans, engines, engine_slots)
+    waiting = [(engine, r.dispatch_s, end) for engine, r in at if (end := r.waited_until_s) is not None]
+    prefill_imbalance = in_flight_imbalance(waiting, engines, engine_slots)
     failures = Counter((r.status, r.backend_id, r.error_class or "not_ok") for r in records if not r.ok)
 
     return RunSummary(

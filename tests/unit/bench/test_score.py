@@ -186,6 +186,18 @@ def test_a_stargate_run_is_scored_over_the_pylons_on_grouped_pylons() -> None:
     assert [(c.member_id, c.request_share) for c in s.clusters] == [("cluster-0", 1.0), ("cluster-1", 0.0)]
 
 
+def test_requests_in_flight_are_counted_per_engine_for_every_router() -> None:
+    """Pile-ups happen on engines: a Stargate run even over the two engines, each through one of
+    its two Pylons, is as even as a router without Pylons doing the same (it read 2.0 over Pylons)."""
+    records = [record(i, f"backend-{2 * (i % 2)}", engine_id=f"engine-{2 * (i % 2)}") for i in range(4)]
+    stargate = summarize("x", records, grouped_scenario(), 1.0, None)
+    direct = summarize("direct", records, grouped_scenario(), 1.0, None, pylons_in_path=False)
+    assert stargate.equal_balance == pytest.approx(0.5)  # the spec's Pylon balance: two of four idle
+    for s in (stargate, direct):
+        figures = (s.inflight_imbalance, s.slot_inflight_imbalance, s.prefill_inflight_imbalance)
+        assert figures == (1.0, 1.0, 1.0)
+
+
 def test_record_round_trip_ignores_unknown_keys() -> None:
     r = record(1, cache_affinity_key="k")
     assert RequestRecord.from_dict(r.to_dict() | {"future": 1}) == r
