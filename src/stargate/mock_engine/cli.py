@@ -71,14 +71,14 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "--decode-jitter-ms",
         type=_non_negative(int),
         default=_T.decode_jitter_ms,
-        help="uniform +- jitter per token",
+        help="extra delay per token, 0 to this (deterministic per request)",
     )
     a("--ttft-ms", type=_non_negative(float), default=_T.ttft_ms, help="base time to first token")
     a(
         "--ttft-jitter-ms",
         type=_non_negative(int),
         default=_T.ttft_jitter_ms,
-        help="uniform +- jitter on TTFT",
+        help="extra delay on TTFT, 0 to this (deterministic per request)",
     )
     a(
         "--prefill-tokens-per-s",

@@ -248,7 +248,8 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         default=_PLAIN.prefix_keys,
         metavar="BOOL",
         help="a body read without any key: a prompt that starts with a whole earlier prompt (the next "
-        "turn of a conversation) gets that prompt's cache-affinity key, other prompts a new one",
+        "turn of a conversation) gets that prompt's cache-affinity key, other prompts of 512 characters "
+        "or more a new one, shorter ones and repeats none",
     )
     return p
 
