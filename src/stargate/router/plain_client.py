@@ -4,9 +4,10 @@ A gateway normally sets ``x-request-id``, ``x-model`` and ``x-input-tokens`` (sp
 one, ``stargate --plain-clients`` completes a request whose headers are missing: a request id is
 generated, the model comes from the body's ``model``, the input tokens are counted from the prompt
 (with a configured tokenizer, else one token per ``bytes_per_token`` UTF-8 bytes, rounded up), and
-the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``, then its
-``user``) becomes the cache-affinity key; without any, a prompt that starts with a whole earlier
-prompt gets that prompt's key (``prefix_keys``: the next turn of a conversation). The body is read,
+the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``) becomes the
+cache-affinity key; without either, a prompt that starts with a whole earlier prompt gets that
+prompt's key (``prefix_keys``: the next turn of a conversation), and the body's ``user`` is the
+key of what the text gives none. The body is read,
 with a size cap, only when ``x-model`` or ``x-input-tokens`` is missing: a request carrying the
 headers is forwarded exactly as without the mode and its body is never parsed.
 """
@@ -33,11 +34,6 @@ from stargate.wire import json_body
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.client_faults import detail
 from stargate.wire.headers import is_visible_ascii, text_value
-
-KEY_FIELDS = ("prompt_cache_key", "user")
-"""Body fields that give the cache-affinity key, first set wins: OpenAI's ``prompt_cache_key`` names
-requests that share a prompt prefix (a conversation, an agent's session), which is what the key is
-for; it replaces ``user`` there, which clients still send and which may name an account."""
 
 MAX_BODY_KEY_CHARS = 1024
 """Longer keys from a body are sent as their digest: Pylon publishes the routes of keys up to this
@@ -179,11 +175,24 @@ class PlainClients:
             text, token_ids = _prompt(body)
             headers[h.INPUT_TOKENS] = str(self._count(text, token_ids))
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None:
-            key = _field_key(body)
-            if key is None and self._prefixes is not None:
-                key = self._prefixes.key(_prompt(body)[0] if text is None else text)
+            key = body_key(body.get("prompt_cache_key"))
+            if key is None:
+                key = self._conversation_key(body, text)
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
+
+    def _conversation_key(self, body: Mapping[str, Any], text: str | None) -> str | None:
+        """The conversation the prompt continues (``prefix_keys``), else the body's ``user``.
+        OpenAI's ``prompt_cache_key`` names a conversation and replaces ``user`` for caching;
+        ``user`` names an end user or an account, and an app that sends one constant made every
+        conversation one key, its turns bouncing between the replicas of its group. A request
+        that names its predecessor by ``previous_response_id`` has no text to follow: its
+        ``user`` comes first."""
+        user = body_key(body.get("user"))
+        if self._prefixes is None or (user is not None and body.get("previous_response_id") is not None):
+            return user
+        key = self._prefixes.key(_prompt(body)[0] if text is None else text)
+        return user if key is None else key
 
     def input_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of an OpenAI request body (at least 1)."""
@@ -207,15 +216,6 @@ class PlainClients:
             return await self._budget.read_whole(request, limit)
         except PayloadTooLarge:  # chunked: nothing declared (a length is exact, aiohttp's check)
             raise _too_large(f"more than {limit}", limit) from None
-
-
-def _field_key(body: Mapping[str, Any]) -> str | None:
-    """The key the first set ``KEY_FIELDS`` field gives."""
-    for field in KEY_FIELDS:
-        key = body_key(body.get(field))
-        if key is not None:
-            return key
-    return None
 
 
 def body_key(value: object) -> str | None:

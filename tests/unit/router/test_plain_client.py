@@ -135,11 +135,32 @@ def test_a_body_without_a_key_field_gets_the_key_of_the_turn_it_continues() -> N
     assert first is not None and first.startswith("prefix:")
     history += [{"role": "assistant", "content": "answer"}, {"role": "user", "content": "second"}]
     assert _key(clients, {"messages": history}) == first
-    # A key field wins and its request is not remembered as a turn.
-    assert _key(clients, {"messages": [*history, {"role": "user", "content": "x"}], "user": "u"}) == "u"
+    # prompt_cache_key wins and its request is not remembered as a turn.
+    keyed = [*history, {"role": "user", "content": "x"}]
+    assert _key(clients, {"messages": keyed, "prompt_cache_key": "c"}) == "c"
+    assert _key(clients, {"messages": keyed}) == first  # not a repeat: it continues the turn before
     # Too short to be worth a key.
     assert _key(clients, {"messages": [{"role": "user", "content": "hi"}]}) is None
     assert _key(plain(prefix_keys=False), {"messages": history}) is None
+
+
+def test_one_user_for_every_conversation_does_not_make_them_one_key() -> None:
+    """An app that sends one ``user`` for all its users: each conversation keeps a key of its own,
+    and ``user`` keys only what the text gives none (a short prompt, a repeat) and a request
+    chained by ``previous_response_id``, whose text the router cannot follow."""
+    clients = plain()
+    system = {"role": "system", "content": "s" * 600}
+    chats = [[system, {"role": "user", "content": f"chat {n}"}] for n in range(3)]
+    keys = [_key(clients, {"messages": chat, "user": "acme-webapp"}) for chat in chats]
+    assert len(set(keys)) == 3 and "acme-webapp" not in keys
+    grown = [*chats[1], {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    assert _key(clients, {"messages": grown, "user": "acme-webapp"}) == keys[1]
+    assert _key(clients, {"messages": chats[0], "user": "acme-webapp"}) == "acme-webapp"  # a repeat
+    short = {"messages": [{"role": "user", "content": "hi"}], "user": "acme-webapp"}
+    assert _key(clients, short) == "acme-webapp"
+    chained = {"input": "x" * 600, "previous_response_id": "resp_1", "user": "end-user-7"}
+    assert _key(clients, chained) == "end-user-7"
+    assert _key(plain(prefix_keys=False), {"messages": grown, "user": "u"}) == "u"
 
 
 def test_responses_instructions_come_first_so_a_growing_input_continues() -> None:
