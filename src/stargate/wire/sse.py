@@ -148,8 +148,8 @@ class Delivered:
         self._start = True  # the tail still holds the stream's first byte
 
     def sent(self, chunk: bytes) -> None:
+        self._start = self._start and len(self._tail) + len(chunk) <= _DONE_TAIL
         tail = self._tail + chunk if len(chunk) < _DONE_TAIL else chunk
-        self._start = self._start and len(tail) <= _DONE_TAIL
         self._tail = tail[-_DONE_TAIL:]
 
     @property
