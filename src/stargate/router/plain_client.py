@@ -152,13 +152,13 @@ class PlainClients:
             # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
             coding = headers.get("content-encoding")
             parse = functools.partial(_json_object, raw, coding, self.settings.max_body_bytes)
-            self._fill(headers, await off_loop(parse) if coding else parse())
+            self._fill(headers, await off_loop(parse) if coding else parse(), request.path)
         except BaseException:
             self._budget.give(len(raw))
             raise
         return headers, raw
 
-    def _fill(self, headers: CIMultiDict[str], body: dict[str, Any]) -> None:
+    def _fill(self, headers: CIMultiDict[str], body: dict[str, Any], path: str = "") -> None:
         if text_value(headers.get(h.MODEL)) is None:
             model = body.get("model")
             value = text_value(model) if isinstance(model, str) else None
@@ -177,19 +177,21 @@ class PlainClients:
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None:
             key = body_key(body.get("prompt_cache_key"))
             if key is None:
-                key = self._conversation_key(body, text)
+                key = self._conversation_key(body, text, stored=_stored_response(path, body))
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
 
-    def _conversation_key(self, body: Mapping[str, Any], text: str | None) -> str | None:
+    def _conversation_key(self, body: Mapping[str, Any], text: str | None, *, stored: bool) -> str | None:
         """The conversation the prompt continues (``prefix_keys``), else the body's ``user``.
         OpenAI's ``prompt_cache_key`` names a conversation and replaces ``user`` for caching;
         ``user`` names an end user or an account, and an app that sends one constant made every
-        conversation one key, its turns bouncing between the replicas of its group. A request
-        that names its predecessor by ``previous_response_id`` has no text to follow: its
-        ``user`` comes first."""
+        conversation one key, its turns bouncing between the replicas of its group. A Responses
+        request the engine stores (``stored``) keys by its ``user`` first: a later turn may name it
+        by ``previous_response_id``, which the text cannot follow, and an engine that keeps its
+        responses in its own process (vLLM) answers 404 on another replica; the first turn of such
+        a chain does not say it is one."""
         user = body_key(body.get("user"))
-        if self._prefixes is None or (user is not None and body.get("previous_response_id") is not None):
+        if self._prefixes is None or (user is not None and stored):
             return user
         key = self._prefixes.key(_prompt(body)[0] if text is None else text)
         return user if key is None else key
@@ -216,6 +218,11 @@ class PlainClients:
             return await self._budget.read_whole(request, limit)
         except PayloadTooLarge:  # chunked: nothing declared (a length is exact, aiohttp's check)
             raise _too_large(f"more than {limit}", limit) from None
+
+
+def _stored_response(path: str, body: Mapping[str, Any]) -> bool:
+    """A Responses request whose answer the engine keeps for a later ``previous_response_id``."""
+    return path.endswith("/responses") and body.get("store") is not False
 
 
 def body_key(value: object) -> str | None:

@@ -122,9 +122,9 @@ def test_a_long_or_non_ascii_key_is_sent_as_its_digest(value: str) -> None:
     assert body_key(f" {value} ") == key != body_key(value + "2")
 
 
-def _key(clients: PlainClients, body: dict[str, object]) -> str | None:
+def _key(clients: PlainClients, body: dict[str, object], path: str = "/v1/chat/completions") -> str | None:
     headers = CIMultiDict({"x-request-id": "r"})
-    clients._fill(headers, {"model": "m", **body})
+    clients._fill(headers, {"model": "m", **body}, path)
     return headers.get("x-cache-affinity-key")
 
 
@@ -158,8 +158,12 @@ def test_one_user_for_every_conversation_does_not_make_them_one_key() -> None:
     assert _key(clients, {"messages": chats[0], "user": "acme-webapp"}) == "acme-webapp"  # a repeat
     short = {"messages": [{"role": "user", "content": "hi"}], "user": "acme-webapp"}
     assert _key(clients, short) == "acme-webapp"
+    # A stored Responses chain keeps one key from its first turn (which does not say it starts one).
+    first_turn = {"instructions": "i" * 2000, "input": "hello", "user": "end-user-7"}
+    assert _key(clients, first_turn, "/v1/responses") == "end-user-7"
     chained = {"input": "x" * 600, "previous_response_id": "resp_1", "user": "end-user-7"}
-    assert _key(clients, chained) == "end-user-7"
+    assert _key(clients, chained, "/v1/responses") == "end-user-7"
+    assert _key(clients, {**first_turn, "store": False}, "/v1/responses") != "end-user-7"
     assert _key(plain(prefix_keys=False), {"messages": grown, "user": "u"}) == "u"
 
 
