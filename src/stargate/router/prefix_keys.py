@@ -32,6 +32,11 @@ CAPACITY = 65_536
 """Prompts remembered (about 60 MB), as many as the keys the balancer remembers (``PLACED_CAPACITY``)."""
 TAIL_CHARS = 8
 """Last characters compared before a prompt's digest: most lengths in a crowded block fail there."""
+MAX_CHECKS = 2048
+MAX_DIGESTS = 32
+"""One lookup looks at most ``MAX_CHECKS`` remembered lengths and computes at most ``MAX_DIGESTS``
+digests, then gives up (a new key): prompts planted to share a text's blocks and last characters
+made every lookup compute a digest per remembered length, 20 ms of the event loop for 8 KB."""
 _DIGEST_BYTES = 16
 
 
@@ -54,8 +59,8 @@ class PrefixKeys:
         self._block = block_chars
         self._lengths: dict[bytes, list[int]] = {}
         """digest of a last whole block -> the lengths of the prompts that end in it, ascending."""
-        self._prompts: dict[tuple[bytes, int], dict[str, list[_Prompt]]] = {}
-        """(last block, length) -> the prompts that end there, by their last characters."""
+        self._tails: dict[tuple[bytes, int], dict[str, int]] = {}
+        """(last block, length) -> the last characters of the prompts that end there, and how many."""
         self._recent: OrderedDict[bytes, _Prompt] = OrderedDict()
         """Every prompt by its whole digest, least recently seen first."""
 
@@ -82,8 +87,10 @@ class PrefixKeys:
         return key
 
     def _earlier(self, text: str, chain: list[bytes]) -> _Prompt | None:
-        """The longest remembered prompt that ``text`` starts with (itself included)."""
-        prompts = self._prompts
+        """The longest remembered prompt that ``text`` starts with (itself included), within the
+        lookup's budget."""
+        tails, recent = self._tails, self._recent
+        checks = digests = 0
         for index in range(len(chain) - 1, -1, -1):
             end = chain[index]
             lengths = self._lengths.get(end)
@@ -91,35 +98,40 @@ class PrefixKeys:
                 continue
             start = (index + 1) * self._block
             for at in range(bisect.bisect_right(lengths, len(text)) - 1, -1, -1):
+                checks += 1
+                if checks > MAX_CHECKS:
+                    return None
                 length = lengths[at]
-                shaped = prompts[end, length].get(text[length - TAIL_CHARS : length])
-                if shaped is not None:
-                    whole = _digest(end, text[start:length])
-                    for prompt in shaped:
-                        if prompt.whole == whole:
-                            return prompt
+                if text[length - TAIL_CHARS : length] in tails[end, length]:
+                    digests += 1
+                    if digests > MAX_DIGESTS:
+                        return None
+                    prompt = recent.get(_digest(end, text[start:length]))
+                    if prompt is not None:
+                        return prompt
         return None
 
     def _remember(self, prompt: _Prompt) -> None:
-        by_tail = self._prompts.get((prompt.end, prompt.length))
-        if by_tail is None:
-            by_tail = self._prompts[prompt.end, prompt.length] = {}
+        shape = (prompt.end, prompt.length)
+        tails = self._tails.get(shape)
+        if tails is None:
+            tails = self._tails[shape] = {}
             bisect.insort(self._lengths.setdefault(prompt.end, []), prompt.length)
-        by_tail.setdefault(prompt.tail, []).append(prompt)
+        tails[prompt.tail] = tails.get(prompt.tail, 0) + 1
         self._recent[prompt.whole] = prompt
         while len(self._recent) > self._capacity:
             self._forget(self._recent.popitem(last=False)[1])
 
     def _forget(self, prompt: _Prompt) -> None:
-        by_tail = self._prompts[prompt.end, prompt.length]
-        shaped = by_tail[prompt.tail]
-        shaped.remove(prompt)
-        if shaped:
+        shape = (prompt.end, prompt.length)
+        tails = self._tails[shape]
+        if tails[prompt.tail] > 1:
+            tails[prompt.tail] -= 1
             return
-        del by_tail[prompt.tail]
-        if by_tail:
+        del tails[prompt.tail]
+        if tails:
             return
-        del self._prompts[prompt.end, prompt.length]
+        del self._tails[shape]
         lengths = self._lengths[prompt.end]
         lengths.remove(prompt.length)
         if not lengths:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from stargate.router.prefix_keys import BLOCK_CHARS, KEY_PREFIX, PrefixKeys
+import pytest
+
+from stargate.router import prefix_keys
+from stargate.router.prefix_keys import BLOCK_CHARS, KEY_PREFIX, MAX_DIGESTS, PrefixKeys
 
 SYSTEM = "You are a helpful assistant. " * 40  # 1 160 characters: two whole blocks
 
@@ -99,6 +102,30 @@ def test_the_longest_earlier_prompt_in_a_block_wins() -> None:
     longer = keys.key(SYSTEM + "\nq\nmore")  # a repeat, no key
     assert longer is None
     assert keys.key(SYSTEM + "\nq\nmore\nand more") == short  # the longer earlier prompt, same key
+
+
+def test_a_lookup_computes_a_bounded_number_of_digests_whatever_was_planted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompts that share a text's blocks and last characters at every length, but not the text,
+    made a lookup compute a digest per remembered length (20 ms of the event loop for 8 KB)."""
+    text = SYSTEM + "abcdefghij" * 100
+    keys = PrefixKeys()
+    edge = 2 * BLOCK_CHARS  # the planted prompts differ from the text right after this block
+    for length in range(edge + 16, 3 * BLOCK_CHARS):
+        keys.key(text[:edge] + "Z" + text[edge + 1 : length])
+    calls = 0
+    digest = prefix_keys._digest
+
+    def counted(prefix: bytes, tail: str) -> bytes:
+        nonlocal calls
+        calls += 1
+        return digest(prefix, tail)
+
+    monkeypatch.setattr(prefix_keys, "_digest", counted)
+    assert keys.key(text) is not None  # a key of its own
+    chain = len(text) // BLOCK_CHARS
+    assert calls <= chain + 1 + MAX_DIGESTS
 
 
 def test_non_ascii_and_lone_surrogates_are_hashed() -> None:
