@@ -116,13 +116,29 @@ class EngineLoad:
     running: int
     waiting: int
 
-    def floor(self, own: LoadSnapshot) -> LoadSnapshot:
-        """Per field the larger of Pylon's own exact count and the engine's report, never their sum:
-        a request Pylon relays is also on the engine, so adding them would count it twice."""
+    def beyond(self, own: LoadSnapshot) -> EngineExcess:
+        """What the engine holds beyond Pylon's own requests, read against Pylon's count at the
+        poll: a request Pylon relays is also on the engine, so adding them would count it twice."""
+        return EngineExcess(
+            queued=max(0, self.waiting - own.queue_size),
+            held=max(0, sat_u64(self.running + self.waiting) - own.num_running_queries),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineExcess:
+    """Requests on the engine that Pylon did not send (another client of the engine), as of the
+    last poll. Added to Pylon's own exact count as it stands now: the engine's total, up to a poll
+    old, kept a 2 x 8 fleet full with 14 requests in flight, its ended requests still counted."""
+
+    queued: int
+    held: int
+
+    def add_to(self, own: LoadSnapshot) -> LoadSnapshot:
         return replace(
             own,
-            queue_size=max(own.queue_size, self.waiting),
-            num_running_queries=max(own.num_running_queries, sat_u64(self.running + self.waiting)),
+            queue_size=sat_u64(own.queue_size + self.queued),
+            num_running_queries=sat_u64(own.num_running_queries + self.held),
         )
 
 

@@ -207,6 +207,24 @@ def test_every_published_load_field_is_at_least_pylons_own_count() -> None:
     assert snap.total_query_input_size == 160
 
 
+def test_requests_that_ended_since_the_poll_are_not_counted_from_the_engines_report() -> None:
+    """The page is up to a poll old: Pylon's own requests are counted as they stand, and only what
+    the engine held beyond them at the poll (another client's) is added. A 2 x 8 fleet looked full
+    with 14 requests in flight, and wait-and-widen answered 503 with slots free."""
+    rig = make_rig()
+    for i in range(8):
+        rig.load.track(f"r{i}", rig.gen, 0, 10)
+        rig.load.advance(f"r{i}", Phase.OUTPUT_GENERATION)
+    page = 'vllm:num_requests_running{model_name="llama"} 10\n'
+    apply_engine_metrics(rig.hub, parse_engine_metrics(page))  # 8 of Pylon's, 2 of another client
+    assert rig.hub.snapshot(rig.gen).num_running_queries == 10
+    for i in range(6):
+        rig.load.release(f"r{i}")
+    assert rig.hub.snapshot(rig.gen).num_running_queries == 2 + 2
+    rig.load.track("new", rig.gen, 0, 10)
+    assert rig.hub.snapshot(rig.gen).num_running_queries == 3 + 2
+
+
 def test_engine_load_above_own_count_never_makes_pylon_reject() -> None:
     """Admission counts Pylon's own requests (minus the incoming one): a busier engine report only
     makes Stargate's view more conservative, so a free slot here still accepts expected 0."""

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from stargate.balancer.types import EMPTY_PRIORITY_MAP, AffinityRoute, ModelStats
 from stargate.pylon.ids import CALIBRATION, RequestIds
-from stargate.pylon.load import EngineLoad, LiveLoad
+from stargate.pylon.load import EngineExcess, EngineLoad, LiveLoad
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.stats import aggregate as agg
@@ -55,7 +55,7 @@ class _GenState:
     kv_source: str = ""
     engine_limit: int = 0
     fallback_limit: int = 0
-    engine_load: EngineLoad | None = None
+    engine_load: EngineExcess | None = None
     observed_at_ms: int = 0
     usage_counted: set[str] = field(default_factory=set)
     routes: deque[AffinityRoute] = field(default_factory=lambda: deque(maxlen=MAX_AFFINITY_ROUTES))
@@ -302,10 +302,11 @@ class StatsHub:
         counts alone are published)."""
         gen = self.registry.current(model)
         state = self._state(gen) if gen is not None else None
-        if state is None:
+        if gen is None or state is None:
             return False
-        changed = state.engine_load != load
-        state.engine_load = load
+        excess = None if load is None else load.beyond(self.load.snapshot(gen))
+        changed = state.engine_load != excess
+        state.engine_load = excess
         if load is None:
             if changed:
                 self.on_change()
@@ -359,7 +360,7 @@ class StatsHub:
         estimates = self.load.estimates(gen, tp.published_input_tps)
         kv = state.kv or (0, 0, 0)
         if state.engine_load is not None:
-            live = state.engine_load.floor(live)
+            live = state.engine_load.add_to(live)
         caps, srcs = tp.ordered_labels()
         if self.load.prefix_caching:
             caps = (*caps, CACHED_PROMPT_WORK)
