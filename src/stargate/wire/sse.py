@@ -133,31 +133,42 @@ class FirstOutput:
 _DONE_LINES = (b"data: [DONE]", b"data:[DONE]")
 _DONE_TAIL = 24
 """Bytes kept of what a client was sent: a ``data: [DONE]`` event with its delimiters fits."""
+_LAST_EVENTS = frozenset((b"response.completed", b"response.failed", b"response.incomplete"))
+"""The events that end a Responses stream (it has no ``[DONE]``)."""
 
 
 class Delivered:
-    """The end of the bytes a client has been sent, to tell whether they end with a whole
-    ``data: [DONE]`` event. The answer is complete there: the openai SDK closes its connection as it
-    reads that event, before the chunked body's end, which an engine may write a moment later
-    (uvicorn's do), and that hang-up abandons nothing."""
+    """The end of the bytes a client has been sent, to tell whether they end with the event that
+    ends an answer, whole: ``data: [DONE]``, or a Responses stream's ``response.completed`` (or
+    ``.failed``, ``.incomplete``). The answer is complete there: the openai SDK closes its
+    connection as it reads that event, before the chunked body's end, which an engine may write a
+    moment later (uvicorn's do), and that hang-up abandons nothing."""
 
-    __slots__ = ("_start", "_tail")
+    __slots__ = ("_event", "_start", "_tail")
 
     def __init__(self) -> None:
         self._tail = b""
         self._start = True  # the tail still holds the stream's first byte
+        self._event = b""  # the name of the last ``event:`` line sent
 
     def sent(self, chunk: bytes) -> None:
         self._start = self._start and len(self._tail) + len(chunk) <= _DONE_TAIL
         tail = self._tail + chunk if len(chunk) < _DONE_TAIL else chunk
         self._tail = tail[-_DONE_TAIL:]
+        # A data line cannot hold a line break (JSON escapes it), so a line starting "event:" is one.
+        line = chunk.rfind(b"\nevent:") + 1
+        if line or chunk.startswith(b"event:"):
+            end = chunk.find(b"\n", line)
+            self._event = chunk[line + 6 : end if end >= 0 else len(chunk)].strip()
 
     @property
     def done(self) -> bool:
-        """The client has the stream's ``data: [DONE]`` event, whole, as the last it was sent."""
+        """The client has the stream's last event, whole, as the last it was sent."""
         tail = self._tail
         for delim in _DELIMS:
             if tail.endswith(delim):
+                if self._event in _LAST_EVENTS:
+                    return True
                 event = tail[: -len(delim)]
                 start = max(event.rfind(b"\n"), event.rfind(b"\r")) + 1
                 return (start > 0 or self._start) and event[start:] in _DONE_LINES

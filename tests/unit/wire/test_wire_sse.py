@@ -49,6 +49,19 @@ def test_an_event_ends_at_a_blank_line_of_any_line_ending(end: bytes) -> None:
         ([b"data: [DONE]\n\n"], True),  # the whole stream
         ([b"data: [DONE] \n\n"], False),
         ([], False),
+        # A Responses stream ends with response.completed (or .failed, .incomplete), no [DONE].
+        (
+            [
+                b'event: response.output_text.delta\ndata: {"delta":"x"}\n\n',
+                b"event: response.completed\n",
+                b'data: {"type":"response.completed","response":{"output":[]}}\n\n',
+            ],
+            True,
+        ),
+        ([b'event: response.failed\r\ndata: {"type":"response.failed"}\r\n\r\n'], True),
+        ([b'event: response.completed\ndata: {"type":"response.completed","resp'], False),  # not whole
+        ([b'event: response.output_text.delta\ndata: {"delta":"event: response.completed"}\n\n'], False),
+        ([b"event: response.completed\ndata: {}\n\n", b"event: response.created\ndata: {}\n\n"], False),
     ],
 )
 def test_delivered_tells_a_stream_whose_last_event_is_done(pieces: list[bytes], done: bool) -> None:
