@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from support.waiting import until
 
+from stargate.wire import http_server
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner, GuardedRequestHandler
 
@@ -22,7 +23,7 @@ def test_the_aiohttp_connection_state_the_client_deadlines_read_exists() -> None
     for cls in RequestHandler.__mro__:
         slots.update(getattr(cls, "__slots__", ()))
     needed = ("_waiter", "_messages", "_current_request", "_reading_paused", "_buffer_paused")
-    needed += ("_request_count",)
+    needed += ("_request_count", "_next_keepalive_close_time", "_keepalive_timeout")
     assert [name for name in needed if name not in slots] == []
     assert isinstance(RequestHandler.writing_paused, property)
     assert issubclass(GuardedRequestHandler, RequestHandler)
@@ -80,9 +81,14 @@ async def test_connections_near_the_open_file_limit_are_a_warning(caplog: pytest
         await runner.cleanup()
 
 
-async def test_a_crowded_listener_closes_its_idle_keepalive_connections() -> None:
+@pytest.mark.parametrize("idle_s", [0.0, 60.0])
+async def test_a_crowded_listener_closes_its_idle_keepalive_connections(
+    idle_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Idle keep-alives held by one client would turn every other client away for their 75 s;
-    a connection sending a head or waiting for its answer is left alone."""
+    a connection sending a head or waiting for its answer is left alone, and so is one idle for
+    less than ``SHED_IDLE_S`` (a pooled client may be sending on it)."""
+    monkeypatch.setattr(http_server, "SHED_IDLE_S", idle_s)
     release = asyncio.Event()
 
     async def ok(_request: web.Request) -> web.Response:
@@ -112,9 +118,13 @@ async def test_a_crowded_listener_closes_its_idle_keepalive_connections() -> Non
         streams += [partial, waiting]
         await until("seven connections accepted", lambda: len(server.connections) == 7)
         streams.append(await asyncio.open_connection("127.0.0.1", port))  # the 8th of 10
-        for reader, _ in streams[:5]:
-            assert await asyncio.wait_for(reader.read(), 5) == b""
-        await until("the idle ones gone", lambda: len(server.connections) == 3)
+        if idle_s:  # closing happens as the 8th is accepted: none was
+            await until("eight connections accepted", lambda: len(server.connections) == 8)
+            assert all(c.transport is not None for c in server.connections)
+        else:
+            for reader, _ in streams[:5]:
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            await until("the idle ones gone", lambda: len(server.connections) == 3)
         release.set()
         assert (await waiting[0].readuntil(b"late")).startswith(b"HTTP/1.1 200")
     finally:
