@@ -116,12 +116,13 @@ class EngineLoad:
     running: int
     waiting: int
 
-    def beyond(self, own: LoadSnapshot) -> EngineExcess:
+    def beyond(self, own: LoadSnapshot, canaries: int = 0) -> EngineExcess:
         """What the engine holds beyond Pylon's own requests, read against Pylon's count at the
-        poll: a request Pylon relays is also on the engine, so adding them would count it twice."""
+        poll: a request Pylon relays is also on the engine, so adding them would count it twice.
+        ``canaries``: Pylon's own requests that its published load leaves out, on the engine too."""
         return EngineExcess(
-            queued=max(0, self.waiting - own.queue_size),
-            held=max(0, sat_u64(self.running + self.waiting) - own.num_running_queries),
+            queued=max(0, self.waiting - own.queue_size - canaries),
+            held=max(0, sat_u64(self.running + self.waiting) - own.num_running_queries - canaries),
         )
 
 
@@ -261,6 +262,11 @@ class LiveLoad:
             yield
         finally:
             agg.own -= 1
+
+    def own_requests(self, generation: Generation) -> int:
+        """Requests Pylon sends itself (canaries) running for ``generation`` (``occupying``)."""
+        agg = self._generations.get(generation)
+        return agg.own if agg is not None else 0
 
     def generation_of(self, request_id: str) -> Generation | None:
         t = self._requests.get(request_id)

@@ -225,6 +225,17 @@ def test_requests_that_ended_since_the_poll_are_not_counted_from_the_engines_rep
     assert rig.hub.snapshot(rig.gen).num_running_queries == 3 + 2
 
 
+def test_a_running_canary_on_the_engines_page_is_not_another_clients_request() -> None:
+    """Pylon's own canary is on the engine's page but not in the published load: counted as load
+    from elsewhere, an idle fleet showed one of its slots taken every 5 s (all the time with long
+    canaries), and the quickstart fleet answered 503 at 14 requests in flight."""
+    rig = make_rig()
+    page = 'vllm:num_requests_running{model_name="llama"} 1\n'
+    with rig.load.occupying(rig.gen):
+        apply_engine_metrics(rig.hub, parse_engine_metrics(page))
+        assert rig.hub.snapshot(rig.gen).num_running_queries == 0
+
+
 def test_engine_load_above_own_count_never_makes_pylon_reject() -> None:
     """Admission counts Pylon's own requests (minus the incoming one): a busier engine report only
     makes Stargate's view more conservative, so a free slot here still accepts expected 0."""

@@ -304,7 +304,7 @@ class StatsHub:
         state = self._state(gen) if gen is not None else None
         if gen is None or state is None:
             return False
-        excess = None if load is None else load.beyond(self.load.snapshot(gen))
+        excess = None if load is None else load.beyond(self.load.snapshot(gen), self.load.own_requests(gen))
         changed = state.engine_load != excess
         state.engine_load = excess
         if load is None:
