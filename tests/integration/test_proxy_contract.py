@@ -117,7 +117,7 @@ async def test_p102_p103_p104_p105_headers_both_ways_and_body_passthrough(sg: Ha
             "x-stargate-max-wait-ms": "5000",
         },
         payload,
-        path=CHAT + "?trace=1",
+        path=CHAT + "?trace=1&next=%3Fx%3D1&a=%2F",
     )
     assert status == 200 and body == b"".join(SSE_CHUNKS)
     assert headers["x-inference-server-id"] == "b1"
@@ -125,7 +125,7 @@ async def test_p102_p103_p104_p105_headers_both_ways_and_body_passthrough(sg: Ha
     assert headers["x-stargate-cluster-id"] == "c1"
     assert headers["x-upstream-header"] == "u" and "x-stargate-retry-reason" not in headers
     path_qs, seen, sent = backend.requests[0]
-    assert path_qs == CHAT + "?trace=1" and sent == payload
+    assert path_qs == CHAT + "?trace=1&next=%3Fx%3D1&a=%2F" and sent == payload  # as the client sent it
     assert seen["x-custom"] == "1" and seen["x-model"] == MODEL and seen["x-request-id"] == "req-1"
     assert "x-routing-method" not in seen and "x-stargate-error-code" not in seen
     assert seen["x-stargate-expected-queue-ms"] == "42"  # 4200 tokens at 100k tps, not the client's 999

@@ -65,11 +65,13 @@ async def started(engine: FakeEngine, *extra: str, read_s: float = 30.0) -> Pylo
 async def test_chat_relay_streams_and_observes(engine: FakeEngine, client: aiohttp.ClientSession) -> None:
     app = await started(engine, "--engine-stats-stream", "off")
     try:
-        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+        url = URL(app.http_url + "/v1/chat/completions?next=%3Fx%3D1&a=%2F", encoded=True)
+        async with client.post(url, data=CHAT, headers=HEADERS) as resp:
             assert resp.status == 200
             body = await resp.read()
         assert body.count(b"data:") == 5 and body.endswith(b"data: [DONE]\n\n")
-        _, _, sent, _ = engine.requests[-1]
+        _, path_qs, sent, _ = engine.requests[-1]
+        assert path_qs == "/v1/chat/completions?next=%3Fx%3D1&a=%2F"  # as the client sent it
         assert sent["x-dynamo-request-priority"] == "0" and "x-stargate-expected-queue-ms" not in sent
         assert len(app.load) == 0
         text = app.metrics.render().decode()
@@ -546,10 +548,10 @@ async def test_b26_health_rewritten_to_resolved_path(
     app = await started(engine)
     try:
         assert await app._lifecycle._prober.probe(1.0)  # type: ignore[union-attr]
-        async with client.get(app.http_url + "/health?probe=1") as resp:
+        async with client.get(URL(app.http_url + "/health?probe=%2F1", encoded=True)) as resp:
             assert resp.status == 200
         method, path, headers, _ = engine.requests[-1]
-        assert (method, path) == ("GET", "/v1/health/ready")
+        assert (method, path) == ("GET", "/v1/health/ready?probe=%2F1")  # the query as sent
         assert "x-dynamo-request-priority" not in headers
     finally:
         await app.close()

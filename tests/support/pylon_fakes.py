@@ -44,7 +44,7 @@ class FakeEngine:
         return sum(1 for _, p, _, _ in self.requests if p == path)
 
     async def _health(self, request: web.Request) -> web.Response:
-        self.requests.append((request.method, request.path, CIMultiDict(request.headers), b""))
+        self.requests.append((request.method, request.raw_path, CIMultiDict(request.headers), b""))
         return web.Response(status=self.health_status.get(request.path, 404))
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -54,7 +54,7 @@ class FakeEngine:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.requests.append((request.method, request.path_qs, CIMultiDict(request.headers), body))
+        self.requests.append((request.method, request.raw_path, CIMultiDict(request.headers), body))
         obj = orjson.loads(body)
         if self.hold_canaries and request.headers.get("x-request-id", "").startswith("canary-"):
             await self._hold()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 from aiohttp import web
 from grpc import aio
+from yarl import URL
 
 from stargate.proto import stargate_pb2 as pb
 from stargate.proto import stargate_pb2_grpc
@@ -68,7 +69,7 @@ class ScriptedBackend:
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.requests.append((request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
+        self.requests.append((request.raw_path, {k.lower(): v for k, v in request.headers.items()}, body))
         self.arrived.set()
         if self.abort_before_answer and request.transport is not None:
             request.transport.abort()
@@ -162,9 +163,8 @@ class Harness:
     async def post(
         self, headers: dict[str, str] | None = None, body: bytes | object = b"{}", path: str = CHAT
     ) -> tuple[int, dict[str, str], bytes]:
-        async with self.http.post(
-            self.base + path, headers={**HEADERS, **(headers or {})}, data=body
-        ) as resp:
+        url = URL(self.base + path, encoded=True)  # sent as written
+        async with self.http.post(url, headers={**HEADERS, **(headers or {})}, data=body) as resp:
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
 
     def metric(self, name: str, **labels: str) -> float:

@@ -53,7 +53,7 @@ from stargate.wire import json_body
 from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
-from stargate.wire.http_server import expectation_problem, report_client_gone, send_continue
+from stargate.wire.http_server import expectation_problem, report_client_gone, request_target, send_continue
 from stargate.wire.limits import HOP_HEADER_FIELDS, MAX_BODY_BYTES, MAX_REQUEST_HEADER_FIELDS
 from stargate.wire.sse import EventTooLarge
 
@@ -448,7 +448,8 @@ class Relay:
             headers["Accept-Encoding"] = "identity"
         if span is not None and self.tracing is not None:
             self.tracing.inject(span, headers)  # the engine continues this trace
-        return await self._relay(request, self.s.upstream_base_url + request.path_qs, headers, body, observer)
+        url = URL(self.s.upstream_base_url + request_target(request), encoded=True)  # forwarded as received
+        return await self._relay(request, url, headers, body, observer)
 
     def _record_admission(self, model: str, decision: admission.Decision) -> None:
         self.metrics.admission_decided(self.s.inference_server_id, model, decision.result.value)
@@ -469,8 +470,9 @@ class Relay:
         )
 
     async def _forward_health(self, request: web.Request) -> web.StreamResponse:
-        query = request.query_string
-        url = self.s.upstream_base_url + self.prober.probe_path + (f"?{query}" if query else "")
+        query = request_target(request).partition("?")[2]
+        target = self.prober.probe_path + (f"?{query}" if query else "")
+        url = URL(self.s.upstream_base_url + target, encoded=True)
         headers = upstream_headers(
             request.headers.items(),
             retry_header=self.s.upstream_retry_header,
@@ -483,7 +485,7 @@ class Relay:
     async def _relay(
         self,
         request: web.Request,
-        url: str,
+        url: URL,
         headers: CIMultiDict[str],
         body: bytes,
         observer: RequestObserver | None,
@@ -507,7 +509,7 @@ class Relay:
             # Sent, then the connection closed unanswered. An engine that refuses or drops a fresh
             # connection is gone and runs nothing (a request written on a connection it was closing
             # as it died); otherwise it may be running the request, so never retryable.
-            gone = await engine_gone(url, self.prober.probe_path)
+            gone = await engine_gone(str(url), self.prober.probe_path)
             return _problem(LocalConnectFailure(retryable=gone and self.s.local_connect_failures_retryable))
         except aiohttp.ClientResponseError:
             # The engine answered with a head that is not HTTP (a bad status line, oversized

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from multidict import CIMultiDict
+from yarl import URL
 
 from stargate.balancer.types import Target
 from stargate.errors import StargateError, UpstreamBroken, UpstreamError, UpstreamNotSent, UpstreamTimeout
@@ -340,7 +341,7 @@ def _first_output_watch(path_qs: str, response: UpstreamResponse) -> FirstOutput
     engine sends ``response.created`` and ``response.in_progress`` as it takes the request, before
     its prefill, and a prefill taken as ended there hid that prompt's work from load-aware
     routing. Other answers' first byte is their first token (or all of them)."""
-    if response.status >= 300 or path_qs.partition("?")[0] != RESPONSES_PATH:
+    if response.status >= 300 or URL(path_qs, encoded=True).path != RESPONSES_PATH:  # as routed
         return None
     content_type = response.header("content-type") or ""
     return FirstOutput() if content_type.startswith("text/event-stream") else None

@@ -41,7 +41,7 @@ from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
 from stargate.wire.body_budget import UNCAPPED, BodyBudget
 from stargate.wire.client_faults import ClientFaults, detail
-from stargate.wire.http_server import expectation_problem, report_client_gone, send_continue
+from stargate.wire.http_server import expectation_problem, report_client_gone, request_target, send_continue
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 from stargate.wire.sse import Delivered
 
@@ -229,7 +229,7 @@ class ProxyHandler:
                 self._metrics.request_finished(parsed.target, "", 400)
                 return error_response(RequestError(f"the request body could not be read: {detail(exc)}"))
             outcome = await self._driver.run(
-                parsed, request.method, request.path_qs, forwarded, replay, route
+                parsed, request.method, request_target(request), forwarded, replay, route
             )
             replay.release()  # no attempt follows: the answer may stream for minutes without it
         except asyncio.CancelledError:

@@ -64,7 +64,8 @@ class GuardedRequestHandler(RequestHandler):
     Relies on attributes of aiohttp's ``RequestHandler`` (checked by the tests): ``_waiter`` is
     pending exactly while the connection waits for a request head, ``_messages`` holds the heads
     (with their body streams) parsed and not yet handled, ``_current_request`` is the request being
-    handled, ``_reading_paused`` / ``_buffer_paused`` say the server stopped reading.
+    handled, ``_reading_paused`` / ``_buffer_paused`` say the server stopped reading,
+    ``_lingering_time`` is how long an unread body is read on after the answer.
     """
 
     __slots__ = (
@@ -205,6 +206,11 @@ class GuardedRequestHandler(RequestHandler):
             return False
         idle_since = self._next_keepalive_close_time - self._keepalive_timeout
         return self._loop.time() - idle_since >= for_s
+
+    def skip_lingering(self) -> None:
+        """End the connection with the answer: aiohttp reads on for up to 10 s for the rest of a body
+        left unread, even when the client will not send it."""
+        self._lingering_time = 0.0
 
     def _awaiting_head(self) -> bool:
         waiter = self._waiter
@@ -384,7 +390,7 @@ class GuardedAppRunner(web.AppRunner):
         """``open_files``: the process's open-file limit (``open_files_limit()`` when None)."""
         kwargs.setdefault("keepalive_timeout", IDLE_KEEPALIVE_S)
         super().__init__(app, handler_cancellation=True, **kwargs)
-        app.on_response_prepare.append(_close_after_unframed_body)
+        app.on_response_prepare.append(_close_when_answer_ends_it)
         self._faults = faults
         self._timeouts = timeouts
         self._problem = problem
@@ -395,11 +401,27 @@ class GuardedAppRunner(web.AppRunner):
         return _GuardedServer(base, self._faults, self._timeouts, self._problem, self._open_files)
 
 
-async def _close_after_unframed_body(request: web.BaseRequest, response: web.StreamResponse) -> None:
-    """An HTTP/1.0 client has no chunked framing, so a streamed body ends with the connection; aiohttp
-    kept it open for ``Connection: keep-alive`` and the client waited for an end that never came."""
+async def _close_when_answer_ends_it(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Close the connection after answers the next request could not follow on it.
+
+    An HTTP/1.0 client has no chunked framing, so a streamed body ends with the connection (aiohttp
+    kept it open for ``Connection: keep-alive`` and the client waited for an end that never came).
+    A request with an ``Expect`` (``100-continue``) answered before its body arrived may never send
+    it: reading on took the client's next request for that body (RFC 9110 §10.1.1).
+    """
     if request.version < HttpVersion11 and not isinstance(response, web.Response):
         response.force_close()
+    elif request.body_exists and not request.content.is_eof() and hdrs.EXPECT in request.headers:
+        response.force_close()
+        if isinstance(request.protocol, GuardedRequestHandler):
+            request.protocol.skip_lingering()
+
+
+def request_target(request: web.BaseRequest) -> str:
+    """The path and query as the client sent them, to forward unchanged: aiohttp's ``path_qs``
+    decodes the query (``?a=%2F`` became ``?a=/``). An absolute-form target falls back to it."""
+    raw = request.raw_path
+    return raw if raw.startswith("/") else request.path_qs
 
 
 def report_client_gone(

@@ -22,7 +22,14 @@ def test_the_aiohttp_connection_state_the_client_deadlines_read_exists() -> None
     slots: set[str] = set()
     for cls in RequestHandler.__mro__:
         slots.update(getattr(cls, "__slots__", ()))
-    needed = ("_waiter", "_messages", "_current_request", "_reading_paused", "_buffer_paused")
+    needed = (
+        "_waiter",
+        "_messages",
+        "_current_request",
+        "_reading_paused",
+        "_buffer_paused",
+        "_lingering_time",
+    )
     needed += ("_request_count", "_next_keepalive_close_time", "_keepalive_timeout")
     assert [name for name in needed if name not in slots] == []
     assert isinstance(RequestHandler.writing_paused, property)
