@@ -101,8 +101,11 @@ class StepScheduler:
     def submit(
         self, admit: Callable[[], int], immediate: bool, scheduled: Callable[[int], None] | None = None
     ) -> Sequence:
-        """Queue a request; raises :class:`QueueFull` beyond ``max_waiting`` waiting requests."""
-        if len(self._waiting) >= self._max_waiting:
+        """Queue a request; raises :class:`QueueFull` when ``max_waiting`` requests already wait for
+        a place beyond ``max_running`` (0: none ever does). One queued only until the next step starts
+        is not waiting for a place, as a free slot in the other modes is taken at once."""
+        limit = self._max_running
+        if limit > 0 and len(self._running) + len(self._waiting) - limit >= self._max_waiting:
             raise QueueFull
         sequence = Sequence(next(self._ids), admit, immediate, scheduled)
         self._waiting.append(sequence)

@@ -174,6 +174,21 @@ async def test_waiting_queue_cap_and_release_while_waiting() -> None:
     assert not a.prefilled.done() and steps.running == 0
 
 
+async def test_waiting_queue_cap_counts_only_requests_beyond_the_concurrency_limit() -> None:
+    timer, steps = make(max_running=2, max_waiting=0)
+    submit(steps, 50)
+    b = submit(steps, 50)  # arrives during A's step: waits for the next one, not for a place
+    assert steps.waiting == 1
+    with pytest.raises(QueueFull):
+        submit(steps, 50)
+    timer.advance(0.050)
+    assert (steps.running, steps.waiting) == (2, 0) and not b.prefilled.done()
+    _, unlimited = make(max_running=0, max_waiting=0)
+    for _ in range(3):
+        submit(unlimited, 50)  # without a limit nothing waits for a place
+    assert unlimited.waiting == 2
+
+
 async def test_admission_runs_the_callback_when_the_sequence_is_admitted() -> None:
     timer, steps = make(max_running=1)
     admitted: list[float] = []
