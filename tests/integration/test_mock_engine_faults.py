@@ -115,6 +115,33 @@ async def test_metrics_use_vllm_and_sglang_names() -> None:
     assert 'sglang:num_queue_reqs{model_name="llama"}' in samples
 
 
+async def counter(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + "{")))
+
+
+@pytest.mark.parametrize("batching", ["independent", "continuous", "vllm"])
+async def test_metrics_count_finished_requests_and_tokens_as_they_are_produced(batching: str) -> None:
+    timing = TimingConfig(num_tokens=10, token_delay_ms=20, batching=batching)
+    async with running(timing=timing) as (url, engine, session):
+        async with session.post(url + "/v1/chat/completions", json=chat(True)) as r:
+            received = 0
+            while received < 3:
+                received += (await r.content.readline()).count(b'"content"')
+            assert await counter(session, url, "vllm:request_success_total") == 0
+            assert await counter(session, url, "vllm:generation_tokens_total") >= 3
+            await r.read()
+        assert await counter(session, url, "vllm:request_success_total") == 1
+        async with session.post(url + "/v1/chat/completions", json=chat(True)) as r:
+            await r.content.readline()  # the client leaves after its first token
+        await until("the abandoned request gone", lambda: engine.running == 0)
+        async with session.post(url + "/v1/chat/completions", json=chat()) as r:
+            await r.read()
+        assert await counter(session, url, "vllm:request_success_total") == 2
+        assert 20 < await counter(session, url, "vllm:generation_tokens_total") < 30
+
+
 async def test_request_log_records_ground_truth(tmp_path: Path) -> None:
     log = tmp_path / "requests.jsonl"
     timing = TimingConfig(num_tokens=2, token_delay_ms=0, prefill_tokens_per_s=10_000)

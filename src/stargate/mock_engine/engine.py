@@ -193,13 +193,18 @@ class Engine:
         self._prefilling = 0
         self._prefill_tokens = 0
         self.prompt_tokens_total = 0  # prompt tokens of requests whose prefill completed
-        self.requests_total = 0
-        self.generated_tokens_total = 0
+        self.requests_completed = 0  # requests that ended with their whole answer
         self._wall_offset = wall_clock() - clock()
 
     @property
     def decoding(self) -> int:
         return self.steps.decoding if self.steps is not None else self.scheduler.decoding
+
+    @property
+    def generated_tokens_total(self) -> int:
+        """Tokens emitted so far, those of requests still decoding included."""
+        steps = self.steps.tokens_total if self.steps is not None else 0
+        return self.scheduler.tokens_total + steps
 
     @property
     def running(self) -> int:

@@ -243,7 +243,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
 class _Admit:
     """What a request does once it holds its slot (vllm mode: when the scheduler admits it).
 
-    Counts the request, emits the streaming start event ``(0,0)`` and looks the prompt up in the
+    Records its queue wait, emits the streaming start event ``(0,0)`` and looks the prompt up in the
     KV cache; returns the uncached tokens to prefill. In vllm mode :meth:`scheduled` caches the
     prompt chunk by chunk.
     """
@@ -278,7 +278,6 @@ class _Admit:
 
     def __call__(self) -> int:
         engine, record = self.engine, self.record
-        engine.requests_total += 1
         record.queue_wait_ms = (engine.clock() - self.queued_at) * 1000.0
         record.input_tokens, record.output_tokens = self.input_tokens, self.output_tokens
         if record.stream:
@@ -364,6 +363,8 @@ async def _stream(
         await response.write_eof(final)  # the last event and the end of the body in one write
     except ConnectionError:  # the client left between its last token and the end
         record.status, record.outcome = 499, "client_disconnected"
+    else:
+        engine.requests_completed += 1
     return response
 
 
@@ -386,7 +387,6 @@ async def _run_decode(
     finally:
         engine.stop_decode(seat, decode)
         record.emitted_tokens = decode.emitted
-        engine.generated_tokens_total += decode.emitted
 
 
 def _accept(_: int) -> bool:
@@ -429,4 +429,5 @@ async def _respond(
     else:
         payload = fmt.response_body(ident, model, created, inp, n)
     record.finish = engine.to_wall(engine.clock())
+    engine.requests_completed += 1
     return web.Response(body=orjson.dumps(payload), content_type="application/json", headers=headers)

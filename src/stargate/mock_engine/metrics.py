@@ -41,9 +41,9 @@ def render(engine: Engine) -> str:
         (
             "vllm:request_success_total",
             "counter",
-            "Requests admitted.",
+            "Requests that ended with their whole answer.",
             vllm,
-            engine.requests_total,
+            engine.requests_completed,
         ),
         (
             "vllm:prompt_tokens_total",
@@ -52,7 +52,13 @@ def render(engine: Engine) -> str:
             vllm,
             engine.prompt_tokens_total,
         ),
-        ("vllm:generation_tokens_total", "counter", "Tokens generated.", vllm, engine.generated_tokens_total),
+        (
+            "vllm:generation_tokens_total",
+            "counter",
+            "Tokens generated, counted as produced.",
+            vllm,
+            engine.generated_tokens_total,
+        ),
         ("sglang:num_running_reqs", "gauge", "Requests holding a slot.", sglang, running),
         ("sglang:num_queue_reqs", "gauge", "Requests waiting for a slot.", sglang, waiting),
         ("sglang:token_usage", "gauge", "KV cache usage, 1 means full.", sglang, usage),

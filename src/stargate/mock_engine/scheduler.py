@@ -77,6 +77,7 @@ class DecodeScheduler:
         self._handle: Handle | None = None
         self._paused_at: float | None = None
         self.active = 0
+        self.tokens_total = 0  # tokens emitted, counted as each is
 
     @property
     def decoding(self) -> int:
@@ -117,6 +118,7 @@ class DecodeScheduler:
             self._finish(decode)
             return
         decode.emitted = index + 1
+        self.tokens_total += 1
         if decode.emitted >= decode.n:
             self._finish(decode)
             return

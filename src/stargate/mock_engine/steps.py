@@ -80,6 +80,7 @@ class StepScheduler:
         self._paused = False
         self.prefill_tokens_pending = 0  # uncached prompt tokens admitted and not yet computed
         self.prompt_tokens_total = 0  # prompt tokens computed (prefill chunks completed)
+        self.tokens_total = 0  # tokens emitted, counted as each is
         self.steps_total = 0
 
     @property
@@ -226,6 +227,7 @@ class StepScheduler:
             self._finish_decode(sequence, decode)
             return
         decode.emitted = index + 1
+        self.tokens_total += 1
         if decode.emitted >= decode.n:
             self._finish_decode(sequence, decode)
 
