@@ -39,6 +39,20 @@ async def test_fail_next_requests_with_retryable_marker() -> None:
         assert statuses == [429, 429, 200]
 
 
+async def test_a_full_waiting_queue_is_a_retryable_429_that_names_the_limit() -> None:
+    timing = TimingConfig(num_tokens=50, token_delay_ms=20)
+    async with (
+        running(timing=timing, max_concurrent_requests=1, max_waiting_requests=0) as (url, _, session),
+        session.post(url + "/v1/chat/completions", json=chat(True)) as first,
+    ):
+        await first.content.readline()  # it holds the only slot
+        for path, body in (("/v1/chat/completions", chat()), ("/v1/embeddings", {"input": "hi"})):
+            async with session.post(url + path, json=body) as r:
+                assert r.status == 429 and r.headers["x-stargate-upstream-retryable"] == "true"
+                error = (await r.json())["error"]
+            assert error == {"message": "waiting queue full (--max-waiting-requests 0)", "code": 429}
+
+
 async def test_invalid_fault_body_is_400() -> None:
     async with (
         running() as (url, _, session),

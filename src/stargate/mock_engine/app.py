@@ -19,9 +19,17 @@ from . import control as control_module
 from . import metrics
 from . import openai_format as fmt
 from . import tokens as tok
-from .control import Failure, request_class
+from .control import request_class
 from .engine import Engine
-from .generate import error_response, failure_response, generate, new_id, read_json, resolve_model
+from .generate import (
+    error_response,
+    failure_response,
+    generate,
+    new_id,
+    queue_full_response,
+    read_json,
+    resolve_model,
+)
 from .steps import QueueFull
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -54,7 +62,7 @@ async def embeddings(engine: Engine, request: web.Request) -> web.Response:
     try:
         await engine.slots.acquire()
     except QueueFull:
-        return failure_response(Failure(429, True, 1))
+        return queue_full_response(engine)
     try:
         value = body["input"]
         items = tok.embeddings_item_count(value)

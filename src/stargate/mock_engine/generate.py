@@ -50,13 +50,19 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
-def failure_response(failure: Failure) -> web.Response:
+def failure_response(failure: Failure, message: str = "mock injected failure") -> web.Response:
     headers: dict[str, str] = {}
     if failure.retryable:
         headers[h.UPSTREAM_RETRYABLE] = "true"
     if failure.retry_after_s is not None:
         headers["retry-after"] = str(failure.retry_after_s)
-    return error_response(failure.status, "mock injected failure", headers)
+    return error_response(failure.status, message, headers)
+
+
+def queue_full_response(engine: Engine) -> web.Response:
+    """A retryable 429 that says which limit refused the request, so it is not taken for a fault."""
+    limit = engine.config.max_waiting_requests
+    return failure_response(Failure(429, True, 1), f"waiting queue full (--max-waiting-requests {limit})")
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -201,7 +207,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
     except QueueFull:
         record.status, record.outcome = 429, "queue_full"
         _log(engine, record)
-        return failure_response(Failure(429, True, 1))
+        return queue_full_response(engine)
     try:
         await engine.prefill_seat(seat)
         engine.prompt_tokens_total += input_tokens
