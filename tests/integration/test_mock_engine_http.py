@@ -124,6 +124,20 @@ async def test_s9_9_and_s9_49_non_streaming_json_after_full_duration() -> None:
     assert body["choices"][0]["message"]["content"] == "Hello, how"
 
 
+async def test_s9_12_a_limit_of_zero_tokens_generates_one() -> None:
+    requests = (
+        ("/v1/chat/completions", chat(max_tokens=0)),
+        ("/v1/chat/completions", chat(max_completion_tokens=0)),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}),
+        ("/v1/responses", {"input": "x", "max_output_tokens": 0}),
+    )
+    async with running(timing=TimingConfig(token_delay_ms=0, num_tokens=8)) as (url, _, session):
+        for path, body in requests:
+            async with session.post(url + path, json=body) as r:
+                await r.read()
+                assert r.status == 200 and r.headers["x-mock-output-tokens"] == "1", path
+
+
 async def test_s9_16_responses_stream_false_rejected_in_parity_mode() -> None:
     async with (
         running(responses_stream_only=True) as (url, _, session),
@@ -387,9 +401,9 @@ async def test_body_errors() -> None:
             assert status == 400 and message.startswith("request body cannot be decoded")
         async with session.post(url + "/v1/chat/completions", json={"messages": "x"}) as r:
             assert await error(r) == (422, "field 'messages' must be an array")
-        for field, value in (("max_tokens", -1), ("max_completion_tokens", "x"), ("max_tokens", 0)):
+        for field, value in (("max_tokens", -1), ("max_completion_tokens", "x"), ("max_tokens", True)):
             async with session.post(url + "/v1/chat/completions", json=chat(**{field: value})) as r:
-                assert await error(r) == (422, f"field {field!r} must be a positive integer")
+                assert await error(r) == (422, f"field {field!r} must be a non-negative integer")
         async with session.post(url + "/v1/embeddings", json={"model": "m"}) as r:
             assert (await error(r))[0] == 422
         deep = b'{"input": ' + b"[" * 300 + b'"hi"' + b"]" * 300 + b"}"  # past what orjson writes

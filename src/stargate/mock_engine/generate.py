@@ -134,8 +134,9 @@ def _validate(kind: Kind, body: dict[str, Any]) -> Any:
     if kind == "chat" and limit is None:
         limit_name = "max_completion_tokens"
         limit = body.get(limit_name)
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise _field_error(limit_name, "a positive integer")
+    # 0 is answered with one token, as the original does (tokens.output_tokens)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise _field_error(limit_name, "a non-negative integer")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _field_error("stream_options", "an object")
