@@ -110,6 +110,28 @@ async def test_include_usage_final_chunk_over_http() -> None:
     assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
 
+@pytest.mark.parametrize("connection", ["", "Connection: keep-alive\r\n"])
+async def test_an_http_1_0_stream_is_bare_events_ended_by_the_connection(connection: str) -> None:
+    """HTTP/1.0 has no chunked framing: size lines in the body corrupted the client's events."""
+    async with running(timing=TimingConfig(num_tokens=3, token_delay_ms=0)) as (url, _, _session):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = orjson.dumps({"model": "m", **chat(True, max_tokens=3)})
+        head = (
+            "POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{connection}\r\n"
+        )
+        writer.write(head.encode() + body)
+        answer = await asyncio.wait_for(reader.read(), 5)  # the body ends with the connection
+        writer.close()
+        await writer.wait_closed()
+    status, _, payload = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.0 200") and b"transfer-encoding" not in status.lower()
+    frames = [frame for frame in payload.split(b"\n\n") if frame]
+    assert len(frames) == 6 and all(frame.startswith(b"data: ") for frame in frames)
+    assert frames[-1] == b"data: [DONE]"
+
+
 async def test_s9_9_and_s9_49_non_streaming_json_after_full_duration() -> None:
     timing = TimingConfig(token_delay_ms=20, num_tokens=3)
     async with running(timing=timing) as (url, _, session):

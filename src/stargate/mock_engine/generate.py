@@ -340,6 +340,8 @@ async def _stream(
         record.status, record.outcome = 499, "client_disconnected"
         return response
     transport = request.transport
+    # HTTP/1.0 has no chunked framing: there the body is the bare events, ended by the connection's end.
+    chunked = getattr(writer, "chunked", False)
     await _first_token_wait(engine, request_id)
     stats = engine.stats
     stats.emit(request_id, model, inp, 0)
@@ -350,7 +352,10 @@ async def _stream(
         if (drop_after is not None and i >= drop_after) or transport is None or transport.is_closing():
             return False
         data = token(i)
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunked-encoding write per token
+        if chunked:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one chunked-encoding write per token
+        else:
+            transport.write(data)
         if stats.active:
             stats.emit(request_id, model, inp, i + 1)
         return True
