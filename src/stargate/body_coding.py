@@ -1,8 +1,9 @@
 """Content codings of request bodies: read a decoded copy, forward the original bytes.
 
 Stargate and Pylon pass bodies through byte for byte (their servers never decompress). Where a body
-must be read (Pylon's JSON checks, plain-client mode) ``decoded`` gives a bounded decoded copy: a
-corrupt body is a 400, one that inflates past the limit a 413, a coding it cannot read a 415.
+must be read (Pylon's JSON checks, plain-client mode, the mock engine) ``decoded`` gives a bounded
+decoded copy: a corrupt body is a 400, one that inflates past the limit a 413, a coding it cannot
+read a 415.
 ``off_loop`` reads such a body away from the event loop.
 """
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import time
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -419,8 +421,7 @@ async def test_body_errors() -> None:
             assert (await error(r))[0] == 400
         gzip = {**headers, "content-encoding": "gzip"}
         async with session.post(url + "/v1/chat/completions", data=b"{}", headers=gzip) as r:
-            status, message = await error(r)
-            assert status == 400 and message.startswith("request body cannot be decoded")
+            assert await error(r) == (400, "request body is not valid gzip data")
         async with session.post(url + "/v1/chat/completions", json={"messages": "x"}) as r:
             assert await error(r) == (422, "field 'messages' must be an array")
         for field, value in (("max_tokens", -1), ("max_completion_tokens", "x"), ("max_tokens", True)):
@@ -435,6 +436,32 @@ async def test_body_errors() -> None:
             assert (await error(r))[0] == 413
         async with session.get(url + "/v1/chat/completions") as r:
             assert (await error(r))[0] == 405 and r.headers["allow"] == "POST"
+
+
+async def test_request_bodies_are_decoded_as_pylon_decodes_them() -> None:
+    """A coding the mock cannot undo is refused, never read as a plain body."""
+    body = orjson.dumps(chat(max_tokens=2))
+    headers = {"content-type": "application/json"}
+    async with running(max_body_bytes=4096) as (url, _, session):
+        cases = (
+            ("gzip, gzip", gzip.compress(gzip.compress(body)), 200, None),
+            ("deflate", zlib.compress(body), 200, None),
+            ("zstd2", body, 415, "request bodies with content-encoding 'zstd2' are not supported"),
+            ("gzip", gzip.compress(body)[:-6], 400, "request body is truncated gzip data"),
+            ("gzip", gzip.compress(gzip.compress(body)), 400, "malformed JSON body: "),  # one layer undone
+            ("gzip", gzip.compress(b" " * 5000), 413, "decoded request body exceeds 4096 bytes"),
+        )
+        for coding, data, status, message in cases:
+            sent = {**headers, "content-encoding": coding}
+            async with session.post(url + "/v1/chat/completions", data=data, headers=sent) as r:
+                if message is None:
+                    assert r.status == status and (await r.json())["usage"]["completion_tokens"] == 2
+                else:
+                    answer = await error(r)
+                    assert answer[0] == status and answer[1].startswith(message)
+        sent = {**headers, "content-encoding": "br"}
+        async with session.put(url + "/test-control/faults", data=b"{}", headers=sent) as r:
+            assert r.status == 415
 
 
 async def test_several_choices_are_refused_and_stop_sequences_ignored() -> None:

@@ -182,6 +182,7 @@ async def start_server(engine: Engine, host: str, port: int) -> tuple[web.AppRun
         build_app(engine),
         faults=ClientFaults(log),
         timeouts=CLIENT_TIMEOUTS,
+        auto_decompress=False,  # bodies are decoded by read_body, as Pylon decodes them
         access_log=None,
         shutdown_timeout=1.0,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from aiohttp import web
 
 from stargate.errors import FaultError
 from stargate.wire.limits import U32_MAX
+
+from .request_body import read_body
 
 ENDPOINTS = ("chat_completions", "responses", "completions", "embeddings")
 CLASSES = ("pylon_generated", "api_gateway")
@@ -257,7 +260,7 @@ class TestControl:
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json()
+        body = json.loads(await read_body(request))
     except ValueError as exc:
         raise web.HTTPBadRequest(text="request body must be JSON") from exc
     if not isinstance(body, dict):

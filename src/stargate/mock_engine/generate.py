@@ -16,17 +16,16 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from stargate.wire import headers as h
 from stargate.wire import json_body
-from stargate.wire.client_faults import detail
 
 from . import openai_format as fmt
 from . import tokens as tok
 from .control import Failure, request_class
 from .engine import Engine, Seat
 from .kv_cache import NO_EVICTION, Eviction, Lookup
+from .request_body import read_body
 from .request_log import RequestRecord
 from .scheduler import Decode
 from .steps import QueueFull
@@ -66,19 +65,15 @@ def queue_full_response(engine: Engine) -> web.Response:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The JSON object body: 415 without a JSON content type, 413 declared larger than the limit
-    (before it is sent), 400 malformed or not decodable, 422 not an object."""
+    """The JSON object body: 415 without a JSON content type or in a coding not supported, 413
+    declared larger than the limit (before it is sent) or decoding past it, 400 malformed or not
+    decodable, 422 not an object."""
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="expected content-type: application/json")
     limit = request.client_max_size
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    try:
-        raw = await request.read()
-    except RequestPayloadError as exc:  # a body its Content-Encoding does not decode
-        # The rest of the body is not read, so the connection cannot carry another request.
-        reason = f"request body cannot be decoded: {detail(str(exc))}"
-        raise web.HTTPBadRequest(text=reason, headers={"connection": "close"}) from exc
+    raw = await read_body(request)
     try:
         body = json_body.loads(raw)
     except orjson.JSONDecodeError as exc:
