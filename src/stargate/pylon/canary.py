@@ -5,8 +5,8 @@ While bringup is enabled, every admitted generation gets a loop: wait one interv
 an interval later (delay on miss). The first failure marks the generation bringup-not-ready, so it
 is advertised ``INACTIVE`` while it stays routable for requests already sent to it. Recovery: a
 health probe, then a canary, each retried after 1 s; when both pass the generation is ``ACTIVE``
-again and periodic canaries resume. Canaries are not observed, so they leave Pylon's own stats
-untouched; the engine may still report them on its stats stream (spec §13 item 2).
+again and periodic canaries resume. Canaries are not observed, and the engine's stats stream
+events for them are dropped (spec §13 item 2 lets them in), so they leave Pylon's stats untouched.
 
 Not in the original: a canary queued behind the engine's work is late, not failed. Its timeout
 starts after the prompt work the engine had in hand when it was sent (``work_ahead``, at the
