@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class RouteTrace:
-    """What the attempt driver saw of one request's routing; filled only while tracing."""
+    """What the attempt driver saw of one request's routing: its span's facts while tracing, and
+    always ``at_backend``."""
 
     rank_depth: int = 0
     waited_s: float = 0.0
@@ -29,6 +30,9 @@ class RouteTrace:
     backend_id: str = ""
     cluster_id: str = ""
     retry_reasons: list[str] = field(default_factory=list)
+    at_backend: str = ""
+    """The backend whose answer the request awaits now ("" while it is routed): a client that
+    hangs up is counted against it."""
 
 
 def setup_tracing(endpoint: str | None, service_name: str, flag: str = "--otel-endpoint") -> Tracing | None:

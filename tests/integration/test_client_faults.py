@@ -350,9 +350,10 @@ async def test_a_client_leaving_after_done_abandons_nothing_at_pylon(
     assert_quiet(caplog)
 
 
-def hung_up(sg: Harness, model: str) -> float:
-    """Requests of ``model`` whose client hung up before the answer began (counted as 499)."""
-    labels = {"model": model, "routing_key": "", "inference_server_id": "", "status": "499"}
+def hung_up(sg: Harness, model: str, backend: str = "") -> float:
+    """Requests of ``model`` whose client hung up before the answer began (counted as 499), at
+    ``backend`` ("" while routed)."""
+    labels = {"model": model, "routing_key": "", "inference_server_id": backend, "status": "499"}
     return sg.metric("stargate_requests_total", **labels)
 
 
@@ -360,7 +361,8 @@ async def test_a_client_hanging_up_before_its_answer_cancels_the_request_at_the_
     sg: Harness, conns: Connections, router_log: Signal, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A non-streamed answer sends nothing until its end: only the hang-up itself can stop the
-    attempt, which otherwise held the backend's slot for the whole generation."""
+    attempt, which otherwise held the backend's slot for the whole generation. The request and
+    its attempt are counted at the backend (they were under "" and not at all)."""
     caplog.set_level(logging.WARNING)
     backend = await sg.backend("b1")
     backend.hold_headers = asyncio.Event()  # never set: the backend is still generating
@@ -370,7 +372,9 @@ async def test_a_client_hanging_up_before_its_answer_cancels_the_request_at_the_
     await asyncio.wait_for(backend.cancelled.wait(), 5)
     await router_log.wait()
     assert await sg.server.proxy.wait_idle(5)  # type: ignore[union-attr]
-    assert hung_up(sg, "m") == 1
+    assert hung_up(sg, "m", "b1") == 1 and hung_up(sg, "m") == 0
+    attempts = {"model": "m", "routing_key": "", "inference_server_id": "b1", "result": "proxy_499"}
+    assert sg.metric("stargate_proxy_attempts_total", **attempts) == 1
     (target,) = (await (await sg.http.get(sg.base + "/debug/routing")).json())["targets"]
     assert [c["in_flight"]["requests"] for c in target["clusters"]] == [0]
     assert client_lines(caplog, "test.router.clients") == [

@@ -161,7 +161,8 @@ class AttemptDriver:
         replay: ReplayBody,
         trace: RouteTrace | None = None,
     ) -> Outcome:
-        """``trace``, when given, receives the routing facts for the request's span."""
+        """``trace``, when given, receives the routing facts for the request's span and the
+        backend it is at."""
         target, clock = request.target, self._clock
         state = start(request)
         event: Event = Start(self._holding, self._closing)
@@ -177,6 +178,8 @@ class AttemptDriver:
                 response.release()
                 self._state.finish(reservation)
                 response = None
+                if trace is not None:
+                    trace.at_backend = ""
             if isinstance(action, Pick):
                 picked = None
                 if not isinstance(snapshot, NoTarget):
@@ -199,9 +202,13 @@ class AttemptDriver:
                     self._metrics.routing_duration(target, clock() - routing_started)
                     routing_started = None
                 reservation = self._reserve(request, action, trace)
+                if trace is not None:
+                    trace.at_backend = action.backend.inference_server_id
                 event, response = await self._send(
                     request, action, reservation, method, path_qs, headers, replay
                 )
+                if trace is not None and response is None:
+                    trace.at_backend = ""
             elif isinstance(action, Reconnect):
                 ok = await self._transport.reconnect(action.backend)
                 self._metrics.reconnect(action.backend.inference_server_id, ok)
@@ -280,6 +287,8 @@ class AttemptDriver:
             return SendFailed(exc, replay.readiness()), None
         except asyncio.CancelledError:  # the client hung up while the backend had not answered
             self._state.finish(reservation)
+            metrics.attempt(target, backend_id, "proxy_499")
+            metrics.replay_buffer(target, replay.buffered)
             raise
         status = response.status
         metrics.attempt(target, backend_id, f"upstream_{status}")

@@ -217,7 +217,7 @@ class ProxyHandler:
                 forwarded[name] = headers[name]
         if self._via is not None:
             forwarded[h.VIA] = ", ".join([*forwarded.popall(h.VIA, ()), f"1.1 {self._via}"])
-        route = None
+        route = RouteTrace()
         if traced is not None:
             assert self._tracing is not None
             self._tracing.inject(traced[0], forwarded)
@@ -234,7 +234,7 @@ class ProxyHandler:
             replay.release()  # no attempt follows: the answer may stream for minutes without it
         except asyncio.CancelledError:
             # The client hung up (aiohttp cancels its handler): the attempt is cancelled upstream.
-            self._metrics.request_finished(parsed.target, "", CLIENT_CLOSED)
+            self._metrics.request_finished(parsed.target, route.at_backend, CLIENT_CLOSED)
             report_client_gone(self._faults, request, parsed.request_id, started=False)
             raise
         except Exception:

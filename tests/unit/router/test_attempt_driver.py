@@ -29,6 +29,7 @@ from stargate.router.driver import AttemptDriver, LocalFailure, Passthrough
 from stargate.router.metrics import RouterMetrics
 from stargate.router.replay import Readiness, ReplayBody
 from stargate.router.retry_signal import retry_signal
+from stargate.tracing import RouteTrace
 from stargate.wire.body_budget import BodyBudget
 
 DEFINITION = AlgorithmDefinition(Algorithm.ROUND_ROBIN)
@@ -152,11 +153,11 @@ def make_runner(
 
 
 async def run(
-    runner: AttemptDriver, body: ReplayBody | None = None, **kw: object
+    runner: AttemptDriver, body: ReplayBody | None = None, trace: RouteTrace | None = None, **kw: object
 ) -> Passthrough | LocalFailure:
     replay = body or ReplayBody(chunks(b"hello"), 1000)
     request = make_request(received_at=10.0, definition=DEFINITION, **kw)
-    return await runner.run(request, "POST", "/v1/chat/completions?x=1", CIMultiDict(), replay)
+    return await runner.run(request, "POST", "/v1/chat/completions?x=1", CIMultiDict(), replay, trace)
 
 
 def value(metrics: RouterMetrics, name: str, **labels: str) -> float:
@@ -490,11 +491,13 @@ async def test_a_body_broken_before_its_first_byte_with_nowhere_else_is_an_error
 async def test_a_request_cancelled_while_it_waits_for_its_backend_leaves_the_in_flight_count(
     waits_for: str,
 ) -> None:
-    """The client hung up (aiohttp cancels its handler) while the backend had not answered."""
+    """The client hung up (aiohttp cancels its handler) while the backend had not answered. The
+    request is counted at that backend, and the attempt too: 24 of 30 were counted."""
     first_byte = FakeResponse(200, hold=asyncio.Event())
     step = SILENT if waits_for == "response headers" else first_byte
-    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [step]})
-    task = asyncio.create_task(run(runner))
+    runner, state, transport, metrics = make_runner({"c1": ["a"]}, {"a": [step]})
+    trace = RouteTrace()
+    task = asyncio.create_task(run(runner, trace=trace))
     while not transport.sent:
         await asyncio.sleep(0)
     task.cancel()
@@ -502,6 +505,30 @@ async def test_a_request_cancelled_while_it_waits_for_its_backend_leaves_the_in_
         await task
     assert state.finished == [0]
     assert first_byte.released is (step is first_byte)
+    assert trace.at_backend == "a"
+    result = "proxy_499" if step == SILENT else "upstream_200"
+    assert value(metrics, "stargate_proxy_attempts_total", inference_server_id="a", result=result) == 1
+
+
+async def test_a_request_cancelled_while_routed_again_is_at_no_backend() -> None:
+    """Refused by its backend and waiting for room elsewhere: the hang-up is counted at none."""
+    policy = ScriptedPolicy([Selected(Choice(0)), UNAVAILABLE])
+    state = FakeState(make_view({"c1": ["a"], "c2": ["b"]}, policy))
+    settings = RetrySettings()
+    machine = AttemptMachine(settings, admission=lambda d, c, r: None, expected_queue=lambda c, p, a: None)
+
+    async def sleep(_seconds: float) -> None:  # the client hangs up during the routing wait
+        raise asyncio.CancelledError
+
+    metrics = RouterMetrics()
+    transport = FakeTransport({"a": [retryable(reason="other")]})
+    driver = AttemptDriver(state, machine, transport, metrics, clock=lambda: 10.0, sleep=sleep)
+    trace = RouteTrace()
+    with pytest.raises(asyncio.CancelledError):
+        await run(driver, trace=trace, max_wait_ms=1000)
+    assert trace.backend_id == "a" and trace.at_backend == ""
+    refused = value(metrics, "stargate_proxy_attempts_total", inference_server_id="a", result="upstream_429")
+    assert refused == 1
 
 
 async def test_every_ended_attempt_finishes_and_the_final_one_is_left_to_the_relay() -> None:
