@@ -23,9 +23,11 @@ from support.waiting import until
 from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.proto import stargate_pb2_grpc
+from stargate.router import control_plane
+from stargate.router import state as routing_state
 from stargate.router.control_plane import ControlPlane, ControlPlaneSettings
 from stargate.router.health import HealthProber, HealthSettings, LoopLag
-from stargate.router.state import RoutingState
+from stargate.router.state import SERVER_ERRORS_IN_A_ROW, RoutingState
 
 T = Target(None, "model-a")
 FAST = HealthSettings(interval_s=0.0, timeout_s=0.05, recheck_s=0.0, unhealthy_threshold=2)
@@ -132,21 +134,6 @@ async def test_a_refused_probe_counts_even_while_the_router_runs_late() -> None:
         assert "Cannot connect to host 127.0.0.1" in prober.last_error
 
 
-async def test_a_backend_held_out_stays_out_until_the_hold_passes(stand_in: StandIn) -> None:
-    now_ns = [0]
-    events: list[tuple[str, int]] = []
-    async with aiohttp.ClientSession() as session:
-        prober = recording_prober(session, stand_in.url, events, clock_ns=lambda: now_ns[0])
-        assert await prober.probe() is not None and await prober.rtt_for_update() is not None
-        assert prober.hold_out(10.0) and not prober.hold_out(10.0)  # taken out once
-        assert await prober.probe() is not None  # the backend answers its probes...
-        assert await prober.rtt_for_update() is None and events == []  # ...and stays out
-        now_ns[0] += 10 * 10**9
-        rtt = await prober.probe()
-        assert rtt is not None and await prober.rtt_for_update() == rtt
-        assert events == [("restore", rtt)] and not prober.ejected
-
-
 async def test_loop_lag_tells_a_late_wake_up_and_one_still_waiting() -> None:
     now = [0.0]
     wakes = iter([0.05, 0.05, 0.35])  # on time, on time, 300 ms late (woken at 0.45 s)
@@ -234,12 +221,15 @@ async def start_plane(health: HealthSettings) -> AsyncIterator[Plane]:
             await plane.stop(0.5)
 
 
-async def register(plane: Plane, url: str) -> aio.StreamStreamCall:
+async def register(
+    plane: Plane, url: str, backend_id: str = "b1", models: tuple[str, ...] = ("model-a",)
+) -> aio.StreamStreamCall:
     call = plane.stub.RegisterInferenceServer(timeout=30)
-    message = pb.InferenceServerRegistration(inference_server_id="b1", inference_server_url=url)
-    entry = message.models["model-a"]
-    entry.status = pb.INFERENCE_SERVER_STATUS_ACTIVE  # type: ignore[assignment]
-    entry.stats.last_mean_input_tps = 100.0
+    message = pb.InferenceServerRegistration(inference_server_id=backend_id, inference_server_url=url)
+    for model_id in models:
+        entry = message.models[model_id]
+        entry.status = pb.INFERENCE_SERVER_STATUS_ACTIVE  # type: ignore[assignment]
+        entry.stats.last_mean_input_tps = 100.0
     await call.write(message)
     await call.read()
     return call
@@ -300,3 +290,27 @@ async def test_a_frozen_backend_process_leaves_routing_within_3_s_with_the_defau
         process.wait(5)
         if process.stdout is not None:
             process.stdout.close()
+
+
+async def test_server_errors_hold_a_backend_out_for_one_model_and_it_returns_without_an_update(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its other model stays in routing, also one nobody else serves; the held one comes back when
+    the hold ends, whatever the backend's heartbeat period."""
+    monkeypatch.setattr(routing_state, "SERVER_ERROR_HOLD_S", 0.3)
+    monkeypatch.setattr(control_plane, "SERVER_ERROR_HOLD_S", 0.3)
+    only_b1 = Target(None, "model-b")
+    async with start_plane(FAST) as plane:
+        first = await register(plane, stand_in.url, "b1", ("model-a", "model-b"))
+        second = await register(plane, stand_in.url, "b2")
+        for _ in range(SERVER_ERRORS_IN_A_ROW):
+            plane.state.server_error(plane.state.reserve(T, "b1", 10, 0))
+        view = plane.state.view(T)
+        assert view is not None and [c.cluster_id for c in view.candidates] == ["b2"]
+        assert plane.state.view(only_b1) is not None
+        await until("model-a back on b1", lambda: len(getattr(plane.state.view(T), "candidates", ())) == 2)
+        first.cancel()
+        second.cancel()
+    logged = [r.getMessage() for r in caplog.records if r.name == "stargate.router.control_plane"]
+    assert any("b1 out of routing for model model-a for 0.3 s" in line for line in logged)
+    assert any("b1 back in routing for model model-a" in line for line in logged)

@@ -964,6 +964,20 @@ async def test_a_backend_whose_answers_are_server_errors_leaves_routing_for_a_wh
         assert statuses[-10:] == [200] * 10  # out of routing once its 5th answer was an error
 
 
+async def test_a_backend_whose_answers_for_one_model_are_server_errors_leaves_routing_for_it_only() -> None:
+    """It serves "m" well, and "only" where nobody else does: both stay; "m2" leaves."""
+    async with await round_robin() as sg:
+        bad = await sg.backend("bad", cluster_id="c1", models=(MODEL, "m2", "only"))
+        bad.by_model["m2"] = Reply(500, body=b"boom")
+        await sg.backend("good", cluster_id="c2", models=(MODEL, "m2"))
+        m2 = [(await sg.post({"x-model": "m2"}))[0] for _ in range(2 * SERVER_ERRORS_IN_A_ROW + 10)]
+        assert m2.count(500) == SERVER_ERRORS_IN_A_ROW and m2[-10:] == [200] * 10
+        served = [(await sg.post())[1]["x-inference-server-id"] for _ in range(4)]
+        assert sorted(served) == ["bad", "bad", "good", "good"]
+        status, headers, _ = await sg.post({"x-model": "only"})
+        assert (status, headers["x-inference-server-id"]) == (200, "bad")
+
+
 async def test_a_backend_that_drops_every_request_unanswered_leaves_routing_for_a_while() -> None:
     """It passes its probes and ends each request at once: counted like server errors, it no longer
     draws traffic while it fails every request sent to it."""

@@ -112,8 +112,8 @@ class FakeState:
     def finish(self, reservation: int) -> None:
         self.finished.append(reservation)
 
-    def server_error(self, backend_id: str) -> None:
-        self.server_errors.append(backend_id)
+    def server_error(self, reservation: int) -> None:
+        self.server_errors.append(self.reserved[reservation][0])
 
 
 def make_view(clusters: dict[str, list[str]], policy: Policy | None = None) -> FakeView:

@@ -43,6 +43,7 @@ class ScriptedBackend:
 
     name: str
     script: list[Reply] = field(default_factory=list)
+    by_model: dict[str, Reply] = field(default_factory=dict)  # the reply to every request for a model
     gate: asyncio.Event | None = None  # when set: hold the stream after the first SSE chunk
     chunks: tuple[bytes, ...] = SSE_CHUNKS
     abort_after_first: bool = False  # drop the connection mid-stream
@@ -77,6 +78,7 @@ class ScriptedBackend:
         if self.hold_headers is not None:
             await asyncio.wait_for(self.hold_headers.wait(), 10)
         reply = (self.script.pop(0) if len(self.script) > 1 else self.script[0]) if self.script else None
+        reply = self.by_model.get(request.headers.get("x-model", ""), reply)
         if reply is not None and reply.status != 200:
             return web.Response(status=reply.status, headers=reply.headers, body=reply.body)
         response = web.StreamResponse(
@@ -121,14 +123,17 @@ def registration(
     backend: ScriptedBackend,
     cluster_id: str = "",
     status: int = pb.INFERENCE_SERVER_STATUS_ACTIVE,
+    models: tuple[str, ...] = (MODEL,),
     **stats: float,
 ) -> pb.InferenceServerRegistration:
     message = pb.InferenceServerRegistration(
         inference_server_id=backend.name, inference_server_url=backend.url, cluster_id=cluster_id
     )
-    entry = message.models[MODEL]
-    entry.status = status  # type: ignore[assignment]
-    entry.stats.CopyFrom(pb.ModelStats(last_mean_input_tps=stats.pop("last_mean_input_tps", 1000.0), **stats))
+    tps = stats.pop("last_mean_input_tps", 1000.0)
+    for model_id in models:
+        entry = message.models[model_id]
+        entry.status = status  # type: ignore[assignment]
+        entry.stats.CopyFrom(pb.ModelStats(last_mean_input_tps=tps, **stats))
     return message
 
 
@@ -143,13 +148,19 @@ class Harness:
     backends: list[ScriptedBackend] = field(default_factory=list)
 
     async def backend(
-        self, name: str, *script: Reply, cluster_id: str = "", register: bool = True, **stats: float
+        self,
+        name: str,
+        *script: Reply,
+        cluster_id: str = "",
+        register: bool = True,
+        models: tuple[str, ...] = (MODEL,),
+        **stats: float,
     ) -> ScriptedBackend:
         backend = ScriptedBackend(name, list(script))
         await backend.start()
         self.backends.append(backend)
         if register:
-            await self.register(registration(backend, cluster_id, **stats))
+            await self.register(registration(backend, cluster_id, models=models, **stats))
         return backend
 
     async def register(self, message: pb.InferenceServerRegistration) -> aio.StreamStreamCall:

@@ -169,7 +169,7 @@ class ControlPlane:
         self._discovery: PeerDiscovery | None = None
         self._poller: asyncio.Task[None] | None = None
         self._loop_lag = LoopLag(settings.health.late_loop_s)
-        self._hold_outs: dict[str, Callable[[int], None]] = {}  # per live backend: take it out a while
+        self._hold_outs: dict[str, Callable[[str, int], None]] = {}  # per live backend: a model held out
         self._streams: dict[str, _LiveStream] = {}  # per live backend: its registration stream
         state.on_server_errors = self._server_errors
         self._loop_lag_task: asyncio.Task[None] | None = None
@@ -344,14 +344,23 @@ class ControlPlane:
             stream.ejected = False
             self._state.apply_update(handle, latest, rtt_ns)
 
-        def hold_out(errors: int) -> None:
-            if prober.hold_out(SERVER_ERROR_HOLD_S):
-                log.warning(
-                    "backend %s out of routing for %g s: its last %d attempts ended in server errors"
-                    " or failed connections",
-                    backend_id, SERVER_ERROR_HOLD_S, errors,
-                )  # fmt: skip
-                self._state.apply_update(handle, dict.fromkeys(latest), None)
+        holds: dict[str, asyncio.TimerHandle] = {}  # per model held out: the hold's end
+
+        def hold_out(model_id: str, errors: int) -> None:
+            log.warning(
+                "backend %s out of routing for model %s for %g s: its last %d attempts for it ended in"
+                " server errors or failed connections",
+                backend_id, model_id, SERVER_ERROR_HOLD_S, errors,
+            )  # fmt: skip
+            holds[model_id] = asyncio.get_running_loop().call_later(SERVER_ERROR_HOLD_S, hold_over, model_id)
+
+        def hold_over(model_id: str) -> None:
+            """The model's routes come back from the latest update, unless the backend's probes
+            took it out meanwhile (their success brings them back)."""
+            del holds[model_id]
+            if not prober.ejected and prober.rtt_ns is not None and latest.get(model_id) is not None:
+                self._state.apply_update(handle, latest, prober.rtt_ns)
+                log.warning("backend %s back in routing for model %s: its hold ended", backend_id, model_id)
 
         prober = HealthProber(
             self._session,
@@ -386,6 +395,8 @@ class ControlPlane:
         except _StreamEnd as end:
             ended = end
         finally:
+            for hold in holds.values():
+                hold.cancel()
             if self._streams.get(backend_id) is stream:
                 del self._streams[backend_id]
             self._end(prober, handle)
@@ -396,10 +407,10 @@ class ControlPlane:
             # Sent only now: a client that sees the stream end finds its routes already gone.
             await _abort(context, ended.code, ended.message)
 
-    def _server_errors(self, backend_id: str, errors: int) -> None:
+    def _server_errors(self, backend_id: str, model_id: str, errors: int) -> None:
         hold_out = self._hold_outs.get(backend_id)
         if hold_out is not None:
-            hold_out(errors)
+            hold_out(model_id, errors)
 
     def _end(self, prober: HealthProber, handle: RegistrationHandle) -> None:
         self._hold_outs.pop(handle.backend.inference_server_id, None)

@@ -86,7 +86,7 @@ class RoutingStateView(Protocol):
     def first_byte(self, reservation: Any, answered: bool = True, prefilled: bool = True) -> None: ...
     def prefilled(self, reservation: Any) -> None: ...
     def finish(self, reservation: Any) -> None: ...
-    def server_error(self, backend_id: str) -> None: ...
+    def server_error(self, reservation: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +219,7 @@ class AttemptDriver:
                 try:
                     first = await anext(rest, None)
                 except UpstreamError as exc:
-                    event = self._broken(request, state.backend, exc, replay)
+                    event = self._broken(request, state.backend, reservation, exc, replay)
                     continue
                 except asyncio.CancelledError:  # the wait can be long: never leak the in-flight count
                     response.release()
@@ -281,7 +281,7 @@ class AttemptDriver:
                 # Sent whole, then dropped unanswered: the backend's doing, unlike a body its client
                 # broke, a connection this router could not get (its pool, its late event loop) or
                 # a wait it gave up on.
-                self._state.server_error(backend_id)
+                self._state.server_error(reservation)
             metrics.attempt(target, backend_id, "proxy_502")
             metrics.replay_buffer(target, replay.buffered)
             return SendFailed(exc, replay.readiness()), None
@@ -300,7 +300,12 @@ class AttemptDriver:
         return Answered(status, signal, replay.readiness()), response
 
     def _broken(
-        self, request: ProxyRequest, backend: BackendRef, exc: UpstreamError, replay: ReplayBody
+        self,
+        request: ProxyRequest,
+        backend: BackendRef,
+        reservation: Any,
+        exc: UpstreamError,
+        replay: ReplayBody,
     ) -> SendFailed:
         """The answer's body broke before its first byte: the client has nothing yet, retry it."""
         log.warning(
@@ -310,7 +315,7 @@ class AttemptDriver:
             exc,
         )
         message = f"backend {backend.inference_server_id} broke its response before the first byte"
-        self._state.server_error(backend.inference_server_id)
+        self._state.server_error(reservation)
         return SendFailed(UpstreamBroken(message), replay.readiness())
 
     def finish(self, outcome: Passthrough) -> None:

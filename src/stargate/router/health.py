@@ -145,7 +145,6 @@ class HealthProber:
         self.late = False
         """The last probe failed while the backend answered requests, or timed out while this
         router ran late (not counted in ``failures``)."""
-        self._held_until_ns = 0
 
     async def probe(self) -> int | None:
         """One probe; records and returns its RTT in ns, or ``None`` on a failure (the last RTT when
@@ -186,21 +185,10 @@ class HealthProber:
         self._count(self.rtt_ns)
         return self.rtt_ns
 
-    def hold_out(self, seconds: float) -> bool:
-        """Keep the backend out of routing for ``seconds`` whatever its probes say (its answers
-        were server errors); True when it was in routing until now (the caller takes it out)."""
-        self._held_until_ns = self._clock_ns() + int(seconds * 1e9)
-        was_in = not self.ejected
-        self.ejected = True
-        return was_in
-
-    def _held(self) -> bool:
-        return self._clock_ns() < self._held_until_ns
-
     def _count(self, rtt_ns: int | None) -> None:
         if rtt_ns is not None:
             self.failures = 0
-            if self.ejected and not self._held():
+            if self.ejected:
                 self.ejected = False
                 if self._on_restore is not None:
                     self._on_restore(rtt_ns)
@@ -212,10 +200,7 @@ class HealthProber:
                 self._on_eject(self.failures)
 
     async def rtt_for_update(self) -> int | None:
-        """RTT for a registration update: the ready status if any, else one inline probe; none
-        while the backend is held out of routing."""
-        if self._held():
-            return None
+        """RTT for a registration update: the ready status if any, else one inline probe."""
         if self.rtt_ns is not None:
             return self.rtt_ns
         return await self.probe()

@@ -32,12 +32,14 @@ BLANK_MODEL_ID_MESSAGE = "model_ids must not contain empty values"
 STARTUP_GRACE_S = 10.0
 """A restarted router's Pylons register again within their reconnect backoff (at most 5 s)."""
 SERVER_ERRORS_IN_A_ROW = 5
-"""Answers of one backend in a row that were server errors before it is taken out of routing: an
-engine that fails every request answers at once, so the load-aware estimate would see it idle and
-send it most of the traffic until its Pylon's next canary."""
+"""Answers of one backend for one model in a row that were server errors before it is taken out of
+routing for that model: an engine that fails every request answers at once, so the load-aware
+estimate would see it idle and send it most of the traffic until its Pylon's next canary. Counted
+per model: an engine fails one model's requests (its weights, its adapter) while it serves others."""
 SERVER_ERROR_HOLD_S = 10.0
-"""How long a backend whose answers were server errors stays out of routing (then its probes
-decide, and its Pylon's canaries have had two periods to mark a broken model inactive)."""
+"""How long a backend whose answers for a model were server errors stays out of routing for it
+(then its next update decides, and its Pylon's canaries have had two periods to mark a broken
+model inactive)."""
 SERVER_ERROR_HOLD_SHARE = 0.1
 """The share of a model's backends that may be held out for server errors at once (at least one,
 never the last): Envoy's ``max_ejection_percent``. Requests that make every engine fail must not
@@ -147,10 +149,10 @@ class RoutingState:
     with its active backend count (0 once it is gone) and whether a registration still lists it;
     reservations do not change the count and do not call it.
     ``on_backend_live(backend_id, live)`` runs when a registration is admitted and when it ends.
-    ``on_server_errors(backend_id, n)`` runs when a backend's last ``SERVER_ERRORS_IN_A_ROW``
-    answers were server errors or failed connections (``server_error``), another backend serves
-    each of its models and few enough of their backends are held already (the control plane takes
-    it out of routing for ``SERVER_ERROR_HOLD_S``).
+    ``on_server_errors(backend_id, model_id, n)`` runs when a backend's last
+    ``SERVER_ERRORS_IN_A_ROW`` answers for a model were failures (``server_error``), another
+    backend serves the model and few enough of its backends are held already: the backend is then
+    out of routing for that model for ``SERVER_ERROR_HOLD_S``, whatever its updates say.
     """
 
     def __init__(
@@ -171,9 +173,9 @@ class RoutingState:
         self._targets: dict[Target, _TargetState] = {}
         self._advertised: dict[Target, int] = {}
         self._answered: dict[str, float] = {}  # backend id -> when a response of it last began
-        self._server_errors: dict[str, int] = {}  # backend id -> server errors answered in a row
-        self._held: dict[str, float] = {}  # backend id -> end of its server-error hold
-        self.on_server_errors: Callable[[str, int], None] = lambda _backend_id, _count: None
+        self._server_errors: dict[tuple[str, Target], int] = {}  # (backend id, target) -> failures in a row
+        self._held: dict[tuple[str, Target], float] = {}  # (backend id, target) -> end of its hold
+        self.on_server_errors: Callable[[str, str, int], None] = lambda _backend_id, _model_id, _count: None
         self._started = clock()
 
     # ---- readers (proxy side) ------------------------------------------------------------------
@@ -263,8 +265,9 @@ class RoutingState:
 
     def is_routable(self, inference_server_id: str, url: str | None = None) -> bool:
         """Registered and in routing for some model: not ejected by its health probes, nor with
-        every model advertised INACTIVE. With ``url``, the registration must be the one at that
-        address: a new registration may have taken the id of one that hung."""
+        every model advertised INACTIVE or held out for server errors. With ``url``, the
+        registration must be the one at that address: a new registration may have taken the id of
+        one that hung."""
         registration = self._live.get(inference_server_id)
         if registration is None or (url is not None and registration.handle.backend.url != url):
             return False
@@ -310,47 +313,50 @@ class RoutingState:
         if answered:
             if backend_id in self._live:
                 self._answered[backend_id] = self._clock()
-                self._server_errors.pop(backend_id, None)
+                self._server_errors.pop((backend_id, reservation.target), None)
         else:
-            self.server_error(backend_id)
+            self.server_error(reservation)
         if prefilled:
             self._change(reservation, ClusterState.first_byte)
 
-    def server_error(self, backend_id: str) -> None:
-        """The backend answered a server error, or its connection failed before an answer (Envoy's
-        gateway failures): a backend that passes its probes and drops every request ends them at
-        once, so the load-aware estimate saw it idle and sent it most of the traffic. Not counted
-        for a backend out of routing: its failures may be this router giving up on it."""
+    def server_error(self, reservation: Reservation) -> None:
+        """The backend answered the attempt a server error, or its connection failed before an
+        answer (Envoy's gateway failures): a backend that passes its probes and drops every request
+        ends them at once, so the load-aware estimate saw it idle and sent it most of the traffic.
+        Not counted for a backend out of routing for the model: its failures may be this router
+        giving up on it."""
+        backend_id, target = reservation.backend_id, reservation.target
         registration = self._live.get(backend_id)
-        if registration is None or not registration.active:
+        if (
+            registration is None
+            or registration.handle.routing_key != target.routing_key
+            or target.model_id not in registration.active
+        ):
             return
-        errors = self._server_errors[backend_id] = self._server_errors.get(backend_id, 0) + 1
-        if errors >= SERVER_ERRORS_IN_A_ROW and self._may_hold(backend_id):
-            del self._server_errors[backend_id]
-            self._held[backend_id] = self._clock() + SERVER_ERROR_HOLD_S
-            self.on_server_errors(backend_id, errors)
+        key = (backend_id, target)
+        errors = self._server_errors[key] = self._server_errors.get(key, 0) + 1
+        if errors >= SERVER_ERRORS_IN_A_ROW and self._may_hold(target):
+            del self._server_errors[key]
+            self._held[key] = self._clock() + SERVER_ERROR_HOLD_S
+            self._remove_member(target, registration.handle)
+            registration.active.discard(target.model_id)
+            self._report([target])
+            self.on_server_errors(backend_id, target.model_id, errors)
 
     def prefilled(self, reservation: Reservation) -> None:
         """The attempt's first token arrived after other bytes: its prefill is over."""
         self._change(reservation, ClusterState.first_byte)
 
-    def _may_hold(self, backend_id: str) -> bool:
-        """Whether every model the backend is routable for has another routable backend, and
-        fewer of that model's backends are held out than ``SERVER_ERROR_HOLD_SHARE`` allows."""
+    def _may_hold(self, target: Target) -> bool:
+        """Whether another backend is in routing for the model, and fewer of its backends are held
+        out than ``SERVER_ERROR_HOLD_SHARE`` allows."""
         now = self._clock()
-        self._held = {b: until for b, until in self._held.items() if until > now}
-        held = [self._live[b] for b in self._held if b in self._live]
-        registration = self._live[backend_id]
-        routing_key = registration.handle.routing_key
-        for model_id in registration.active:
-            target = Target(routing_key, model_id)
-            state = self._targets.get(target)
-            if state is None or state.active_count() < 2:
-                return False
-            allowed = max(1, int(self._advertised.get(target, 0) * SERVER_ERROR_HOLD_SHARE))
-            if sum(r.handle.routing_key == routing_key and model_id in r.advertised for r in held) >= allowed:
-                return False
-        return True
+        self._held = {key: until for key, until in self._held.items() if until > now}
+        state = self._targets.get(target)
+        if state is None or state.active_count() < 2:
+            return False
+        allowed = max(1, int(self._advertised.get(target, 0) * SERVER_ERROR_HOLD_SHARE))
+        return sum(held == target for _, held in self._held) < allowed
 
     def answered_within(self, backend_id: str, seconds: float) -> bool:
         """Whether a response of the backend began within the last ``seconds``: a backend busy
@@ -393,7 +399,8 @@ class RoutingState:
         self, handle: RegistrationHandle, models: Mapping[str, ModelStats | None], rtt_ns: int | None
     ) -> bool:
         """Apply one full snapshot (§1.6). ``models`` maps every listed model to its stats when the
-        effective status is ACTIVE, else ``None``; without an RTT no model is routable.
+        effective status is ACTIVE, else ``None``; without an RTT no model is routable, nor is one
+        held out for server errors.
 
         Returns ``False`` (and changes nothing) for a handle that is no longer live.
         """
@@ -410,9 +417,11 @@ class RoutingState:
             registration.active.discard(model_id)
             touched.append(target)
         now = self._clock()
+        backend_id = handle.backend.inference_server_id
         for model_id, stats in models.items():
             target = Target(routing_key, model_id)
-            if stats is not None and rtt_ns is not None:
+            held = self._held.get((backend_id, target), now) > now
+            if stats is not None and rtt_ns is not None and not held:
                 self._upsert(target, handle, Member(handle.backend, stats, rtt_ns, now, handle.generation))
                 registration.active.add(model_id)
             elif model_id in registration.active:
@@ -432,17 +441,18 @@ class RoutingState:
         for target in touched:
             self._remove_member(target, handle)
         touched += self._readvertise(routing_key, registration.advertised, frozenset())
-        del self._live[handle.backend.inference_server_id]
-        self._answered.pop(handle.backend.inference_server_id, None)
-        self._server_errors.pop(handle.backend.inference_server_id, None)
-        self._held.pop(handle.backend.inference_server_id, None)
+        backend_id = handle.backend.inference_server_id
+        del self._live[backend_id]
+        self._answered.pop(backend_id, None)
+        self._server_errors = {key: n for key, n in self._server_errors.items() if key[0] != backend_id}
+        self._held = {key: until for key, until in self._held.items() if key[0] != backend_id}
         key = (routing_key, handle.backend.cluster_id)
         cluster_generation = self._cluster_generations[key]
         cluster_generation.members -= 1
         if cluster_generation.members == 0:
             del self._cluster_generations[key]
         self._report(touched)
-        self._on_backend_live(handle.backend.inference_server_id, False)
+        self._on_backend_live(backend_id, False)
 
     # ---- internals -----------------------------------------------------------------------------
 

@@ -671,7 +671,7 @@ def test_a_registration_that_took_a_hung_ones_id_does_not_make_the_old_address_r
 def test_server_errors_in_a_row_are_reported_once_while_another_backend_serves() -> None:
     state, _ = make_state()
     reported: list[tuple[str, int]] = []
-    state.on_server_errors = lambda backend_id, errors: reported.append((backend_id, errors))
+    state.on_server_errors = lambda backend_id, _model_id, errors: reported.append((backend_id, errors))
     a = join(state, "a")
     publish(state, a, ModelStats(last_mean_input_tps=100.0))
 
@@ -697,25 +697,25 @@ def test_failures_of_a_backend_out_of_routing_are_not_counted() -> None:
     """The router gives up on its requests there itself: that must not extend its time out."""
     state, _ = make_state()
     reported: list[str] = []
-    state.on_server_errors = lambda backend_id, _errors: reported.append(backend_id)
+    state.on_server_errors = lambda backend_id, _model_id, _errors: reported.append(backend_id)
     a, b = join(state, "a"), join(state, "b", cluster_id="c2")
     for handle in (a, b):
         publish(state, handle, ModelStats(last_mean_input_tps=100.0))
     state.apply_update(a, {"model-a": None}, None)  # its probes took it out
     for _ in range(SERVER_ERRORS_IN_A_ROW):
-        state.server_error("a")
+        state.server_error(state.reserve(T, "a", 10, 0))
     publish(state, a, ModelStats(last_mean_input_tps=100.0))
-    state.server_error("a")
+    state.server_error(state.reserve(T, "a", 10, 0))
     assert reported == []
     for _ in range(SERVER_ERRORS_IN_A_ROW - 1):
-        state.server_error("a")
+        state.server_error(state.reserve(T, "a", 10, 0))
     assert reported == ["a"]
 
 
 def test_server_errors_hold_out_at_most_a_tenth_of_a_models_backends_at_least_one() -> None:
     state, clock = make_state()
     reported: list[str] = []
-    state.on_server_errors = lambda backend_id, _errors: reported.append(backend_id)
+    state.on_server_errors = lambda backend_id, _model_id, _errors: reported.append(backend_id)
     names = [f"b{i}" for i in range(20)]
     handles = {name: join(state, name, cluster_id=name) for name in names}
     for handle in handles.values():
@@ -732,9 +732,49 @@ def test_server_errors_hold_out_at_most_a_tenth_of_a_models_backends_at_least_on
     assert reported == ["b0", "b1"]  # 2 of 20 held; b2 and b3 stay in routing
     for name in names[2:]:
         state.remove(handles[name])  # 2 backends left: b0 and b1, both held
+    assert state.view(T) is None  # both out of routing for the model
     clock.now += SERVER_ERROR_HOLD_S
-    state.apply_update(handles["b0"], {"model-a": ModelStats(last_mean_input_tps=100.0)}, MS)
+    for name in names[:2]:
+        state.apply_update(handles[name], {"model-a": ModelStats(last_mean_input_tps=100.0)}, MS)
     fail("b0")
     assert reported == ["b0", "b1", "b0"]  # the holds ended: one of the two may go again
     fail("b1")
     assert reported == ["b0", "b1", "b0"]  # never a second of two, whatever its answers
+
+
+def test_server_errors_hold_a_backend_out_of_routing_for_the_failing_model_only() -> None:
+    """An engine fails one model's requests while it serves others: that model leaves routing on
+    it, the others stay, also one nobody else serves; and the model comes back with the first
+    update after the hold."""
+    state, clock = make_state()
+    reported: list[tuple[str, str]] = []
+    state.on_server_errors = lambda backend_id, model_id, _errors: reported.append((backend_id, model_id))
+    only_a, shared = Target(None, "only-a"), Target(None, "shared")
+    stats = ModelStats(last_mean_input_tps=100.0)
+    a, b = join(state, "a"), join(state, "b", cluster_id="c2")
+    assert state.apply_update(a, {"shared": stats, "only-a": stats}, MS)
+    assert state.apply_update(b, {"shared": stats}, MS)
+
+    def answers(target: Target, *server_errors: bool) -> None:
+        for error in server_errors:
+            reservation = state.reserve(target, "a", 10, 0)
+            state.first_byte(reservation, answered=not error)
+            state.finish(reservation)
+
+    answers(shared, True, True, True, True)
+    answers(only_a, False)  # another model's answer: the row for "shared" goes on
+    answers(shared, True)
+    assert reported == [("a", "shared")]
+    view = state.view(shared)
+    assert view is not None and [c.cluster_id for c in view.candidates] == ["c2"]
+    assert state.view(only_a) is not None and state.is_routable("a")
+    assert state.apply_update(a, {"shared": stats, "only-a": stats}, MS)  # a heartbeat within the hold
+    view = state.view(shared)
+    assert view is not None and len(view.candidates) == 1
+    clock.now += SERVER_ERROR_HOLD_S
+    assert state.apply_update(a, {"shared": stats, "only-a": stats}, MS)
+    view = state.view(shared)
+    assert view is not None and len(view.candidates) == 2
+    answers(only_a, *[True] * SERVER_ERRORS_IN_A_ROW)
+    assert reported == [("a", "shared")]  # never the last backend of a model
+    assert state.view(only_a) is not None
