@@ -964,6 +964,33 @@ async def test_a_backend_whose_answers_are_server_errors_leaves_routing_for_a_wh
         assert statuses[-10:] == [200] * 10  # out of routing once its 5th answer was an error
 
 
+async def test_a_backend_that_cuts_every_answer_leaves_routing_for_a_while() -> None:
+    """Each answer began: a row reset at an answer's first byte never grew."""
+    async with await round_robin() as sg:
+        bad = await sg.backend("bad", cluster_id="c1")
+        bad.abort_after_first = True
+        await sg.backend("good", cluster_id="c2")
+        outcomes = []
+        for _ in range(2 * SERVER_ERRORS_IN_A_ROW + 10):
+            try:
+                outcomes.append((await sg.post())[1]["x-inference-server-id"])
+            except aiohttp.ClientPayloadError:
+                outcomes.append("cut")
+        assert outcomes.count("cut") == SERVER_ERRORS_IN_A_ROW == len(bad.requests)
+        assert outcomes[-10:] == ["good"] * 10
+
+
+async def test_a_backend_that_refuses_every_request_without_the_retry_signal_leaves_routing_for_a_while() -> (
+    None
+):
+    async with await round_robin() as sg:
+        bad = await sg.backend("bad", Reply(429, body=b"slow down"), cluster_id="c1")
+        await sg.backend("good", cluster_id="c2")
+        statuses = [(await sg.post())[0] for _ in range(2 * SERVER_ERRORS_IN_A_ROW + 10)]
+        assert statuses.count(429) == SERVER_ERRORS_IN_A_ROW == len(bad.requests)
+        assert statuses[-10:] == [200] * 10
+
+
 async def test_a_backend_whose_answers_for_one_model_are_server_errors_leaves_routing_for_it_only() -> None:
     """It serves "m" well, and "only" where nobody else does: both stay; "m2" leaves."""
     async with await round_robin() as sg:

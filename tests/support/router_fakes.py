@@ -78,7 +78,9 @@ class FakeState:
     prefills: list[int] = field(default_factory=list)
     """Reservations whose prefill ended, in order: at their first byte or their first output."""
     server_errors: list[str] = field(default_factory=list)
-    """Backend ids of attempts whose connection failed before an answer."""
+    """Backend ids of attempts the backend failed, in order."""
+    answers: list[str] = field(default_factory=list)
+    """Backend ids of attempts whose answer ended and was no failure, in order."""
 
     def view(self, target: Target) -> FakeView | None:
         return self.current
@@ -111,6 +113,9 @@ class FakeState:
 
     def finish(self, reservation: int) -> None:
         self.finished.append(reservation)
+
+    def answered(self, reservation: int) -> None:
+        self.answers.append(self.reserved[reservation][0])
 
     def server_error(self, reservation: int) -> None:
         self.server_errors.append(self.reserved[reservation][0])

@@ -348,8 +348,8 @@ class ControlPlane:
 
         def hold_out(model_id: str, errors: int) -> None:
             log.warning(
-                "backend %s out of routing for model %s for %g s: its last %d attempts for it ended in"
-                " server errors or failed connections",
+                "backend %s out of routing for model %s for %g s: its last %d attempts for it failed"
+                " (server errors, 429s without the retry signal, dropped or cut answers)",
                 backend_id, model_id, SERVER_ERROR_HOLD_S, errors,
             )  # fmt: skip
             holds[model_id] = asyncio.get_running_loop().call_later(SERVER_ERROR_HOLD_S, hold_over, model_id)

@@ -86,6 +86,7 @@ class RoutingStateView(Protocol):
     def first_byte(self, reservation: Any, answered: bool = True, prefilled: bool = True) -> None: ...
     def prefilled(self, reservation: Any) -> None: ...
     def finish(self, reservation: Any) -> None: ...
+    def answered(self, reservation: Any) -> None: ...
     def server_error(self, reservation: Any) -> None: ...
 
 
@@ -318,7 +319,17 @@ class AttemptDriver:
         self._state.server_error(reservation)
         return SendFailed(UpstreamBroken(message), replay.readiness())
 
-    def finish(self, outcome: Passthrough) -> None:
+    def finish(self, outcome: Passthrough, cut: bool = False) -> None:
+        """The relay ended; ``cut``: the backend broke the answer after its first byte. That, a
+        server error or a 429 without the retry signal counts toward the backend's hold for the
+        model (a backend that answers them at once looks idle and draws the traffic); another
+        answer starts its row again, and a retryable refusal (relayed once retries ran out) neither."""
+        status, header = outcome.response.status, outcome.response.header
+        retryable = retry_signal(status, header, self._require_signal).retryable
+        if cut or status >= 500 or (status == 429 and not retryable):
+            self._state.server_error(outcome.reservation)
+        elif not retryable:
+            self._state.answered(outcome.reservation)
         self._state.finish(outcome.reservation)
 
     async def _until_output(

@@ -272,7 +272,7 @@ class ProxyHandler:
         response.headers[h.CLUSTER_ID] = backend.cluster_id
         # The id a client can quote in a report: in plain-client mode the router made it up.
         response.headers.setdefault(h.REQUEST_ID, parsed.request_id)
-        started = False
+        started = cut = False
         delivered = Delivered()
         try:
             await response.prepare(request)
@@ -299,6 +299,7 @@ class ProxyHandler:
             )
             if request.transport is not None:
                 request.transport.abort()
+            cut = True
             self._metrics.response_cut(target, backend.inference_server_id, "backend")
         except ConnectionError:
             # The client went away; nothing left to tell it (and nothing missed after [DONE]).
@@ -310,7 +311,7 @@ class ProxyHandler:
             raise
         finally:
             upstream.release()
-            self._driver.finish(outcome)
+            self._driver.finish(outcome, cut)
             self._metrics.request_finished(target, backend.inference_server_id, upstream.status)
         return response
 

@@ -309,22 +309,23 @@ class RoutingState:
         error, so the backend is alive (``answered_within``); a Pylon whose engine is down answers
         5xx at once. ``prefilled``: the byte is its first token, so it no longer counts as prefill
         work (else ``prefilled`` follows)."""
-        backend_id = reservation.backend_id
-        if answered:
-            if backend_id in self._live:
-                self._answered[backend_id] = self._clock()
-                self._server_errors.pop((backend_id, reservation.target), None)
-        else:
-            self.server_error(reservation)
+        if answered and reservation.backend_id in self._live:
+            self._answered[reservation.backend_id] = self._clock()
         if prefilled:
             self._change(reservation, ClusterState.first_byte)
 
+    def answered(self, reservation: Reservation) -> None:
+        """The attempt's answer ended and was no failure: the backend's row of failures for the
+        model starts again. At its end, not its first byte: a backend that cuts every stream
+        began each answer."""
+        self._server_errors.pop((reservation.backend_id, reservation.target), None)
+
     def server_error(self, reservation: Reservation) -> None:
-        """The backend answered the attempt a server error, or its connection failed before an
-        answer (Envoy's gateway failures): a backend that passes its probes and drops every request
-        ends them at once, so the load-aware estimate saw it idle and sent it most of the traffic.
-        Not counted for a backend out of routing for the model: its failures may be this router
-        giving up on it."""
+        """The backend failed the attempt: a server error, a refusal without the retry signal, a
+        connection it closed unanswered or an answer it cut (Envoy's gateway failures). A backend
+        that passes its probes and fails every request ends them at once, so the load-aware
+        estimate saw it idle and sent it most of the traffic. Not counted for a backend out of
+        routing for the model: its failures may be this router giving up on it."""
         backend_id, target = reservation.backend_id, reservation.target
         registration = self._live.get(backend_id)
         if (

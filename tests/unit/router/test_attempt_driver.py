@@ -582,6 +582,27 @@ async def test_only_a_backends_own_failures_count_toward_its_server_error_hold(
     assert state.server_errors == counted
 
 
+@pytest.mark.parametrize(
+    ("response", "cut", "failed", "answered"),
+    [
+        (FakeResponse(200), False, [], ["a"]),
+        (FakeResponse(400), False, [], ["a"]),  # the client's mistake
+        (FakeResponse(200), True, ["a"], []),  # cut by the backend after its first byte
+        (FakeResponse(500), False, ["a"], []),
+        (FakeResponse(429), False, ["a"], []),  # a refusal it gives every request, at once
+        (retryable(), False, [], []),  # relayed once retries ran out: busy, not broken
+    ],
+)
+async def test_the_relays_end_tells_whether_the_backend_failed_the_answer(
+    response: FakeResponse, cut: bool, failed: list[str], answered: list[str]
+) -> None:
+    runner, state, _, _ = make_runner({"c1": ["a"]}, {"a": [response]}, RetrySettings(max_request_retries=0))
+    outcome = await run(runner)
+    assert isinstance(outcome, Passthrough) and state.server_errors == []  # none before the end
+    runner.finish(outcome, cut)
+    assert (state.server_errors, state.answers, state.finished) == (failed, answered, [0])
+
+
 async def test_a_backend_that_drops_the_request_again_on_a_fresh_connection_is_failed_over() -> None:
     """The hot-path reconnect resends once on a fresh connection; failing again there, the backend
     is what drops it, not a stale connection: the request goes to another backend."""

@@ -678,7 +678,11 @@ def test_server_errors_in_a_row_are_reported_once_while_another_backend_serves()
     def answers(backend_id: str, *server_errors: bool) -> None:
         for error in server_errors:
             reservation = state.reserve(T, backend_id, 10, 0)
-            state.first_byte(reservation, answered=not error)
+            state.first_byte(reservation)  # an answer began: its end tells
+            if error:
+                state.server_error(reservation)
+            else:
+                state.answered(reservation)
             state.finish(reservation)
 
     answers("a", *[True] * SERVER_ERRORS_IN_A_ROW, False)
@@ -724,7 +728,7 @@ def test_server_errors_hold_out_at_most_a_tenth_of_a_models_backends_at_least_on
     def fail(backend_id: str) -> None:
         for _ in range(SERVER_ERRORS_IN_A_ROW):
             reservation = state.reserve(T, backend_id, 10, 0)
-            state.first_byte(reservation, answered=False)
+            state.server_error(reservation)
             state.finish(reservation)
 
     for name in names[:4]:
@@ -758,7 +762,10 @@ def test_server_errors_hold_a_backend_out_of_routing_for_the_failing_model_only(
     def answers(target: Target, *server_errors: bool) -> None:
         for error in server_errors:
             reservation = state.reserve(target, "a", 10, 0)
-            state.first_byte(reservation, answered=not error)
+            if error:
+                state.server_error(reservation)
+            else:
+                state.answered(reservation)
             state.finish(reservation)
 
     answers(shared, True, True, True, True)
