@@ -859,13 +859,18 @@ async def test_a_backend_dying_before_its_first_byte_is_retried_on_a_sibling(sg:
 
 
 async def test_a_lone_backend_dying_before_its_first_byte_gets_an_error_answer(sg: Harness) -> None:
+    """No other backend to retry on: the client gets the failure that happened, not the 503 of a
+    request nobody could take."""
     async with dies_before_its_body() as (url, answered):
         dying = ScriptedBackend("dying")
         dying.url = url
         await sg.register(registration(dying))
         status, headers, body = await sg.post()
-    assert status == 503 and answered == [1]
-    assert headers["content-type"].startswith("application/json") and orjson.loads(body)["error"]
+    assert status == 502 and answered == [1]
+    assert headers["content-type"].startswith("application/json")
+    assert orjson.loads(body)["error"]["code"] == "upstream_transport_error"
+    assert sg.metric("stargate_proxy_retry_exhausted_total", **labels(reason="no_eligible_backend")) == 1
+    assert sg.metric("stargate_requests_total", **labels(inference_server_id="dying", status="502")) == 1
 
 
 async def test_response_header_timeout_of_a_backend_that_left_routing_is_a_transport_failure() -> None:

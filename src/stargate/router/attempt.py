@@ -9,9 +9,11 @@ does I/O and records metrics (from the actions and from ``state.notes``).
 Routing pass (on ``Start``, ``Woke`` and a cluster that ran out of backends):
 
 * every candidate excluded (or none) → final ``Fail``: 404 ``NoEligibleCandidates`` for a target
-  nobody advertises when nothing failed in this request, else 503 ``RoutingError``. Not in the
-  original: a request with a routing wait that finds no target while the router is ``starting``
-  polls every 25 ms within that wait, as a restarted router's Pylons register again;
+  nobody advertises when nothing failed in this request, the last attempt's transport failure
+  (502) when no backend answered since (not in the original, whose 503 told the client nobody
+  could take it), else 503 ``RoutingError``. Not in the original: a request with a routing wait
+  that finds no target while the router is ``starting`` polls every 25 ms within that wait, as a
+  restarted router's Pylons register again;
 * a request that arrives while the router holds ``max_held_requests`` and would wait → 503
   ``RoutingError`` at once (not in the original, whose waits are bounded only by time); so does a
   request that would wait (again) once the router is closing (its drain ran out: it is about to
@@ -254,6 +256,9 @@ class AttemptState:
     when every backend refused."""
     reconnected: bool = False
     """The attempt in flight is the backend's second, on a fresh connection (hot-path reconnect)."""
+    broken: Fail | None = None
+    """The last attempt's transport failure, while no backend answered since: the request ends
+    with it when no other backend is left, not with the 503 of a request nobody could take."""
     notes: tuple[Note, ...] = field(default=(), compare=False)
 
     @property
@@ -380,6 +385,8 @@ class AttemptMachine:
             return state, Fail(NoEligibleCandidates(), "")
         if state.any_failure:
             state = _noted(state, Exhausted("no_eligible_backend"))
+        if state.broken is not None:
+            return state, state.broken
         return state, Fail(RoutingError(reason, retry_after_ms=state.retry_after_ms), "")
 
     def _picked(
@@ -405,6 +412,7 @@ class AttemptMachine:
         signal = event.signal
         if not signal.retryable:
             return state, Relay()
+        state = replace(state, broken=None)
         if signal.retry_after_ms is not None:
             soonest = state.retry_after_ms
             if soonest is None or signal.retry_after_ms < soonest:
@@ -449,7 +457,9 @@ class AttemptMachine:
             return state, Fail(event.error, backend_id)
         if event.readiness is Readiness.PAYLOAD_TOO_LARGE:
             return state, Fail(_too_large(), backend_id)
-        state = replace(state, connect_retries=state.connect_retries + 1)
+        state = replace(
+            state, connect_retries=state.connect_retries + 1, broken=Fail(event.error, backend_id)
+        )
         if isinstance(event.error, UpstreamTimeout | UpstreamBroken) or state.reconnected:
             # Failed again on a fresh connection: the backend drops it, not a stale connection.
             return _sibling(_noted(state, Retried("connect_failover")), backend)

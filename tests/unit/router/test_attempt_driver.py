@@ -480,11 +480,13 @@ async def test_a_body_broken_before_its_first_byte_is_retried_on_another_backend
 
 async def test_a_body_broken_before_its_first_byte_with_nowhere_else_is_an_error_answer() -> None:
     """Not a cut stream: the client has received nothing, so Stargate answers it (as after a header
-    timeout, the backend is not tried again)."""
-    runner, state, transport, _ = make_runner({"c1": ["a"]}, {"a": [FakeResponse(200, broken=True)]})
+    timeout, the backend is not tried again) with the failure that happened, not a 503."""
+    runner, state, transport, metrics = make_runner({"c1": ["a"]}, {"a": [FakeResponse(200, broken=True)]})
     outcome = await run(runner)
-    assert isinstance(outcome, LocalFailure) and outcome.status == 503
+    assert isinstance(outcome, LocalFailure) and (outcome.status, outcome.backend_id) == (502, "a")
+    assert outcome.error.code == "upstream_transport_error"
     assert len(transport.sent) == 1 and state.finished == [0]
+    assert value(metrics, "stargate_proxy_retry_exhausted_total", reason="no_eligible_backend") == 1
 
 
 @pytest.mark.parametrize("waits_for", ["response headers", "the first body byte"])

@@ -89,6 +89,26 @@ def test_transport_failures_end_when_budget_or_retries_are_spent() -> None:
     assert action == Fail(error, "a") and state.notes == (Exhausted("connect_retries_exhausted"),)
 
 
+def test_a_transport_failure_with_no_other_backend_left_ends_with_that_failure() -> None:
+    """Not the 503 of a request nobody could take: the client learns what happened; a retryable
+    refusal after it is what the request ends with then (spec behaviour 112)."""
+    alone = make_view({"c1": ["a"]})
+    machine = AttemptMachine(
+        RetrySettings(), admission=lambda d, c, r: None, expected_queue=lambda c, p, la: None
+    )
+    error = UpstreamBroken("reset before the body")
+    state, action = machine.step(sending(), SendFailed(error, READY), alone, 10.0, random.Random(1))
+    state, action = machine.step(state, Picked(None), alone, 10.0, random.Random(1))
+    assert action == Fail(error, "a") and state.notes == (Exhausted("no_eligible_backend"),)
+    two = make_view({"c1": ["a"], "c2": ["z"]})
+    state, action = machine.step(sending(), SendFailed(error, READY), two, 10.0, random.Random(1))
+    state, action = machine.step(state, Picked(None), two, 10.0, random.Random(1))
+    assert isinstance(action, Pick) and action.cluster_id == "c2"
+    state = replace(state, backend=backend("z", "c2"), cluster_id="c2")
+    state, action = machine.step(state, Answered(503, signal("busy"), READY), two, 10.0, random.Random(1))
+    assert isinstance(action, Fail) and action.error.code == "no_selectable_backend"
+
+
 def test_a_body_that_cannot_be_replayed_ends_the_request() -> None:
     error = UpstreamError("reset mid-body")
     _, action = step(sending(), SendFailed(error, Readiness.INCOMPLETE))
