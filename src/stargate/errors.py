@@ -21,7 +21,7 @@ StargateError                      status 500 internal_error: anything raised on
  │    ├── ModelNotAdmitted         503 model_generation_unavailable
  │    ├── RequestLoop              503 request_loop: back at a router it passed (``Via``), retryable
  │    ├── QueueEstimateMismatch    429 queue_estimate_mismatch (extra fields of pylon.md §8.3)
- │    └── LocalConnectFailure      503 local_connect_failure (the engine could not be reached)
+ │    └── LocalConnectFailure      503 local_connect_failure: the engine was not reached or gave no answer
  ├── RegistrationRejected          a gRPC registration breaks the contract: the stream ends INVALID_ARGUMENT
  ├── StartupError                  Pylon could not become ready (never an HTTP response)
  │    └── CalibrationError         the input-TPS calibration ramp produced no usable figure
@@ -335,12 +335,15 @@ class RequestLoop(BackendRejected):
 
 
 class LocalConnectFailure(BackendRejected):
-    """Pylon could not connect to its engine, so nothing ran (retryable unless configured off)."""
+    """Pylon's engine gave no answer: it could not be reached, so nothing ran (retryable unless
+    configured off), or it read the request and then closed the connection, timed out or answered
+    something that is not HTTP. The code is the wire contract for all of them; ``message`` says
+    which happened, so an operator is not sent looking for a connection problem."""
 
     code = "local_connect_failure"
 
-    def __init__(self, *, retryable: bool) -> None:
-        super().__init__("local upstream connection failed", retryable=retryable)
+    def __init__(self, *, retryable: bool, message: str = "local upstream connection failed") -> None:
+        super().__init__(message, retryable=retryable)
 
 
 class FaultError(RequestError):

@@ -348,6 +348,10 @@ async def test_an_unanswered_request_is_retryable_only_once_the_engine_is_gone(
         async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
             assert resp.status == 503
             assert resp.headers["x-stargate-retryable"] == expected
+            problem = await resp.json(content_type=None)
+        # The code is the wire contract; the detail says what happened, not a connection failure.
+        assert problem["error"]["code"] == "local_connect_failure"
+        assert problem["detail"] == "the engine closed the connection without answering"
     finally:
         await app.close()
         server.close()
@@ -387,7 +391,7 @@ async def test_an_engine_answer_that_is_not_http_is_a_refusal_not_a_crash(
         async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
             assert resp.status == 503
             assert resp.headers["x-stargate-retryable"] == "false"
-            assert (await resp.json())["detail"] == "local upstream connection failed"
+            assert (await resp.json())["detail"] == "the engine's answer is not HTTP"
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         await app.close()
@@ -434,6 +438,38 @@ async def test_a_tracked_answer_is_asked_of_the_engine_uncompressed(client: aioh
             await resp.read()
         assert b"\r\naccept-encoding: identity\r\n" in heads[0] and b"gzip" not in heads[0]
     finally:
+        await app.close()
+        server.close()
+
+
+async def test_an_engine_that_sends_no_answer_in_time_is_a_refusal_that_says_so(
+    client: aiohttp.ClientSession,
+) -> None:
+    release, closed = asyncio.Event(), asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # reads the request, then answers nothing
+        await release.wait()
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        closed.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    app = await started(
+        FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off", read_s=0.2
+    )
+    try:
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 503
+            assert resp.headers["x-stargate-retryable"] == "false"
+            problem = await resp.json()
+        assert problem["error"]["code"] == "local_connect_failure"
+        assert problem["detail"] == "the engine sent no answer within 0.2 s"
+    finally:
+        release.set()
+        await asyncio.wait_for(closed.wait(), 5)
         await app.close()
         server.close()
 

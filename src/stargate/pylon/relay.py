@@ -504,17 +504,25 @@ class Relay:
             return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
         except TimeoutError:
             # Sent, then no answer in time: the engine may be running it, so never retryable.
-            return _problem(LocalConnectFailure(retryable=False))
+            message = f"the engine sent no answer within {self.timeout.sock_read:g} s"
+            return _problem(LocalConnectFailure(retryable=False, message=message))
+        except aiohttp.ClientConnectorError:
+            # Refused, or the connection failed: nothing reached the engine.
+            gone = await engine_gone(str(url), self.prober.probe_path)
+            return _problem(LocalConnectFailure(retryable=gone and self.s.local_connect_failures_retryable))
         except aiohttp.ClientConnectionError:
             # Sent, then the connection closed unanswered. An engine that refuses or drops a fresh
             # connection is gone and runs nothing (a request written on a connection it was closing
             # as it died); otherwise it may be running the request, so never retryable.
             gone = await engine_gone(str(url), self.prober.probe_path)
-            return _problem(LocalConnectFailure(retryable=gone and self.s.local_connect_failures_retryable))
+            retryable = gone and self.s.local_connect_failures_retryable
+            message = "the engine closed the connection without answering"
+            return _problem(LocalConnectFailure(retryable=retryable, message=message))
         except aiohttp.ClientResponseError:
             # The engine answered with a head that is not HTTP (a bad status line, oversized
             # headers): it read the request and may be running it, so never retryable.
-            return _problem(LocalConnectFailure(retryable=False))
+            message = "the engine's answer is not HTTP"
+            return _problem(LocalConnectFailure(retryable=False, message=message))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy
