@@ -180,3 +180,48 @@ async def test_published_prompt_work_leaves_out_what_the_engine_holds_cached(
             async with client.post(f"{engine_url}/test-control/resume") as resp:
                 assert resp.status == 200
             await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+async def test_published_input_rate_counts_the_prompt_work_the_engine_did(
+    stargate: FakeStargate, prefix_caching: bool
+) -> None:
+    """Each turn of a conversation adds 2 000 tokens the engine prefills at 10 000 tokens/s; the
+    rest it holds cached. Counted whole, the turns read 10 000 to 60 000 tokens/s."""
+    tasks: list[asyncio.Task[None]] = []
+    engine_flags = [
+        "--num-tokens",
+        "1",
+        "--prefill-tokens-per-s",
+        "10000",
+        "--kv-cache-capacity-tokens",
+        "100000",
+    ]
+    pylon_flags = [
+        "--engine-stats-stream",
+        "required",
+        "--engine-prefix-caching",
+        str(prefix_caching).lower(),
+    ]
+    async with engine_and_pylon(stargate, engine_flags, pylon_flags, tasks) as (_, pylon_url):
+        async with aiohttp.ClientSession() as client:
+            for turn in range(1, 7):
+                headers = {
+                    "x-request-id": f"turn-{turn}",
+                    "x-model": "llama",
+                    "x-input-tokens": str(2000 * turn),
+                    "x-cache-affinity-key": "conv",
+                }
+                async with client.post(
+                    f"{pylon_url}/v1/chat/completions", json=BODY, headers=headers
+                ) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            await asyncio.sleep(0.5)  # the last sample is published (coalesced for 10 ms)
+        # The bootstrap (1 000, as five samples) and six samples of 10 000 each, or of 10 000 to 60 000.
+        stats = latest(stargate)
+        assert stats is not None
+        if prefix_caching:
+            assert 3000 < stats.last_mean_input_tps <= (5 * 1000 + 6 * 10_000) / 11 * 1.05
+        else:
+            assert stats.last_mean_input_tps > 12_000

@@ -272,6 +272,14 @@ class LiveLoad:
         t = self._requests.get(request_id)
         return t.generation if t is not None else None
 
+    def prefill_share(self, request_id: str) -> float:
+        """The share of a tracked request's prompt counted as work: below 1 with ``prefix_caching``
+        when the key's last prompt covers part of it (1 for an unknown request or an empty prompt)."""
+        t = self._requests.get(request_id)
+        if t is None or t.input_tokens <= 0:
+            return 1.0
+        return t.work_tokens / t.input_tokens
+
     def purge_generation(self, generation: Generation) -> None:
         for rid in [rid for rid, t in self._requests.items() if t.generation == generation]:
             del self._requests[rid]

@@ -31,41 +31,49 @@ def _uint(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
-def _explicit_counters(data: bytes) -> tuple[int | None, int | None]:
-    """``(output, prompt)`` usage counters of one event (or of a whole JSON answer).
+def _explicit_counters(data: bytes) -> tuple[int | None, int | None, int | None]:
+    """``(output, prompt, cached)`` usage counters of one event (or of a whole JSON answer).
 
     Output: first of ``usage.completion_tokens``, ``output_tokens_so_far``,
     ``response.usage.output_tokens``, ``usage.output_tokens`` (a ``/v1/responses`` JSON answer);
     prompt: ``usage.prompt_tokens``, ``response.usage.input_tokens`` or ``usage.input_tokens`` (the
-    engine's own count, which bounds a client's claim).
+    engine's own count, which bounds a client's claim); cached: the ``cached_tokens`` of the
+    prompt's details in the same usage (``prompt_tokens_details``, ``input_tokens_details``), which
+    vLLM and SGLang can report: that part of the prompt was not prefilled.
     """
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return None, None
+        return None, None, None
     if not isinstance(obj, dict):
-        return None, None
+        return None, None, None
     usage = obj.get("usage")
     response = obj.get("response")
     response_usage = response.get("usage") if isinstance(response, dict) else None
     outputs: list[object] = []
     prompt: int | None = None
+    cached: int | None = None
     if isinstance(usage, dict):
         outputs.append(usage.get("completion_tokens"))
-        prompt = _uint(usage.get("prompt_tokens"))
+        prompt, cached = _uint(usage.get("prompt_tokens")), _cached(usage, "prompt_tokens_details")
     outputs.append(obj.get("output_tokens_so_far"))
-    if isinstance(response_usage, dict):
-        outputs.append(response_usage.get("output_tokens"))
-        prompt = prompt if prompt is not None else _uint(response_usage.get("input_tokens"))
-    if isinstance(usage, dict):
-        outputs.append(usage.get("output_tokens"))
-        prompt = prompt if prompt is not None else _uint(usage.get("input_tokens"))
+    for source in (response_usage, usage):  # a Responses stream's, else a Responses JSON answer's
+        if isinstance(source, dict):
+            outputs.append(source.get("output_tokens"))
+            if prompt is None:
+                prompt, cached = _uint(source.get("input_tokens")), _cached(source, "input_tokens_details")
     output = next((v for value in outputs if (v := _uint(value)) is not None), None)
-    return output, prompt
+    return output, prompt, cached if prompt is not None else None
 
 
-def json_usage(body: bytes) -> tuple[int | None, int | None]:
-    """``(output, prompt)`` tokens of a whole JSON answer (non-streaming chat, completions, responses)."""
+def _cached(usage: dict[str, object], details: str) -> int | None:
+    value = usage.get(details)
+    return _uint(value.get("cached_tokens")) if isinstance(value, dict) else None
+
+
+def json_usage(body: bytes) -> tuple[int | None, int | None, int | None]:
+    """``(output, prompt, cached)`` tokens of a whole JSON answer (non-streaming chat,
+    completions, responses)."""
     return _explicit_counters(body)
 
 
@@ -79,6 +87,7 @@ class SseScanner:
         self.estimated_tokens = 0
         self.explicit_tokens: int | None = None
         self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -113,9 +122,9 @@ class SseScanner:
     def _count(self, raw: bytes) -> None:
         if b'_tokens"' in raw or b"_so_far" in raw:
             _, data = event_data(raw)
-            value, prompt = _explicit_counters(data)
+            value, prompt, cached = _explicit_counters(data)
             if prompt is not None:
-                self.prompt_tokens = prompt
+                self.prompt_tokens, self.cached_tokens = prompt, cached
             if value is not None:
                 self.explicit_tokens = max(value, self.explicit_tokens or 0)
                 return
@@ -165,6 +174,7 @@ class RequestObserver:
         self.embedding_items: int | None = None  # set by the relay from an embeddings body
         self.streamed = True  # the relay clears it for a JSON answer
         self.reported_input_tokens: int | None = None  # the engine's usage.prompt_tokens, if seen
+        self.reported_cached_tokens: int | None = None  # of those, what it had cached, if it said
         self.delivered = Delivered()  # what the client has been sent of a stream, fed by the relay
         self._last_progress = 0.0
         self._emit()
@@ -191,6 +201,7 @@ class RequestObserver:
                 embedding_items=self.embedding_items,
                 streamed=self.streamed,
                 reported_input_tokens=self.reported_input_tokens,
+                reported_cached_tokens=self.reported_cached_tokens,
             )
         )
 

@@ -571,8 +571,8 @@ class Relay:
             if observer is not None:
                 if kept is not None and 200 <= upstream.status < 300:
                     observer.streamed = False
-                    tokens, prompt = json_usage(bytes(kept)) if kept else (None, None)
-                    observer.reported_input_tokens = prompt
+                    tokens, prompt, cached = json_usage(bytes(kept)) if kept else (None, None, None)
+                    observer.reported_input_tokens, observer.reported_cached_tokens = prompt, cached
                     observer.output(1 if tokens is None else tokens, explicit=tokens is not None)
                 elif not sse and observer.endpoint is Endpoint.EMBEDDINGS and 200 <= upstream.status < 300:
                     observer.output(0)
@@ -646,6 +646,7 @@ class Relay:
                     if explicit is not None and explicit != explicit_before:
                         self.hub.on_usage(observer.request_id, observer.generation, explicit)
                         observer.reported_input_tokens = scanner.prompt_tokens
+                        observer.reported_cached_tokens = scanner.cached_tokens
                 stall.waiting()
         except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
             return False, b""

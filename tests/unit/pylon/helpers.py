@@ -29,10 +29,11 @@ def make_rig(
     limit: int | None = None,
     fallback: bool = False,
     floor_s: float = 0.010,
+    prefix_caching: bool = False,
 ) -> Rig:
     registry = ModelRegistry()
     clock = ManualClock()
-    load = LiveLoad(clock=clock.monotonic)
+    load = LiveLoad(prefix_caching=prefix_caching, clock=clock.monotonic)
     hub = StatsHub(
         registry=registry,
         load=load,

@@ -183,7 +183,27 @@ def test_completions_chunks_count_their_text_pieces() -> None:
 
 
 def test_json_answers_report_their_output_tokens() -> None:
-    assert json_usage(b'{"usage":{"prompt_tokens":3,"completion_tokens":7}}') == (7, 3)
-    assert json_usage(b'{"object":"response","usage":{"input_tokens":4,"output_tokens":5}}') == (5, 4)
-    assert json_usage(b'{"choices":[]}') == (None, None)
-    assert json_usage(b"not json") == (None, None)
+    assert json_usage(b'{"usage":{"prompt_tokens":3,"completion_tokens":7}}') == (7, 3, None)
+    assert json_usage(b'{"object":"response","usage":{"input_tokens":4,"output_tokens":5}}') == (5, 4, None)
+    assert json_usage(b'{"choices":[]}') == (None, None, None)
+    assert json_usage(b"not json") == (None, None, None)
+
+
+def test_usage_reports_the_prompt_tokens_the_engine_had_cached() -> None:
+    chat = (
+        b'{"usage":{"prompt_tokens":300,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":256}}}'
+    )
+    assert json_usage(chat) == (7, 300, 256)
+    responses = b'{"usage":{"input_tokens":40,"output_tokens":5,"input_tokens_details":{"cached_tokens":32}}}'
+    assert json_usage(responses) == (5, 40, 32)
+    assert json_usage(b'{"usage":{"prompt_tokens":3,"prompt_tokens_details":null}}') == (None, 3, None)
+    # A cached count without the prompt's is nothing to subtract from.
+    no_prompt = b'{"usage":{"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":2}}}'
+    assert json_usage(no_prompt) == (1, None, None)
+    scanner = SseScanner()
+    scanner.feed(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n')
+    scanner.feed(
+        b'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":1,'
+        b'"prompt_tokens_details":{"cached_tokens":8}}}\n\n'
+    )
+    assert (scanner.prompt_tokens, scanner.cached_tokens, scanner.tokens) == (12, 8, 1)

@@ -83,8 +83,14 @@ class ThroughputAggregate:
             agg._refresh_input()
         return agg
 
-    def add_input_sample(self, units: float, duration_s: float) -> None:
+    def add_input_sample(self, units: float, duration_s: float, *, cached: bool = False) -> None:
+        """``cached``: the units are what the engine prefilled of a prompt whose prefix it had
+        cached. Such a sample counts only if its work takes the duration floor at the mean rate so
+        far: a request's time is then mostly the engine's fixed cost (a step, the first token), and
+        a fully cached prompt's last token over a 20 ms step is 50 tokens/s."""
         if units < 1 or duration_s < DURATION_FLOOR_S - 1e-9 or not plausible(units, units / duration_s):
+            return
+        if cached and units < self.input.mean * DURATION_FLOOR_S:
             return
         self.input.add(units / duration_s)
         self._refresh_input()
@@ -155,7 +161,7 @@ def plausible(units: float, tps: float) -> bool:
     return units <= MAX_PLAUSIBLE_TOKENS and math.isfinite(tps) and tps <= MAX_PLAUSIBLE_TPS
 
 
-def fallback_input_tps(input_tokens: int, ttfo_s: float | None) -> tuple[int, float] | None:
+def fallback_input_tps(input_tokens: float, ttfo_s: float | None) -> tuple[float, float] | None:
     """Chat/responses input sample ``(units, duration)`` from a complete observation; no clamp."""
     if ttfo_s is None or input_tokens < 1 or ttfo_s < DURATION_FLOOR_S:
         return None

@@ -12,7 +12,9 @@ Counts have a time base only from an earlier event of the request: the counts of
 are a baseline, not a sample (the spec measures them over the 10 ms floor, and a non-streamed
 request's one ``finished`` event of 20 tokens published 2 000 tokens/s from an engine making 20).
 Output is measured from the first event that reports a token, so its rate is the decode rate, not
-one token over the time to the first. Entries live up to
+one token over the time to the first. An entry keeps the share of its request's prompt that Pylon
+counted as work (``prefill_share``): the engine's ``tokens_processed`` counts a cached prefix too,
+which it did not prefill. Entries live up to
 ``REQUEST_TTL_S``, so a long request id is kept by its digest (``remembered``): 8 KB ids took a
 Pylon from 77 to 203 MB in three minutes.
 """
@@ -69,6 +71,7 @@ class _Entry:
     live: bool = False
     finalized: bool = False
     ended: bool = False
+    prefill_share: float = 1.0
     input: _Counter = field(default_factory=_Counter)
     output: _Counter = field(default_factory=_Counter)
 
@@ -78,6 +81,7 @@ class CounterResult:
     outcome: Outcome
     input_sample: tuple[int, float] | None = None
     output_sample: tuple[int, float] | None = None
+    prefill_share: float = 1.0
 
 
 class CounterTracker:
@@ -91,19 +95,23 @@ class CounterTracker:
     def live_count(self) -> int:
         return sum(1 for e in self._entries.values() if e.live and not (e.finalized or e.ended))
 
-    def observe(self, request_id: str, generation: Generation, now: float) -> None:
-        """Remember the owner generation of a request Pylon is proxying; an id used again once
-        Pylon saw its request end counts as live again (a tombstone stays). Its counters start
-        over only if the engine sent none for the earlier request: one it may still be running
-        would send its own cumulative counts, read from zero as a burst of tokens in no time."""
+    def observe(
+        self, request_id: str, generation: Generation, now: float, prefill_share: float = 1.0
+    ) -> None:
+        """Remember the owner generation of a request Pylon is proxying and the share of its prompt
+        counted as work; an id used again once Pylon saw its request end counts as live again (a
+        tombstone stays). Its counters start over only if the engine sent none for the earlier
+        request: one it may still be running would send its own cumulative counts, read from zero
+        as a burst of tokens in no time."""
         request_id = remembered(request_id)
         entry = self._entries.get(request_id)
         if entry is not None and entry.generation == generation and entry.ended and entry.live:
             entry.ended = False
+            entry.prefill_share = prefill_share
         elif entry is None or entry.generation != generation or (entry.ended and not entry.finalized):
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.popitem(last=False)
-            self._entries[request_id] = _Entry(generation, now)
+            self._entries[request_id] = _Entry(generation, now, prefill_share=prefill_share)
 
     def end(self, request_id: str, generation: Generation, now: float) -> None:
         """Pylon saw the request end: it is no longer live, and its owner is kept for the engine's
@@ -116,6 +124,10 @@ class CounterTracker:
     def owner(self, request_id: str) -> Generation | None:
         entry = self._entries.get(remembered(request_id))
         return entry.generation if entry is not None else None
+
+    def prefill_share(self, request_id: str, generation: Generation) -> float:
+        entry = self._entries.get(remembered(request_id))
+        return entry.prefill_share if entry is not None and entry.generation == generation else 1.0
 
     def apply(
         self,
@@ -133,8 +145,10 @@ class CounterTracker:
         if entry is not None and entry.generation == generation and entry.finalized:
             return CounterResult(Outcome.POST_FINALIZE)
         if entry is None or entry.generation != generation or not entry.live:
-            ended = entry is not None and entry.generation == generation and entry.ended
-            entry = _Entry(generation, now, live=True, ended=ended)
+            earlier = entry if entry is not None and entry.generation == generation else None
+            ended = earlier is not None and earlier.ended
+            share = earlier.prefill_share if earlier is not None else 1.0
+            entry = _Entry(generation, now, live=True, ended=ended, prefill_share=share)
             entry.input.sampled_at = entry.output.sampled_at = now
             for counter, value in ((entry.input, tokens_processed), (entry.output, tokens_generated)):
                 if value is not None:
@@ -157,7 +171,7 @@ class CounterTracker:
         )
         if finished:
             entry.finalized = True
-        return CounterResult(Outcome.APPLIED, in_sample, out_sample)
+        return CounterResult(Outcome.APPLIED, in_sample, out_sample, entry.prefill_share)
 
     def sweep(self, now: float) -> int:
         """Finalize live entries unseen for 300 s and delete old tombstones and ended entries;

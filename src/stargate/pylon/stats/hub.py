@@ -190,7 +190,9 @@ class StatsHub:
         if agg.CAP_ENGINE_STREAM not in tp.labels:
             tp.add_labels(agg.CAP_ENGINE_STREAM, agg.SRC_ENGINE_STREAM)
         if result.input_sample is not None:
-            tp.add_input_sample(*result.input_sample)
+            units, duration = result.input_sample
+            share = result.prefill_share
+            tp.add_input_sample(units * share, duration, cached=share < 1.0)
         if result.output_sample is not None:
             units, duration = result.output_sample
             tp.add_output_sample(units / duration, from_counters=True)
@@ -208,7 +210,22 @@ class StatsHub:
         state.routes.append(AffinityRoute(cache_affinity_key, input_tokens, self.clock.wall_ms()))
 
     def on_request_tracked(self, request_id: str, gen: Generation) -> None:
-        self._counters.observe(request_id, gen, self.clock.monotonic())
+        """``request_id`` is tracked in ``load``: its input samples count the share of its prompt
+        counted there as work (the engine's ``tokens_processed`` counts a cached prefix too)."""
+        share = self.load.prefill_share(request_id)
+        self._counters.observe(request_id, gen, self.clock.monotonic(), share)
+
+    def _prefilled(self, obs: Observation) -> tuple[float, bool]:
+        """The prompt tokens the engine prefilled for ``obs``, and whether it had part of the prompt
+        cached. Input samples count this work, as ``queued_input_size`` does: counting a cached
+        prefix over the time the rest took published 3x the engine's rate. The engine's own cached
+        count wins; else the share Pylon counted (``--engine-prefix-caching``); else every token."""
+        learnable = obs.learnable_input_tokens
+        uncached = obs.uncached_input_tokens
+        if uncached is not None:
+            return uncached, uncached < learnable
+        share = self._counters.prefill_share(obs.request_id, obs.generation)
+        return learnable * share, share < 1.0
 
     def on_usage(self, request_id: str, gen: Generation, completion_tokens: int) -> None:
         """A streamed explicit cumulative output counter (chunk usage), used in fallback mode."""
@@ -258,13 +275,14 @@ class StatsHub:
         if obs.state is State.COMPLETE and obs.embedding_items is not None:
             tp.add_embedding_sample(obs.embedding_items, obs.elapsed - (obs.time_to_response_headers or 0.0))
         if obs.state is State.COMPLETE and fallback:
+            prefilled, cached = self._prefilled(obs)
             if obs.endpoint is Endpoint.EMBEDDINGS:
                 base = obs.time_to_response_headers or obs.elapsed
-                tp.add_input_sample(obs.learnable_input_tokens, max(base, agg.DURATION_FLOOR_S))
+                tp.add_input_sample(prefilled, max(base, agg.DURATION_FLOOR_S), cached=cached)
             elif obs.streamed:  # a JSON answer's times include the decode: no TTFO, no rate
-                sample = agg.fallback_input_tps(obs.learnable_input_tokens, obs.time_to_first_output)
+                sample = agg.fallback_input_tps(prefilled, obs.time_to_first_output)
                 if sample is not None:
-                    tp.add_input_sample(*sample)
+                    tp.add_input_sample(*sample, cached=cached)
                 if self.fallback_enabled and not counted:
                     rate = agg.decode_rate(
                         obs.output_tokens, obs.time_to_first_token, obs.time_to_first_output, obs.elapsed

@@ -49,6 +49,7 @@ class Observation:
     embedding_items: int | None = None
     streamed: bool = True  # False for a JSON answer: its times are the whole request, not TTFO/TTFT
     reported_input_tokens: int | None = None
+    reported_cached_tokens: int | None = None
 
     @property
     def learnable_input_tokens(self) -> int:
@@ -57,6 +58,15 @@ class Observation:
         if self.reported_input_tokens is None:
             return self.input_tokens
         return min(self.input_tokens, self.reported_input_tokens)
+
+    @property
+    def uncached_input_tokens(self) -> int | None:
+        """The prompt tokens the engine prefilled by its own usage (its prompt less what it had
+        cached), bounded as the learnable tokens are; None when it reported no cached count."""
+        if self.reported_input_tokens is None or self.reported_cached_tokens is None:
+            return None
+        uncached = max(0, self.reported_input_tokens - self.reported_cached_tokens)
+        return min(self.learnable_input_tokens, uncached)
 
 
 def embedding_item_count(body: Any) -> int | None:
