@@ -59,13 +59,14 @@ class Fleet:
     http: aiohttp.ClientSession
     stargate_addr: str
     pylon_addr: str
+    stargate_grpc: str
 
     def addr(self, target: str) -> str:
         return self.stargate_addr if target == "stargate" else self.pylon_addr
 
     def registered(self) -> bool:
         connected = self.pylon.metrics.registry.get_sample_value(
-            "pylon_registration_stream_connected", {"router": "sg-test"}
+            "pylon_registration_stream_connected", {"router": self.stargate_grpc}
         )
         return connected == 1 and self.stargate.state.list_models(None, []) == [MODEL]
 
@@ -101,7 +102,7 @@ async def fleet(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
         )  # fmt: skip
         await pylon.start()
         async with aiohttp.ClientSession(timeout=TIMEOUT, skip_auto_headers=("Content-Type",)) as http:
-            fleet = Fleet(server, pylon, http, bound.http, pylon.http_url.removeprefix("http://"))
+            fleet = Fleet(server, pylon, http, bound.http, pylon.http_url.removeprefix("http://"), bound.grpc)
             await until("the Pylon registered", fleet.registered)
             yield fleet
     finally:

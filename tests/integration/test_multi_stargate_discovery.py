@@ -158,5 +158,21 @@ async def test_pylon_registers_with_every_discovered_stargate_and_follows_dns_ch
     await fleet.until("recovery after DNS failure", lambda: _equals(fleet.registered_on(), everywhere))
 
 
+async def test_a_replica_going_away_leaves_the_others_registrations_alone(fleet: Fleet) -> None:
+    """The seed's watch ends with it (as a Service's does with the replica behind it): the Pylon
+    keeps its registrations with the replicas still up, at every moment."""
+    everywhere = set(HOSTS)
+    await fleet.until("registration on all three", lambda: _equals(fleet.registered_on(), everywhere))
+    fleet.zone.set_addresses(NAME, list(HOSTS[1:]))
+    seed = next(proc for proc in fleet.procs if proc.name == "stargate-0")
+    await seed.stop()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 2.5  # past the watch's 1 s retry and a DNS poll
+    while loop.time() < end:
+        for host in HOSTS[1:]:
+            assert MODEL in await fleet.models(host), f"{host} lost the Pylon\n{fleet.procs[-1].log_tail(20)}"
+        await asyncio.sleep(0.02)
+
+
 async def _equals(got: Awaitable[set[str]], want: set[str]) -> bool:
     return await got == want

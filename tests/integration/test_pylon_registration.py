@@ -161,28 +161,60 @@ async def test_a_stargate_dropped_from_discovery_is_reported_at_once() -> None:
         await reg.close()
 
 
-async def test_b111_watch_disconnect_drops_routers_then_rewatches(stargate: FakeStargate) -> None:
+async def test_b111_a_watch_that_ends_keeps_its_routers_until_another_answers(stargate: FakeStargate) -> None:
+    """A watch through a Service moves to another replica when its own goes away: the registrations
+    with the replicas that stay must not end meanwhile."""
     stargate.end_watches = 1
     seen: list[set[str]] = []
     clock = ManualClock()
     discovery = StargateDiscovery(
-        [stargate.address], lambda routers: seen.append(set(routers)), retry_s=1.0, initial_timeout_s=60,
+        [stargate.address], lambda routers: seen.append(set(routers)), retry_s=1.0, initial_timeout_s=0.5,
         clock=clock, rng=random.Random(7),
     )  # fmt: skip
     task = asyncio.get_running_loop().create_task(discovery.run())
     try:
-        await until("routers dropped", lambda: seen == [{"sg-1"}, set()])
+        await until("the first router set", lambda: seen == [{stargate.address}])
         await clock.sleeping(2)  # the initial-discovery timeout and the watch's retry delay
-        clock.advance(0.99)
+        clock.advance(0.5)  # the initial-discovery timeout expires while no URL answers
         await settle()
-        assert clock.pending == 2 and stargate.watch_calls == 1  # not re-watched before the 1 s retry
+        clock.advance(0.49)
+        await settle()
+        assert clock.pending == 1 and stargate.watch_calls == 1  # not re-watched before the 1 s retry
+        assert seen == [{stargate.address}]
         clock.advance(0.26)  # 1 s plus at most 25 % jitter
-        await until("routers re-added", lambda: len(seen) >= 3)
-        assert seen == [{"sg-1"}, set(), {"sg-1"}]
-        assert stargate.watch_calls == 2
+        await until("re-watched", lambda: stargate.watch_calls == 2)
+        await settle()
+        assert seen == [{stargate.address}]  # never emptied, nothing new to publish
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_replicas_listing_each_other_are_one_router_each_and_outlive_a_seed(
+    stargate: FakeStargate,
+) -> None:
+    """A replica lists itself under its id and its peers under their addresses: each router is
+    registered with once, and the one a lost seed's peer still lists keeps its registration."""
+    other = await FakeStargate().start()
+    stargate.peers, other.peers = [other.address], [stargate.address]
+    seen: list[set[str]] = []
+    clock = ManualClock()
+    discovery = StargateDiscovery(
+        [stargate.address, other.address], lambda routers: seen.append(set(routers)), retry_s=1.0,
+        initial_timeout_s=60, clock=clock, rng=random.Random(7),
+    )  # fmt: skip
+    task = asyncio.get_running_loop().create_task(discovery.run())
+    try:
+        await until("the first router set", lambda: bool(seen))
+        assert seen == [{stargate.address, other.address}]
+        await stargate.close()
+        await clock.sleeping(2)  # the initial-discovery timeout and the lost watch's retry delay
+        await settle()
+        assert seen == [{stargate.address, other.address}]  # the other replica still lists both
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await other.close()
 
 
 async def test_b112_unanswered_extra_watch_url_waits_for_initial_timeout(stargate: FakeStargate) -> None:
@@ -203,7 +235,7 @@ async def test_b112_unanswered_extra_watch_url_waits_for_initial_timeout(stargat
         assert seen == []  # the extra URL has not answered and the timeout has not expired
         clock.advance(0.01)
         await until("the first published router set", lambda: bool(seen))
-        assert seen == [{"sg-1"}]
+        assert seen == [{stargate.address}]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -151,9 +151,11 @@ class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
         self.address = ""
         self.got_message = asyncio.Event()
         self._server: grpc.aio.Server | None = None
-        # Fault knobs: extra watch URLs announced, watch streams ended after their snapshot,
-        # registration calls refused before any ack, registration streams ended after one ack.
+        # Fault knobs: extra watch URLs announced, peers listed (id = address, as DNS peers are),
+        # watch streams ended after their snapshot, registration calls refused before any ack,
+        # registration streams ended after one ack.
         self.watch_urls: list[str] = []
+        self.peers: list[str] = []
         self.end_watches = 0
         self.refuse_registrations = 0
         self.end_registrations = 0
@@ -166,7 +168,10 @@ class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
         self.watch_calls += 1
         self.watch_times.append(asyncio.get_running_loop().time())
         yield stargate_pb2.WatchStargatesResponse(
-            stargates=[stargate_pb2.StargateInfo(stargate_id="sg-1", advertise_addr=self.address)],
+            stargates=[
+                stargate_pb2.StargateInfo(stargate_id="sg-1", advertise_addr=self.address),
+                *(stargate_pb2.StargateInfo(stargate_id=peer, advertise_addr=peer) for peer in self.peers),
+            ],
             watch_stargate_urls=self.watch_urls,
         )
         if self.end_watches > 0:

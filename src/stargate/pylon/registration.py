@@ -1,7 +1,9 @@
 """Registration with every Stargate replica (spec pylon.md §9, stargate.md §5.3, §5.7).
 
 ``StargateDiscovery`` watches ``WatchStargates`` on the seed and, transitively, on every
-announced watch URL; a URL whose stream ends loses its routers until it reconnects.
+announced watch URL; a URL whose stream ends loses its routers until it reconnects, except those
+another URL lists, and the last published set stays while no URL has a snapshot (a watch through a
+Service moves to another replica when its replica goes away, and that must not end registrations).
 The first router set is published once every desired URL delivered a snapshot, or after 5 s
 with at least one router. ``RegistrationClient`` keeps one ``RegisterInferenceServer`` stream
 per published router and sends the full snapshot every ``--min-update-interval-ms``, and
@@ -65,12 +67,13 @@ def with_scheme(url: str) -> str:
 
 
 def router_from_info(info: stargate_pb2.StargateInfo) -> RouterInfo | None:
-    router_id = info.stargate_id.strip() or info.advertise_addr.strip()
-    if not router_id:
+    """A router is known by its advertised address, whichever replica lists it: a replica lists
+    itself under its ``--stargate-id`` but its peers under their addresses."""
+    authority = info.advertise_addr.strip() or info.stargate_id.strip()
+    if not authority:
         return None
-    authority = info.advertise_addr.strip() or router_id
     dial = info.grpc_pylon_dial_addr.strip() or authority
-    return RouterInfo(router_id, authority, with_scheme(dial))
+    return RouterInfo(authority, authority, with_scheme(dial))
 
 
 def open_channel(url: str, authority: str | None = None) -> grpc.aio.Channel:
@@ -129,6 +132,8 @@ class StargateDiscovery:
         return out
 
     def _maybe_publish(self) -> None:
+        if not self._snapshots:
+            return  # no URL answers now: the last published set stays until one does
         routers = self._routers()
         if self._published is None:
             complete = all(url in self._snapshots for url in self._tasks)

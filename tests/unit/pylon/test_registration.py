@@ -21,8 +21,20 @@ def test_b113_router_identity_and_dial_address() -> None:
     dial = stargate_pb2.StargateInfo(
         stargate_id="sg-7", advertise_addr="sg-7.example:50071", grpc_pylon_dial_addr="127.0.0.1:6000"
     )
-    assert router_from_info(dial) == RouterInfo("sg-7", "sg-7.example:50071", "http://127.0.0.1:6000")
+    assert router_from_info(dial) == RouterInfo(
+        "sg-7.example:50071", "sg-7.example:50071", "http://127.0.0.1:6000"
+    )
+    assert router_from_info(stargate_pb2.StargateInfo(stargate_id="sg-8")) == RouterInfo(
+        "sg-8", "sg-8", "http://sg-8"
+    )
     assert router_from_info(stargate_pb2.StargateInfo()) is None
+
+
+def test_a_router_is_the_same_whichever_replica_lists_it() -> None:
+    """A replica lists itself under its --stargate-id, its peers list it under its address."""
+    itself = stargate_pb2.StargateInfo(stargate_id="sg-1", advertise_addr="10.0.0.1:50071")
+    by_peer = stargate_pb2.StargateInfo(stargate_id="10.0.0.1:50071", advertise_addr="10.0.0.1:50071")
+    assert router_from_info(itself) == router_from_info(by_peer)
 
 
 def test_b116_registration_carries_estimates_and_limit() -> None:
