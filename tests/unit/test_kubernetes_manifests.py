@@ -106,6 +106,7 @@ def test_the_stargate_deployment_has_probes_discovery_and_a_disruption_budget() 
     options = build_parser(env).parse_args(argv[1:])
     assert options.stargate_discovery_dns_name.startswith("stargate-headless.")
     assert (options.pod_name, options.pod_namespace) == ("pod-0", "default")
+    assert options.default_max_wait_ms > 0  # a new replica holds requests while its Pylons register
     port_names = {p["name"] for p in container["ports"]}
     for service in ("stargate", "stargate-headless"):
         assert {p["targetPort"] for p in kinds["Service", service]["spec"]["ports"]} <= port_names
