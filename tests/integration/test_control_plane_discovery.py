@@ -9,6 +9,7 @@ import aiohttp
 import grpc
 import pytest
 from grpc import aio
+from support.stargate_harness import running
 
 from stargate.balancer.types import ModelStats
 from stargate.errors import ConfigError
@@ -156,3 +157,10 @@ async def test_bind_failure_names_the_flag() -> None:
                 await second.start(f"127.0.0.1:{port}", "127.0.0.1:0")
         finally:
             await first.stop(0.1)
+
+
+async def test_an_advertised_address_with_a_colon_in_its_host_names_the_flag() -> None:
+    """Peers and Pylons would dial ``1.2.3.4:5`` as a name no resolver answers, for ever."""
+    with pytest.raises(ConfigError, match="--advertise-addr"):
+        async with running(advertise_addr="1.2.3.4:5:63571"):
+            pass

@@ -10,11 +10,23 @@ import ipaddress
 
 
 def split_host_port(raw: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` with a port in ``0..=65535``; anything else raises ``ValueError``."""
+    """``host:port`` or ``[v6]:port`` with a port in ``0..=65535``; anything else raises ``ValueError``,
+    a ``:`` in a host outside brackets too (``1.2.3.4:5:6`` is no name a resolver can answer)."""
     host, sep, port = raw.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    if (
+        not sep
+        or not host
+        or "[" in host
+        or "]" in host
+        or (":" in host and not bracketed)
+        or not (port.isascii() and port.isdigit())
+        or int(port) > 65535
+    ):
         raise ValueError(f"expected HOST:PORT, got {raw!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
+    return host, int(port)
 
 
 def split_ip_port(raw: str) -> tuple[str, int]:

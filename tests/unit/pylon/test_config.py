@@ -80,6 +80,7 @@ def test_b07_invalid_initial_tps(value: str) -> None:
     [
         ("--http-advertise-addr", "bad"),  # registered as http://bad: never routable
         ("--http-advertise-addr", "pylon-0:0"),
+        ("--http-advertise-addr", "10.0.0.1:8001:8001"),  # a name no resolver answers
         ("--inference-server-id", " "),  # every registration refused, for ever
         ("--canary-max-generation-threshold", "0"),  # every canary a runaway: INACTIVE for ever
         ("--calibration-prompt-units", "255"),
@@ -258,6 +259,8 @@ def test_stargate_address_is_repeatable_with_one_default() -> None:
         "127.0.0.1:0",
         "127.0.0.1",
         "127.0.0.1:x",
+        "127.0.0.1:127.0.0.1:63591",
+        "1.2.3.4:5:6",
         "http://",
         "https://:80",
         ":80",

@@ -12,7 +12,22 @@ def test_split_keeps_names_and_unbrackets_ipv6() -> None:
     assert join_host_port("10.0.0.1", 80) == "10.0.0.1:80"
 
 
-@pytest.mark.parametrize("bad", ["host", ":80", "host:", "host:65536", "host:8o", "host:٣"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "host",
+        ":80",
+        "host:",
+        "host:65536",
+        "host:8o",
+        "host:٣",
+        "1.2.3.4:5:6",
+        "::1:80",
+        "[]:80",
+        "[::1:80",
+        "a]:80",
+    ],
+)
 def test_split_rejects_malformed(bad: str) -> None:
     with pytest.raises(ValueError, match="expected HOST:PORT"):
         split_host_port(bad)
