@@ -333,13 +333,14 @@ def slot_wait_ms(hold_s: float, running: int, limit: int) -> float:
     return (running - limit + 1) * hold_s * 1000.0 / limit
 
 
-def load_tie_key(score_ms: float, running: int, resolution_ms: float) -> tuple[float, int, float]:
+def load_tie_key(score_ms: float, running: int, resolution_ms: float) -> tuple[float, int]:
     """Ranking key of the load-aware policies: estimates in the same ``resolution_ms``-wide step are
-    ties (RTT noise must not decide), broken by fewer requests running (decode load), then by the
-    estimate."""
+    ties (RTT noise must not decide), broken by fewer requests running (decode load); equal keys
+    fall to the callers' coin (a backend a few ms closer drew every request of a light load).
+    Without a step, the estimate, then requests running."""
     if resolution_ms > 0.0 and score_ms < INF:
-        return (score_ms // resolution_ms, running, score_ms)
-    return (score_ms, running, score_ms)
+        return (score_ms // resolution_ms, running)
+    return (score_ms, running)
 
 
 def prefill_ms(stats: ModelStats, input_tokens: int, scale: float = 1.0) -> float:

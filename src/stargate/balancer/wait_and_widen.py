@@ -234,7 +234,7 @@ class WawSelector:
         queue, running, tps = load_queue_running_rate(candidate, priority, measured)
         return _with_slot_wait(candidate, queue, running, now), running, tps
 
-    def _load_key(self, entry: _Entry) -> tuple[float, int, float]:
+    def _load_key(self, entry: _Entry) -> tuple[float, int]:
         return load_tie_key(entry[3], entry[5], self._resolution)
 
     def best_ttft(

@@ -194,6 +194,20 @@ def test_power_of_n_load_aware_breaks_exact_ties_at_random() -> None:
     assert 60 < picks.count("a") < 140
 
 
+@pytest.mark.parametrize("definition", [pon(load_aware=True), waw(n=2, load_aware=True)])
+def test_load_aware_ties_within_a_step_are_not_decided_by_rtt(definition: AlgorithmDefinition) -> None:
+    """Two idle backends 1.2 and 5.6 ms away, estimates in one 20 ms step: a coin, not the closer
+    one every time."""
+    near = make_candidate("near", rtt_ms=1.2, tps=1000.0, max_concurrency=8)
+    far = make_candidate("far", rtt_ms=5.6, tps=1000.0, max_concurrency=8)
+    policy = build_policy(definition)
+    picks = [
+        chosen_id((near, far), policy.decide((near, far), make_request(), random.Random(s)))
+        for s in range(200)
+    ]
+    assert 60 < picks.count("near") < 140
+
+
 def test_power_of_n_load_aware_sees_its_own_in_flight_burst() -> None:
     """Stale stats say both are idle; the router's own in-flight count says one has a burst."""
     a = make_candidate("a", tps=1000.0, max_concurrency=8)
