@@ -154,6 +154,32 @@ async def test_p27_free_slot_sends_zero_expected_queue(sg: Harness) -> None:
     assert backend.requests[0][1]["x-stargate-expected-queue-ms"] == "0"
 
 
+async def test_a_follow_up_behind_a_prompt_expected_cached_expects_its_whole_prompt() -> None:
+    """Spec §3.10: the header is never scaled. R1 of a key is prefilling on the key's 1-slot
+    backend, expected 90% cached; R2 of the key arrives before the next heartbeat. Pylon counts R1's
+    whole prompt (1000 ms at 1000 tok/s): an expected 100 ms had it reject R2, which left its cache."""
+    config = {
+        "algorithm": "wait-and-widen",
+        "load_aware": True,
+        "cache_affinity_backend_selection_count": 1,
+        "cache_affinity_input_tokens_scale": 0.1,
+        "cache_affinity_wait_ms": 1000,
+        "max_queued": 5,
+    }
+    async with running(lb_config=parse_lb_config({"models": {MODEL: config}})) as sg:
+        backend = await sg.backend("b1", max_engine_concurrency=1, last_mean_input_tps=1000.0)
+        backend.hold_headers = asyncio.Event()
+        headers = {"x-input-tokens": "1000", "x-cache-affinity-key": "conversation"}
+        first = asyncio.create_task(sg.post({**headers, "x-request-id": "r1"}))
+        await until("R1 reached its backend", backend.arrived.is_set)
+        second = asyncio.create_task(sg.post({**headers, "x-request-id": "r2"}))
+        await until("R2 reached the backend", lambda: len(backend.requests) == 2)
+        backend.hold_headers.set()
+        assert (await first)[0] == (await second)[0] == 200
+        assert backend.requests[0][1]["x-stargate-expected-queue-ms"] == "0"
+        assert backend.requests[1][1]["x-stargate-expected-queue-ms"] == "1000"
+
+
 async def test_response_streams_chunk_by_chunk(sg: Harness) -> None:
     backend = await sg.backend("b1")
     backend.gate = asyncio.Event()

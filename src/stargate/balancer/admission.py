@@ -1,8 +1,8 @@
 """Input-work admission (spec §3.9): reject when the target's pending prefill work exceeds a limit.
 
 Checked by the proxy on every routing attempt before the policy runs. Work is counted in raw
-stats (the free-slot rule does not apply) and in seconds of the admission candidates' summed
-input throughput.
+stats as Pylon counts it (``Candidate.checked_stats``; the free-slot rule does not apply) and in
+seconds of the admission candidates' summed input throughput.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def input_work_seconds(
     pending = request.input_tokens
     rate = 0.0
     for candidate in candidates:
-        stats = candidate.stats
+        stats = candidate.checked_stats
         tps = stats.last_mean_input_tps
         if pulsar_family:
             if not valid_tps(tps) or feasibility(candidate, request, consider_kv) is not Feasibility.ELIGIBLE:

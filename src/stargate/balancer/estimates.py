@@ -13,6 +13,9 @@ rule stays the rule for admission, the queue-SLO filter and the expected-queue h
 (``Candidate.measured_input_tps``) where it is above the published mean; admission and the header
 keep the published one, which is what Pylon checks against. With ``prefill_sharing`` they model
 an engine that shares its prefill rate between the prompts it prefills (``sharing_queue_ms``).
+Likewise the ranking counts only the prompt work the router expects uncached, while admission, the
+queue-SLO filter and the header count it as Pylon does (``Candidate.checked_stats``,
+``InFlight.cached_tokens``).
 """
 
 from __future__ import annotations
@@ -93,10 +96,16 @@ def expected_queue_ms(candidate: Candidate, priority: int, load_aware: bool = Fa
     Pylon's): the published stats see a request only from the heartbeat after it reached Pylon,
     and a burst routed in between was expected to start at once where Pylon, counting it, found
     every slot taken and rejected it. A backend known to be full is expected to queue at least
-    1 ms: an expected 0 tells Pylon the request was sent for a free slot (``pylon.admission``)."""
-    stats = candidate.stats
+    1 ms: an expected 0 tells Pylon the request was sent for a free slot (``pylon.admission``).
+    Prompts the router expects cached count whole where Pylon counts them whole: a lower
+    expectation had Pylon reject a key's follow-up that then left its cache."""
+    stats = candidate.checked_stats
     if not load_aware:
         return effective_queue_ms(stats, priority)
+    own = candidate.in_flight
+    if candidate.pylon_stats is not None or own.cached_tokens:
+        own = replace(own, prefill_tokens=own.prefill_tokens + own.cached_tokens, cached_tokens=0)
+        candidate = replace(candidate, stats=stats, in_flight=own, pylon_stats=None)
     queue, running, _ = load_queue_running_rate(candidate, priority)
     limit = stats.max_engine_concurrency
     if limit > 0 and running < limit:

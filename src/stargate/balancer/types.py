@@ -90,6 +90,10 @@ class InFlight:
     prefill_sizes: tuple[int, ...] = ()
     """Prefill tokens of each request still prefilling, ascending (their sum is ``prefill_tokens``):
     on an engine that shares its prefill rate, what a new prompt waits for depends on each size."""
+    cached_tokens: int = 0
+    """Prompt tokens of the requests still prefilling that the router expects cached (left out of
+    ``prefill_tokens``) but their Pylon counts as work: one without ``CACHED_PROMPT_WORK`` counts
+    whole prompts. What Pylon's admission compares with is ``prefill_tokens + cached_tokens``."""
 
     @property
     def decoding(self) -> int:
@@ -126,6 +130,15 @@ class Candidate:
     assumed_input_tps: float = 0.0
     """The prefill rate the load-aware estimates take for a cluster that publishes none (0: it
     publishes one); ``estimates.with_assumed_rates``."""
+    pylon_stats: ModelStats | None = None
+    """``stats`` with pending reservations counted as the cluster's Pylons count them (None: equal
+    to ``stats``): whole prompts, where ``stats`` counts only what the router expects uncached."""
+
+    @property
+    def checked_stats(self) -> ModelStats:
+        """What the spec's checks read (admission, the queue-SLO filter, the expected-queue header):
+        Pylon compares the header with its own count, and the spec never scales queued work."""
+        return self.stats if self.pylon_stats is None else self.pylon_stats
 
 
 @dataclass(frozen=True, slots=True)

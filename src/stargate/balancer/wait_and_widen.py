@@ -153,12 +153,14 @@ class WawSelector:
                 ms_per_token = per_index[index] * 1000.0
             if load_aware:
                 # The free-slot rule stays the SLO filter; ranking and buckets see the load.
-                if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
+                if queue_limit is not None and queue_ms(candidate.checked_stats, priority) > queue_limit:
                     continue
                 queue, running, tps = load_queue(candidate, priority, tokens * ms_per_token, now)
             else:
                 queue = queue_ms(stats, priority)
-                if queue_limit is not None and queue > queue_limit:
+                counted = candidate.pylon_stats
+                checked = queue if counted is None else queue_ms(counted, priority)
+                if queue_limit is not None and checked > queue_limit:
                     continue
                 running = stats.num_running_queries
                 tps = stats.last_mean_input_tps
@@ -261,7 +263,7 @@ class WawSelector:
             stats = candidate.stats
             if per_index is not None:
                 ms_per_token = per_index[index] * 1000.0
-            if queue_limit is not None and queue_ms(stats, priority) > queue_limit:
+            if queue_limit is not None and queue_ms(candidate.checked_stats, priority) > queue_limit:
                 continue
             if load_aware:
                 queue, running, tps = load_queue(candidate, priority, tokens * ms_per_token, now)

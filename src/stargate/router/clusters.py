@@ -48,6 +48,7 @@ class Reservation:
     decision expected its prefix cached (load-aware affinity picks). Queued-input work is counted
     with it; a heartbeat that counts the whole prompt is credited the difference while the attempt
     prefills (not one from a Pylon that publishes ``CACHED_PROMPT_WORK``: it left the cache out).
+    The spec's checks count what that Pylon counts (``pylon_tokens``).
     """
 
     target: Target
@@ -61,6 +62,13 @@ class Reservation:
     counted: bool = False  # running when its backend last published: part of that heartbeat's counts
     counted_prefilling: bool = False  # ... and still waiting for its first byte then
     slot_since: float | None = None  # dispatched to a free slot at this clock time (None: no free slot)
+    cached_work: bool = False  # its backend publishes CACHED_PROMPT_WORK (set when the cluster takes it)
+
+    @property
+    def pylon_tokens(self) -> int:
+        """The prompt work its backend's Pylon counts: the whole prompt, unless it leaves cached
+        prefixes out as the router does."""
+        return self.prefill_tokens if self.cached_work else self.input_tokens
 
 
 @dataclass(slots=True)
@@ -262,6 +270,7 @@ class ClusterState:
         "_keys_view",
         "_meter",
         "_prefilling_keys",
+        "_pylon_stats",
         "_slots",
         "_stats",
         "cluster_id",
@@ -291,6 +300,7 @@ class ClusterState:
         self._counter = RoundRobin()
         self._base = Candidate(cluster_id=cluster_id, stats=ModelStats(), rtt_s=0.0, active_backend_count=0)
         self._stats = self._base.stats
+        self._pylon_stats: ModelStats | None = None  # ``Candidate.pylon_stats``
         self._candidate: Candidate | None = self._base
         self.picker = BackendPicker((), self._counter)
 
@@ -311,6 +321,7 @@ class ClusterState:
                 measured_input_tps=self._meter.rate,
                 measured_slot_s=self._slots.mean_s,
                 slot_held_since=self._slot_held_since(),
+                pylon_stats=self._pylon_stats,
             )
             self._candidate = candidate
         return candidate
@@ -366,13 +377,19 @@ class ClusterState:
         return True
 
     def add_reservation(self, reservation: Reservation) -> None:
+        member = self.members.get(reservation.backend_id)
+        reservation.cached_work = member is not None and CACHED_PROMPT_WORK in member.stats.stats_capabilities
         if len(self.reservations) >= MAX_RESERVATIONS_PER_CLUSTER:
             self.reservations.popitem(last=False)
             self.reservations[reservation] = None
             self._refold()
             return
         self.reservations[reservation] = None
-        self._stats = with_reservation(self._stats, reservation.prefill_tokens, reservation.priority)
+        stats, whole, priority = self._stats, reservation.pylon_tokens, reservation.priority
+        if self._pylon_stats is not None or whole != reservation.prefill_tokens:
+            counted = stats if self._pylon_stats is None else self._pylon_stats
+            self._pylon_stats = with_reservation(counted, whole, priority)
+        self._stats = with_reservation(stats, reservation.prefill_tokens, priority)
         self._candidate = None
 
     def release(self, reservation: Reservation) -> bool:
@@ -460,6 +477,7 @@ class ClusterState:
             keys,
             self._keys_view,
             sizes,
+            current.cached_tokens + prefill * (reservation.pylon_tokens - reservation.prefill_tokens),
         )
         if prefill and _measured(reservation):
             if prefill > 0:
@@ -485,6 +503,7 @@ class ClusterState:
         if not ordered:
             self._base = replace(self._base, active_backend_count=0)
             self._stats = self._base.stats
+            self._pylon_stats = None
             self._candidate = None
             return
         if self.source_id is None:
@@ -509,6 +528,11 @@ class ClusterState:
         return member if departed is None else replace(member, stats=departed.adjust(member.stats))
 
     def _refold(self) -> None:
-        pending = [(r.prefill_tokens, r.priority) for r in self.reservations]
-        self._stats = with_reservations(self._base.stats, pending)
+        """Fold the pending reservations onto the published aggregate; a second view, as Pylon
+        counts them, only while one of them is expected partly cached."""
+        reservations, base = self.reservations, self._base.stats
+        self._stats = with_reservations(base, [(r.prefill_tokens, r.priority) for r in reservations])
+        self._pylon_stats = None
+        if any(r.pylon_tokens != r.prefill_tokens for r in reservations):
+            self._pylon_stats = with_reservations(base, [(r.pylon_tokens, r.priority) for r in reservations])
         self._candidate = None

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from support.balancer_builders import make_candidate, make_request
 
@@ -87,5 +89,17 @@ def test_free_slot_does_not_relax_admission() -> None:
     candidate = make_candidate("a", queued=1000, tps=100.0, running=0, max_concurrency=8)
     assert (
         check_admission(_limit(5.0), (candidate,), make_request())
+        is AdmissionRejection.INPUT_WORK_LIMIT_EXCEEDED
+    )
+
+
+def test_a_prompt_expected_cached_counts_whole_where_pylon_counts_it_whole() -> None:
+    """Spec §3.10: queued work is never scaled; ``pylon_stats`` counts what the ranking discounts."""
+    discounted = make_candidate("a", queued=100, tps=1000.0)
+    counted = replace(discounted, pylon_stats=replace(discounted.stats, queued_input_size=1000))
+    assert input_work_seconds(_limit(0.5), (discounted,), make_request()) == pytest.approx(0.1)
+    assert input_work_seconds(_limit(0.5), (counted,), make_request()) == pytest.approx(1.0)
+    assert (
+        check_admission(_limit(0.5), (counted,), make_request())
         is AdmissionRejection.INPUT_WORK_LIMIT_EXCEEDED
     )

@@ -72,6 +72,43 @@ def test_the_expected_queue_header_sees_this_routers_requests_under_load_aware()
     assert expected_queue_ms(unknown, 0, load_aware=True) is None
 
 
+def _expected_cached(*, whole: bool) -> Candidate:
+    """A 1-slot cluster at 1000 tok/s prefilling one 1000-token prompt expected 90% cached, still a
+    pending reservation; with ``whole`` its Pylon counts whole prompts (no ``CACHED_PROMPT_WORK``)."""
+    discounted = make_candidate("a", tps=1000.0, max_concurrency=1, running=1, queue_size=1, queued=100)
+    if not whole:
+        return dataclasses.replace(discounted, in_flight=InFlight(1, 1, 100))
+    counted = dataclasses.replace(discounted.stats, queued_input_size=1000)
+    return dataclasses.replace(
+        discounted, pylon_stats=counted, in_flight=InFlight(1, 1, 100, cached_tokens=900)
+    )
+
+
+def test_the_header_counts_a_prompt_expected_cached_as_its_pylon_does() -> None:
+    """Spec §3.10: the header is never scaled. Pylon counts the whole prompt of a pick expected
+    cached, so the header does too (100 had Pylon reject a key's follow-up), unless Pylon leaves
+    the cache out itself; the load-aware ranking keeps counting the uncached part."""
+    whole = _expected_cached(whole=True)
+    assert expected_queue_ms(whole, 0) == expected_queue_ms(whole, 0, load_aware=True) == 1000
+    assert load_queue_ms(whole, 0) == 100
+    cached = _expected_cached(whole=False)
+    assert expected_queue_ms(cached, 0) == expected_queue_ms(cached, 0, load_aware=True) == 100
+    # Counted by a heartbeat already, only this router's own count still says it is whole.
+    own = dataclasses.replace(whole, pylon_stats=None)
+    assert expected_queue_ms(own, 0, load_aware=True) == 1000
+
+
+def test_the_queue_slo_filter_counts_a_prompt_expected_cached_as_its_pylon_does() -> None:
+    """A 500 ms queue SLO passes the 100 ms the ranking counts, not the 1000 ms Pylon counts."""
+    request = make_request(input_tokens=100)
+    for load_aware in (False, True):
+        policy = build_policy(waw(load_aware=load_aware, max_queued=5, queue_slo_ms=(500, 500)))
+        cached = (_expected_cached(whole=False),)
+        assert chosen_id(cached, policy.decide(cached, request, rng())) == "a"
+        whole = (_expected_cached(whole=True),)
+        assert policy.decide(whole, request, rng()) == UNAVAILABLE  # 1000 ms queued: over the SLO
+
+
 def test_free_slot_hides_prefill_backlog_but_load_estimate_sees_it() -> None:
     busy = make_candidate("busy", tps=1000.0, queued=2000, running=1, max_concurrency=8)
     assert effective_queue_ms(busy.stats, 0) == 0  # the seed's rule: a free slot, no queue

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from types import MappingProxyType
 
+from stargate.balancer.estimates import expected_queue_ms
 from stargate.balancer.types import Candidate, ModelStats, Target
 from stargate.router.state import (
     SERVER_ERROR_HOLD_S,
@@ -611,6 +612,66 @@ def test_a_pylon_that_leaves_the_cache_out_is_credited_nothing_more() -> None:
     assert only_candidate(state).stats.queued_input_size == 300
     state.finish(full)
     assert only_candidate(state).stats.queued_input_size == 0
+
+
+def test_the_spec_checks_count_a_pick_expected_cached_as_its_whole_prompt() -> None:
+    """Spec §3.10: queued work, reservations and the expected-queue header are never scaled. The
+    ranking counts the uncached part of a pick expected cached; admission, the queue-SLO filter and
+    the header read ``checked_stats`` and count the whole prompt, as Pylon does: a follow-up sent
+    behind it expected 100 ms where Pylon counted 1000 and rejected it (queue_estimate_mismatch)."""
+    state, _ = make_state()
+    a = join(state, "a")
+    published = ModelStats(
+        last_mean_input_tps=1000.0, max_engine_concurrency=1, queue_time_estimate_ms_by_priority=pmap(p0=5)
+    )
+    publish(state, a, published)
+    first = state.reserve(T, "a", 1000, 0, prefill_tokens=100)
+    candidate = only_candidate(state)
+    assert candidate.stats.queued_input_size == 100 and candidate.in_flight.prefill_tokens == 100
+    assert candidate.stats.queue_time_estimate_ms_by_priority == {0: 105}
+    checked = candidate.checked_stats
+    assert checked.queued_input_size == 1000 and checked.queue_time_estimate_ms_by_priority == {0: 1005}
+    assert checked.num_running_queries == candidate.stats.num_running_queries == 1
+    assert candidate.in_flight.cached_tokens == 900
+    assert expected_queue_ms(candidate, 0) == expected_queue_ms(candidate, 0, load_aware=True) == 1005
+    whole = state.reserve(T, "a", 300, 0)  # a pick expected uncached counts alike in both
+    candidate = only_candidate(state)
+    assert (candidate.stats.queued_input_size, candidate.checked_stats.queued_input_size) == (400, 1300)
+    state.finish(first)
+    candidate = only_candidate(state)
+    assert candidate.pylon_stats is None and candidate.in_flight.cached_tokens == 0
+    assert candidate.checked_stats.queued_input_size == 300
+    state.finish(whole)
+    # Counted by a heartbeat without a priority map, the cached part is credited to the ranking;
+    # this router's own count still has the header count the whole prompt.
+    first = state.reserve(T, "a", 1000, 0, prefill_tokens=100)
+    counted = ModelStats(
+        last_mean_input_tps=1000.0, max_engine_concurrency=1, num_running_queries=1, queued_input_size=1000
+    )
+    publish(state, a, counted)
+    candidate = only_candidate(state)
+    assert candidate.stats.queued_input_size == 100 and candidate.in_flight.cached_tokens == 900
+    assert expected_queue_ms(candidate, 0, load_aware=True) == 1000
+    state.first_byte(first)
+    assert only_candidate(state).in_flight.cached_tokens == 0
+
+
+def test_a_pylon_that_leaves_the_cache_out_is_checked_with_the_uncached_work() -> None:
+    """With CACHED_PROMPT_WORK Pylon counts only the uncached work itself: so does the header."""
+    state, _ = make_state()
+    a = join(state, "a")
+    publish(
+        state,
+        a,
+        ModelStats(
+            last_mean_input_tps=1000.0, max_engine_concurrency=1, stats_capabilities=(CACHED_PROMPT_WORK,)
+        ),
+    )
+    state.reserve(T, "a", 1000, 0, prefill_tokens=100)
+    candidate = only_candidate(state)
+    assert candidate.pylon_stats is None and candidate.in_flight.cached_tokens == 0
+    assert candidate.checked_stats.queued_input_size == 100
+    assert expected_queue_ms(candidate, 0) == expected_queue_ms(candidate, 0, load_aware=True) == 100
 
 
 def test_a_backend_answers_from_a_first_response_byte_until_the_window_passes_or_it_leaves() -> None:
