@@ -74,6 +74,19 @@ def test_invalid_json_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFi
     assert capsys.readouterr().err.startswith(f"{path}: failed to parse lb config file")
 
 
+def test_lone_surrogate_escape_exits_2_naming_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, r'{"models": {"llama": {"algorithm": "pulsar", "seed": "\udc00"}}}')
+    assert main(["validate-config", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f"{path}: $.models.llama.seed: string is not valid Unicode: "
+        "it holds the lone surrogate escape \\udc00"
+    )
+
+
 def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate-config"]) == 2
     assert "FILE" in capsys.readouterr().err
@@ -92,8 +105,10 @@ def test_help_lists_the_command_and_every_router_flag_with_its_default(
     assert main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "validate-config" in text
-    assert "--proxy-max-connect-retries PROXY_MAX_CONNECT_RETRIES retries after a backend connect failure " \
+    assert (
+        "--proxy-max-connect-retries PROXY_MAX_CONNECT_RETRIES retries after a backend connect failure "
         "(default: 2) (env STARGATE_PROXY_MAX_CONNECT_RETRIES)" in text
+    )
     assert "(default: True)" not in text and "(default: False)" not in text
 
 

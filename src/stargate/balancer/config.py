@@ -180,6 +180,7 @@ def parse_algorithm_name(value: object, path: str) -> Algorithm:
 
 def parse_lb_config(data: object) -> LbConfig:
     """Build the configuration from decoded JSON (spec §2.2 to §2.5)."""
+    _check_strings(data)
     if not isinstance(data, Mapping):
         raise ConfigError(f"invalid type: {describe_json(data)}, expected a JSON object", path="$")
     for key in data:
@@ -231,6 +232,38 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"duplicate key {json.dumps(key)} in a JSON object")
         result[key] = value
     return result
+
+
+def _check_strings(data: object) -> None:
+    """Every key and string must be valid Unicode.
+
+    A ``\\ud800`` escape is valid JSON but decodes to a lone surrogate, which no UTF-8 output (the
+    summary, logs, the affinity ring's hashes) can carry. Iterative: decoded JSON may nest deeply.
+    """
+    stack: list[tuple[str, object]] = [("$", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, "string", path)
+        elif isinstance(value, Mapping):
+            children: list[tuple[str, object]] = []
+            for key, item in value.items():
+                if isinstance(key, str):
+                    _check_unicode(key, "key", f"{path}[{json.dumps(key)}]")
+                children.append((child_path(path, str(key)), item))
+            stack.extend(reversed(children))
+        elif isinstance(value, list | tuple):
+            stack.extend(reversed([(f"{path}[{index}]", item) for index, item in enumerate(value)]))
+
+
+def _check_unicode(text: str, what: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        surrogate = ord(text[exc.start])
+        raise ConfigError(
+            f"{what} is not valid Unicode: it holds the lone surrogate escape \\u{surrogate:04x}", path=path
+        ) from None
 
 
 def _parse_models(value: object, path: str) -> dict[str, ModelConfig]:

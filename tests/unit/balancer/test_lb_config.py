@@ -408,6 +408,24 @@ def test_load_lb_config_rejects_invalid_json(tmp_path: Any, text: str) -> None:
     assert info.value.reason.startswith("failed to parse lb config file")
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (r'{"models": {"llama": {"algorithm": "pulsar", "seed": "\udc00"}}}', "$.models.llama.seed: string"),
+        (r'{"models": {"m\ud800": "random"}}', r'$.models["m\ud800"]: key'),
+        (r'{"models": {"m": {"algorithm": "random", "\udfff": 1}}}', r'$.models.m["\udfff"]: key'),
+        (r'{"request_algorithms": {"random": {"x": ["a", "\ud83d"]}}}', "random.x[1]: string"),
+    ],
+)
+def test_a_lone_surrogate_escape_is_rejected_with_its_path(tmp_path: Any, text: str, where: str) -> None:
+    path = tmp_path / "lb.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_lb_config(str(path))
+    assert where + " is not valid Unicode: it holds the lone surrogate escape \\u" in info.value.describe()
+    info.value.describe().encode("utf-8")
+
+
 def test_load_lb_config_missing_file(tmp_path: Any) -> None:
     with pytest.raises(ConfigError) as info:
         load_lb_config(str(tmp_path / "absent.json"))
