@@ -121,18 +121,18 @@ class _WaitAndWidenFamilyFields(_ComparatorFields):
 
 
 class WaitAndWidenFields(_WaitAndWidenFamilyFields):
-    load_aware: bool = False
+    load_aware: bool | None = None
     prefill_rate: Literal["published", "measured"] | None = None
     cache_affinity_yield_margin_ms: U64 | None = None
     cache_affinity_placement: Literal["ring", "load"] | None = None
     cache_affinity_prefill: Literal["scale", "growth"] | None = None
-    cache_affinity_await_prefill: bool = False
-    cache_affinity_spill: bool = False
-    prefill_sharing: bool = False
+    cache_affinity_await_prefill: bool | None = None
+    cache_affinity_spill: bool | None = None
+    prefill_sharing: bool | None = None
 
 
 class PulsarWaitAndWidenFields(_WaitAndWidenFamilyFields):
-    consider_kv_free_tokens: bool = False
+    consider_kv_free_tokens: bool | None = None
 
 
 COMPARATOR_NAMES = ", ".join(c.value for c in Comparator)
@@ -186,9 +186,7 @@ def _reason(error: ErrorDetails, field: str) -> str:
     return f"{error['msg']} for {field}" if field else error["msg"]
 
 
-def normalise(
-    algorithm: Algorithm, fields: Fields, comparator: Comparator | None
-) -> AlgorithmDefinition:
+def normalise(algorithm: Algorithm, fields: Fields, comparator: Comparator | None) -> AlgorithmDefinition:
     """Apply the defaults of §2.5 to parsed fields; ``comparator`` is the algorithm's default (§2.7).
 
     What the schema cannot see (ranges, settings an algorithm ignores) is checked on the result by
@@ -239,14 +237,14 @@ def _wait_and_widen_settings(fields: _WaitAndWidenFamilyFields) -> dict[str, Any
         "cache_affinity_input_tokens_scale": 1.0 if scale is None else float(scale),
     }
     if isinstance(fields, PulsarWaitAndWidenFields):
-        settings["consider_kv_free_tokens"] = fields.consider_kv_free_tokens
+        settings["consider_kv_free_tokens"] = bool(fields.consider_kv_free_tokens)
     if isinstance(fields, WaitAndWidenFields):
-        settings["load_aware"] = fields.load_aware
+        settings["load_aware"] = bool(fields.load_aware)
         settings["prefill_rate"] = PrefillRate(fields.prefill_rate or "published")
         settings["cache_affinity_yield_margin_ms"] = fields.cache_affinity_yield_margin_ms
         settings["cache_affinity_placement"] = Placement(fields.cache_affinity_placement or "ring")
         settings["cache_affinity_prefill"] = PrefillEstimate(fields.cache_affinity_prefill or "scale")
-        settings["cache_affinity_await_prefill"] = fields.cache_affinity_await_prefill
-        settings["cache_affinity_spill"] = fields.cache_affinity_spill
-        settings["prefill_sharing"] = fields.prefill_sharing
+        settings["cache_affinity_await_prefill"] = bool(fields.cache_affinity_await_prefill)
+        settings["cache_affinity_spill"] = bool(fields.cache_affinity_spill)
+        settings["prefill_sharing"] = bool(fields.prefill_sharing)
     return settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import astuple
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from stargate.balancer.config import (
     parse_lb_config,
     parse_routing_method,
 )
+from stargate.balancer.config_schema import Fields
 from stargate.balancer.registry import ALIASES, SPECS
 from stargate.balancer.settings import Algorithm, Comparator
 from stargate.errors import ConfigError
@@ -247,6 +249,19 @@ def test_c15_wait_and_widen_null_means_unset_and_explicit_zero_is_kept() -> None
     zero = model({"algorithm": "wait-and-widen", "ttft_bucket_size_ms": 0, "next_bucket_unlock_factor": 0})
     assert zero.ttft_bucket_size_ms == 0
     assert zero.next_bucket_unlock_factor == 0.0 and isinstance(zero.next_bucket_unlock_factor, float)
+
+
+@pytest.mark.parametrize("algorithm", ["wait-and-widen", "pulsar-wait-and-widen"])
+def test_every_wait_and_widen_family_field_but_comparator_takes_null_as_unset(algorithm: str) -> None:
+    specific = set(SPECS[ALIASES[algorithm]].fields.model_fields) - set(Fields.model_fields) - {"comparator"}
+    default = astuple(model({"algorithm": algorithm}))
+    for name in sorted(specific):
+        assert astuple(model({"algorithm": algorithm, name: None})) == default, name
+
+
+def test_consider_kv_free_tokens_null_stays_a_type_error_on_pulsar() -> None:
+    error = config_error({"models": {"m": {"algorithm": "pulsar", "consider_kv_free_tokens": None}}})
+    assert error.path == "$.models.m.consider_kv_free_tokens" and "invalid type: null" in error.reason
 
 
 def test_c15_queue_slo_needs_both_bounds_and_is_not_reordered() -> None:
