@@ -12,6 +12,8 @@ Every problem raises ``ConfigError`` with the JSON path of the offending value
 from __future__ import annotations
 
 import json
+import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
@@ -180,7 +182,7 @@ def parse_algorithm_name(value: object, path: str) -> Algorithm:
 
 def parse_lb_config(data: object) -> LbConfig:
     """Build the configuration from decoded JSON (spec §2.2 to §2.5)."""
-    _check_strings(data)
+    _check_values(data)
     if not isinstance(data, Mapping):
         raise ConfigError(f"invalid type: {describe_json(data)}, expected a JSON object", path="$")
     for key in data:
@@ -212,7 +214,13 @@ def load_lb_config(path: str) -> LbConfig:
         raise ConfigError(f"failed to read lb config file: larger than {MAX_CONFIG_BYTES} bytes", file=path)
     try:
         text = raw.decode("utf-8")
-        data = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        data = json.loads(
+            text,
+            parse_constant=_reject_constant,
+            parse_float=_parse_float,
+            parse_int=_parse_int,
+            object_pairs_hook=_unique_keys,
+        )
     except (ValueError, RecursionError) as exc:
         raise ConfigError(f"failed to parse lb config file: {exc}", file=path) from None
     try:
@@ -221,21 +229,51 @@ def load_lb_config(path: str) -> LbConfig:
         raise exc.in_file(path) from None
 
 
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not a valid JSON number")
+@dataclass(frozen=True, slots=True)
+class _Invalid:
+    """A value the decoder refused; it stands in the tree so that the error can name its JSON path."""
+
+    reason: str
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+# An integer literal longer than this is out of any field's range without converting it (Python
+# refuses to convert more than 4300 digits).
+_MAX_INTEGER_DIGITS = len(str(int(sys.float_info.max)))
+
+
+def _reject_constant(name: str) -> _Invalid:
+    return _Invalid(f"{name} is not a valid JSON number")
+
+
+def _parse_float(text: str) -> float | _Invalid:
+    value = float(text)
+    return _out_of_range(text) if math.isinf(value) else value
+
+
+def _parse_int(text: str) -> int | _Invalid:
+    """Number fields take integers as 64-bit floats, so one beyond their range fits no field."""
+    if len(text.lstrip("-")) > _MAX_INTEGER_DIGITS:
+        return _out_of_range(text)
+    value = int(text)
+    return _out_of_range(text) if abs(value) > sys.float_info.max else value
+
+
+def _out_of_range(text: str) -> _Invalid:
+    shown = text if len(text) <= 32 else f"{text[:12]}...{text[-12:]} ({len(text)} characters)"
+    return _Invalid(f"number {shown} is out of range: its magnitude exceeds the largest finite 64-bit float")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any] | _Invalid:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
-            raise ValueError(f"duplicate key {json.dumps(key)} in a JSON object")
+            return _Invalid(f"duplicate key {json.dumps(key)} in a JSON object")
         result[key] = value
     return result
 
 
-def _check_strings(data: object) -> None:
-    """Every key and string must be valid Unicode.
+def _check_values(data: object) -> None:
+    """Report what the decoder refused, and keys and strings that are not valid Unicode.
 
     A ``\\ud800`` escape is valid JSON but decodes to a lone surrogate, which no UTF-8 output (the
     summary, logs, the affinity ring's hashes) can carry. Iterative: decoded JSON may nest deeply.
@@ -243,6 +281,8 @@ def _check_strings(data: object) -> None:
     stack: list[tuple[str, object]] = [("$", data)]
     while stack:
         path, value = stack.pop()
+        if isinstance(value, _Invalid):
+            raise ConfigError(value.reason, path=path)
         if isinstance(value, str):
             _check_unicode(value, "string", path)
         elif isinstance(value, Mapping):
