@@ -9,9 +9,10 @@ Prompts are rebuilt block by block: block ``h`` is the same deterministic text w
 (:meth:`PromptBuilder.block`, ``4 x block_tokens`` bytes), so text-reading routers and the mock's
 prefix cache see the reuse the trace describes. The conversation key (sent as
 ``x-cache-affinity-key``) follows :func:`conversation_keys`. A turn's partial last block is the start
-of the block its conversation's next turn has there: the trace gives that block a new id because it
-grew, but the text it grew from is the same, so each turn's prompt starts with the whole prompt of
-the turn before, as a conversation's does.
+of the block its conversation's next turn has there (and when that block is still partial there, of
+the one the turn after has, and so on): the trace gives that block a new id because it grew, but
+the text it grew from is the same, so each turn's prompt starts with the whole prompt of the turn
+before, as a conversation's does.
 """
 
 from __future__ import annotations
@@ -69,11 +70,11 @@ def parse_row(line: bytes, where: str) -> MooncakeRow:
 
 
 def prompt_text(builder: PromptBuilder, row: MooncakeRow, block_tokens: int, row_number: int,
-                tail: int | None = None) -> str:  # fmt: skip
+                tail: str | None = None) -> str:  # fmt: skip
     """User-message text whose canonical chat bytes are exactly ``4 x input_length`` long.
 
     Blocks the row's ``hash_ids`` do not cover (a trace listing too few) get text unique to the row.
-    ``tail`` is the id whose text starts a partial last block (default: the row's own id there).
+    ``tail`` is the key of the text that starts a partial last block (default: the row's own there).
     """
     length = max(1, row.input_length * BYTES_PER_TOKEN - USER_OVERHEAD)
     block_bytes = block_tokens * BYTES_PER_TOKEN
@@ -81,15 +82,19 @@ def prompt_text(builder: PromptBuilder, row: MooncakeRow, block_tokens: int, row
     size = 0
     position = 0
     while size < length:
-        known = position < len(row.hash_ids)
-        key = f"b{row.hash_ids[position]}" if known else f"row{row_number}-{position}"
         take = min(block_bytes, length - size)
-        if tail is not None and take < block_bytes:
-            key = f"b{tail}"
-        parts.append(builder.block(key, take))
+        parts.append(builder.block(_block_key(row, block_tokens, row_number, position, tail), take))
         size += take
         position += 1
     return "".join(parts)
+
+
+def _block_key(row: MooncakeRow, block_tokens: int, row_number: int, position: int, tail: str | None) -> str:
+    if tail is not None and position == row.input_length // block_tokens:
+        return tail
+    if position < len(row.hash_ids):
+        return f"b{row.hash_ids[position]}"
+    return f"row{row_number}-{position}"
 
 
 class _Node:
@@ -158,17 +163,19 @@ def replay_requests(rows: Sequence[MooncakeRow], builder: PromptBuilder, block_t
     return out
 
 
-def _grown_tails(rows: Sequence[MooncakeRow], keys: Sequence[str], block_tokens: int) -> dict[int, int]:
-    """Row index -> the id its partial last block grew into in its conversation's next row."""
-    tails: dict[int, int] = {}
-    last: dict[str, int] = {}
-    for index, (row, key) in enumerate(zip(rows, keys, strict=True)):
-        before = last.get(key)
-        last[key] = index
-        if before is None:
-            continue
-        earlier = rows[before]
-        position = earlier.input_length // block_tokens
-        if earlier.input_length % block_tokens and position < len(row.hash_ids):
-            tails[before] = row.hash_ids[position]
+def _grown_tails(rows: Sequence[MooncakeRow], keys: Sequence[str], block_tokens: int) -> dict[int, str]:
+    """Row index -> the key of the text its partial last block has in its conversation's next row.
+
+    Walked backwards, so a block that stays partial over several turns takes, in each, the text of
+    the turn where it is last seen: every turn's text then starts with the whole of the turn before.
+    """
+    tails: dict[int, str] = {}
+    following: dict[str, int] = {}
+    for index in range(len(rows) - 1, -1, -1):
+        row, key = rows[index], keys[index]
+        after = following.get(key)
+        following[key] = index
+        if after is not None and row.input_length % block_tokens:
+            position = row.input_length // block_tokens
+            tails[index] = _block_key(rows[after], block_tokens, after, position, tails.get(after))
     return tails

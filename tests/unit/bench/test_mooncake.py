@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from stargate.bench.mooncake import MooncakeRow, conversation_keys, parse_row, prompt_text, replay_requests
@@ -82,3 +84,33 @@ def test_each_turn_starts_with_the_whole_prompt_of_the_turn_before() -> None:
     assert not other.prompt.startswith(first.prompt[: 512 * 4 + 8])  # [7], not [3]: its own text
     # The last turn's partial block is its own: nothing follows it.
     assert third.prompt == prompt_text(PromptBuilder(seed=1), rows[2], 512, 2)
+
+
+def test_a_block_partial_over_several_turns_keeps_each_turn_a_prefix_of_the_next() -> None:
+    # Block 2 is partial in the first two turns ([12], then [13]) and full in the third ([14]).
+    rows = [row(1100, (10, 11, 12), 20), row(1520, (10, 11, 13), 20), row(2140, (10, 11, 14, 15, 16), 20)]
+    first, second, third = replay_requests(rows, PromptBuilder(seed=3), 512, 1.0)
+    assert first.conversation == second.conversation == third.conversation
+    assert second.prompt.startswith(first.prompt) and third.prompt.startswith(second.prompt)
+
+
+@pytest.mark.parametrize(
+    "name", ["synthetic-conversations", "system-prompt-conversations", "mooncake-conversation-trace-head"]
+)
+def test_every_continuation_in_the_shipped_traces_starts_with_its_predecessor(name: str) -> None:
+    path = Path(__file__).resolve().parents[3] / "benches" / "traces" / f"{name}.jsonl"
+    rows = [parse_row(line, name) for line in path.read_bytes().splitlines() if line.strip()]
+    requests = replay_requests(rows, PromptBuilder(seed=13), 512, 1.0)
+    previous: dict[str, int] = {}
+    continuations = 0
+    for index, request in enumerate(requests):
+        before = previous.get(request.conversation)
+        previous[request.conversation] = index
+        if (
+            before is None
+            or rows[index].input_length < rows[before].input_length + rows[before].output_length
+        ):
+            continue  # a conversation's first turn, or a branch off an earlier turn
+        continuations += 1
+        assert request.prompt.startswith(requests[before].prompt), (before, index)
+    assert continuations > 50
