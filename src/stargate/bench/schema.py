@@ -225,6 +225,11 @@ class Prompts(Strict):
 MAX_REQUEST_COUNT = 10_000_000
 """A workload is planned whole, in memory, before it runs: a bound, not a suggestion."""
 
+MAX_SCHEDULE_S = 86_400.0
+"""The replay's schedule: no request starts later than this after the first, and no session thinks
+longer in all. A day is longer than any benchmark; a later offset (a trace row stamped 1e300) is a
+mistake that would leave the run waiting for ever."""
+
 MAX_TOKENS = 1_000_000
 """Tokens of one prompt or one answer: a long-context model's window. Prompt text is built in memory
 (4 bytes a token) when the workload is planned, so a larger count is a mistake, not a workload."""

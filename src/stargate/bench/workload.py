@@ -21,7 +21,7 @@ import orjson
 
 from stargate.bench import mooncake
 from stargate.bench.prompts import PromptBuilder
-from stargate.bench.schema import MAX_TOKENS, Scenario
+from stargate.bench.schema import MAX_SCHEDULE_S, MAX_TOKENS, Scenario
 from stargate.bench.traffic import (
     Arrival,
     BurstyTraffic,
@@ -329,6 +329,38 @@ def _check_tokens(traffic: object, shapes: list[_Shape]) -> None:
                 raise ConfigError(reason, path=f"$.traffic_pattern.{field}")
 
 
+def _schedule_field(scenario: Scenario, traffic: object) -> str:
+    if isinstance(traffic, TraceTraffic):
+        return f"$.traffic_pattern.path ({(scenario.base_dir / traffic.path).resolve()})"
+    if isinstance(traffic, SessionsTraffic):
+        return "$.traffic_pattern.think_time_ms"
+    return "$.traffic_pattern.arrival" if hasattr(traffic, "arrival") else "$.traffic_pattern"
+
+
+def _check_schedule(scenario: Scenario, traffic: object, shapes: list[_Shape]) -> None:
+    """Every wait the replay has within :data:`MAX_SCHEDULE_S`, so a run cannot wait for ever.
+
+    Requests that ``execution.duration_s`` leaves out are never waited for.
+    """
+    limit_ms = MAX_SCHEDULE_S * 1000.0
+    stop_ms = math.inf if scenario.execution.duration_s is None else scenario.execution.duration_s * 1000.0
+    thinking: dict[str | None, float] = {}
+    closed = scenario.effective_mode == "closed_loop"
+    for index, shape in enumerate(shapes):
+        if not closed:
+            at_ms = shape.at_ms or 0.0
+            late = at_ms < stop_ms and not at_ms <= limit_ms
+            reason = f"request {index} would start {at_ms / 1000.0:.6g} s after the first"
+        else:
+            thinking[shape.session] = thinking.get(shape.session, 0.0) + shape.think_ms
+            late = thinking[shape.session] > limit_ms
+            reason = f"session {shape.session} would think {thinking[shape.session] / 1000.0:.6g} s in all"
+        if late:
+            scale = " (after time_scale)" if isinstance(traffic, TraceTraffic) else ""
+            reason += f"{scale}, over the limit of {MAX_SCHEDULE_S:.0f} s (24 h)"
+            raise ConfigError(reason, path=_schedule_field(scenario, traffic))
+
+
 def _mooncake(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) -> list[_Shape]:
     """Mooncake rows: prompts rebuilt block by block, the conversation key as the cache key."""
     path, lines = _trace_lines(scenario, traffic)
@@ -412,6 +444,7 @@ def build_workload(scenario: Scenario, seed: int | None = None) -> Workload:
         else:
             shapes = _synthetic(scenario, rngs)
         _check_tokens(traffic, shapes)
+        _check_schedule(scenario, traffic, shapes)
     except ConfigError as exc:
         raise exc.in_file(exc.file or scenario.file) from None
     closed = scenario.effective_mode == "closed_loop"

@@ -279,3 +279,29 @@ def test_the_checked_in_synthetic_trace_replays() -> None:
     keys = Counter(r.cache_affinity_key for r in work.requests)
     assert len(work.requests) == 343 and 100 <= len(keys) <= 140 and max(keys.values()) <= 6
     assert work.requests[-1].at_ms is not None and 20_000 < work.requests[-1].at_ms < 30_000
+
+
+def test_a_schedule_over_a_day_is_refused_naming_the_trace(tmp_path: Path) -> None:
+    rows = [{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]},
+            {"timestamp": 1e300, "input_length": 600, "output_length": 5, "hash_ids": [1, 3]}]  # fmt: skip
+    (tmp_path / "mc.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    data = scenario({"kind": "trace", "format": "mooncake", "path": "mc.jsonl"}) | {"request_count": 2}
+    limit = r"request 1 would start 1e\+297 s .* over the limit of 86400 s"
+    with pytest.raises(ConfigError, match=limit) as error:
+        build(data, base_dir=tmp_path)
+    assert error.value.path.startswith("$.traffic_pattern.path (") and "mc.jsonl" in error.value.path
+    # 25 h of rows replayed at a tenth of the pace is 2.5 h; a run stopped at 60 s waits for none past it
+    rows[1]["timestamp"] = 25 * 3600 * 1000
+    (tmp_path / "mc.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    with pytest.raises(ConfigError, match="after time_scale"):
+        build(data, base_dir=tmp_path)
+    scaled = data | {"traffic_pattern": data["traffic_pattern"] | {"time_scale": 0.1}}
+    assert build(scaled, base_dir=tmp_path).requests[1].at_ms == 9_000_000
+    assert len(build(data | {"execution": {"duration_s": 60}}, base_dir=tmp_path).requests) == 2
+    slow = {**HOTSET, "arrival": {"distribution": "poisson", "target_rps": 1e-300}}
+    with pytest.raises(ConfigError, match="over the limit of 86400 s") as error:
+        build(scenario(slow))
+    assert error.value.path == "$.traffic_pattern.arrival"
+    with pytest.raises(ConfigError, match="would think") as error:
+        build(scenario({**SESSIONS, "think_time_ms": const(10**17)}))
+    assert error.value.path == "$.traffic_pattern.think_time_ms"
