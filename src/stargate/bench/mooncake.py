@@ -52,21 +52,68 @@ class MooncakeRow:
     hash_ids: tuple[int, ...]
 
 
-def parse_row(line: bytes, where: str) -> MooncakeRow:
-    """One JSONL line; errors name ``where`` (file and line)."""
+def shown(value: object) -> str:
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def json_row(line: bytes, what: str, where: str) -> dict[str, object]:
+    """One JSONL line as an object; errors say ``what`` and name ``where`` (file and line)."""
     try:
         row = orjson.loads(line)
-        stamp = float(row["timestamp"])
-        input_length, output_length = int(row["input_length"]), int(row["output_length"])
-        hash_ids = tuple(int(h) for h in row["hash_ids"])
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"bad Mooncake trace line: {exc!r}", path=where) from exc
-    if input_length < 1 or output_length < 1 or not math.isfinite(stamp):
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: {exc}", path=where) from exc
+    if not isinstance(row, dict):
+        raise ConfigError(f"{what}: a row must be a JSON object, got {shown(row)}", path=where)
+    return row
+
+
+def _present(row: dict[str, object], name: str, what: str, where: str) -> object:
+    if name not in row:
+        raise ConfigError(f"{what}: no {name}", path=where)
+    return row[name]
+
+
+def integer_field(row: dict[str, object], name: str, what: str, where: str) -> int:
+    """A JSON integer, never converted: ``600.7``, ``"600"`` and ``true`` are not token counts."""
+    value = _present(row, name, what, where)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{what}: {name} must be an integer, got {shown(value)}", path=where)
+    return value
+
+
+def number_field(row: dict[str, object], name: str, what: str, where: str) -> float:
+    """A finite JSON number (an integer is one); ``true`` and ``"5"`` are not."""
+    value = _present(row, name, what, where)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{what}: {name} must be a finite number, got {shown(value)}", path=where)
+    return float(value)
+
+
+def text_field(row: dict[str, object], name: str, what: str, where: str) -> str | None:
+    """An optional JSON string: absent or null is None, anything else (``7``) an error."""
+    value = row.get(name)
+    if not isinstance(value, str | None):
+        raise ConfigError(f"{what}: {name} must be a string or null, got {shown(value)}", path=where)
+    return value
+
+
+def parse_row(line: bytes, where: str) -> MooncakeRow:
+    """One JSONL line; errors name ``where`` (file and line) and the field."""
+    what = "bad Mooncake trace line"
+    row = json_row(line, what, where)
+    stamp = number_field(row, "timestamp", what, where)
+    input_length = integer_field(row, "input_length", what, where)
+    output_length = integer_field(row, "output_length", what, where)
+    hash_ids = _present(row, "hash_ids", what, where)
+    if not isinstance(hash_ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in hash_ids):
+        raise ConfigError(f"{what}: hash_ids must be a list of integers, got {shown(hash_ids)}", path=where)
+    if input_length < 1 or output_length < 1:
         raise ConfigError("trace lengths must be >= 1 and timestamps finite", path=where)
     for name, tokens in (("input_length", input_length), ("output_length", output_length)):
         if tokens > MAX_TOKENS:
             raise ConfigError(f"{name} {tokens} is over the limit of {MAX_TOKENS} tokens", path=where)
-    return MooncakeRow(stamp, input_length, output_length, hash_ids)
+    return MooncakeRow(stamp, input_length, output_length, tuple(hash_ids))
 
 
 def prompt_text(builder: PromptBuilder, row: MooncakeRow, block_tokens: int, row_number: int,

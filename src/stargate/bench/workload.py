@@ -281,25 +281,22 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
         if not line.strip():
             continue
         where = f"$.traffic_pattern.path ({path}:{number})"
-        try:
-            row = orjson.loads(line)
-            stamp = float(row["timestamp_ms"])
-            session = row.get("session")
-            input_tokens, output_tokens = int(row["input_tokens"]), int(row["output_tokens"])
-            prompt, routing = row.get("prompt"), row.get("routing_key")
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"bad trace line: {exc}", path=where) from exc
-        if input_tokens < 1 or output_tokens < 1 or not math.isfinite(stamp):
+        what = "bad trace line"
+        row = mooncake.json_row(line, what, where)
+        stamp = mooncake.number_field(row, "timestamp_ms", what, where)
+        input_tokens = mooncake.integer_field(row, "input_tokens", what, where)
+        output_tokens = mooncake.integer_field(row, "output_tokens", what, where)
+        if input_tokens < 1 or output_tokens < 1:
             raise ConfigError("trace tokens must be >= 1 and timestamps finite", path=where)
-        if not (isinstance(session, str | None) and isinstance(prompt, str | None)):
-            raise ConfigError("trace session and prompt must be strings or null", path=where)
+        session = mooncake.text_field(row, "session", what, where)
+        prompt = mooncake.text_field(row, "prompt", what, where)
+        routing = mooncake.text_field(row, "routing_key", what, where)
         for name, tokens in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
             if tokens > MAX_TOKENS:
                 raise ConfigError(f"{name} {tokens} is over the limit of {MAX_TOKENS} tokens", path=where)
         turn = turns.get(session, 0) if session else 0
         if session:
             turns[session] = turn + 1
-        routing = routing if isinstance(routing, str) else None
         stamps.append(stamp)
         shapes.append(_Shape(None, routing, session, input_tokens, output_tokens, "trace",
                              session=session, turn=turn, prompt=prompt))  # fmt: skip

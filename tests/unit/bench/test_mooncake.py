@@ -114,3 +114,31 @@ def test_every_continuation_in_the_shipped_traces_starts_with_its_predecessor(na
         continuations += 1
         assert request.prompt.startswith(requests[before].prompt), (before, index)
     assert continuations > 50
+
+
+@pytest.mark.parametrize(
+    ("changed", "field"),
+    [
+        ('"hash_ids": "12"', "hash_ids"),
+        ('"hash_ids": {"7": 1, "8": 2}', "hash_ids"),
+        ('"hash_ids": [1.9, 2.2]', "hash_ids"),
+        ('"hash_ids": [true, false]', "hash_ids"),
+        ('"hash_ids": ["1", "2"]', "hash_ids"),
+        ('"hash_ids": null', "hash_ids"),
+        ('"input_length": 600.7', "input_length"),
+        ('"input_length": "600"', "input_length"),
+        ('"input_length": null', "input_length"),
+        ('"output_length": true', "output_length"),
+        ('"timestamp": true', "timestamp"),
+        ('"timestamp": "5"', "timestamp"),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_not_converted(changed: str, field: str) -> None:
+    good = {"timestamp": "1", "input_length": "600", "output_length": "10", "hash_ids": "[1, 2]"}
+    name = changed.split('"')[1]
+    fields = ", ".join(f'"{key}": {value}' for key, value in good.items() if key != name)
+    with pytest.raises(ConfigError, match=f"{field} must be") as error:
+        parse_row(f"{{{fields}, {changed}}}".encode(), "t.jsonl:2")
+    assert error.value.path == "t.jsonl:2"
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        parse_row(b"[1, 2]", "t.jsonl:2")

@@ -239,7 +239,7 @@ def test_token_counts_over_the_limit_name_the_field_and_file(tmp_path: Path) -> 
 
 def test_trace_rows_over_the_token_limit_name_the_line(tmp_path: Path) -> None:
     (tmp_path / "t.jsonl").write_text('{"timestamp_ms": 0, "input_tokens": 1, "output_tokens": 1000001}\n')
-    mooncake_row = '{"timestamp": 0, "input_length": 1e12, "output_length": 1, "hash_ids": []}\n'
+    mooncake_row = '{"timestamp": 0, "input_length": 1000000000000, "output_length": 1, "hash_ids": []}\n'
     (tmp_path / "mc.jsonl").write_text(mooncake_row)
     cases = (("t.jsonl", "output_tokens", "stargate"), ("mc.jsonl", "input_length", "mooncake"))
     for name, field, fmt in cases:
@@ -305,3 +305,24 @@ def test_a_schedule_over_a_day_is_refused_naming_the_trace(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="would think") as error:
         build(scenario({**SESSIONS, "think_time_ms": const(10**17)}))
     assert error.value.path == "$.traffic_pattern.think_time_ms"
+
+
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({"input_tokens": 100.9}, "input_tokens must be an integer, got 100.9"),
+        ({"output_tokens": True}, "output_tokens must be an integer, got true"),
+        ({"timestamp_ms": "5"}, 'timestamp_ms must be a finite number, got "5"'),
+        ({"routing_key": 7}, "routing_key must be a string or null, got 7"),
+        ({"session": ["s"]}, "session must be a string or null"),
+    ],
+)
+def test_trace_values_of_the_wrong_type_name_the_field_and_line(
+    tmp_path: Path, changed: dict[str, Any], message: str
+) -> None:
+    row = {"timestamp_ms": 0, "session": None, "input_tokens": 100, "output_tokens": 2} | changed
+    (tmp_path / "t.jsonl").write_bytes(orjson.dumps(row) + b"\n")
+    data = scenario({"kind": "trace", "path": "t.jsonl"}) | {"request_count": 1}
+    with pytest.raises(ConfigError, match=message) as error:
+        build(data, base_dir=tmp_path)
+    assert "t.jsonl:1" in error.value.path
