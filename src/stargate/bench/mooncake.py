@@ -98,6 +98,15 @@ def text_field(row: dict[str, object], name: str, what: str, where: str) -> str 
     return value
 
 
+def check_tokens(*counts: tuple[str, int], where: str) -> None:
+    """Each named token count at least 1 and within :data:`MAX_TOKENS`."""
+    for name, tokens in counts:
+        if tokens < 1:
+            raise ConfigError(f"{name} must be >= 1, got {tokens}", path=where)
+        if tokens > MAX_TOKENS:
+            raise ConfigError(f"{name} {tokens} is over the limit of {MAX_TOKENS} tokens", path=where)
+
+
 def parse_row(line: bytes, where: str) -> MooncakeRow:
     """One JSONL line; errors name ``where`` (file and line) and the field."""
     what = "bad Mooncake trace line"
@@ -108,11 +117,7 @@ def parse_row(line: bytes, where: str) -> MooncakeRow:
     hash_ids = _present(row, "hash_ids", what, where)
     if not isinstance(hash_ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in hash_ids):
         raise ConfigError(f"{what}: hash_ids must be a list of integers, got {shown(hash_ids)}", path=where)
-    if input_length < 1 or output_length < 1:
-        raise ConfigError("trace lengths must be >= 1 and timestamps finite", path=where)
-    for name, tokens in (("input_length", input_length), ("output_length", output_length)):
-        if tokens > MAX_TOKENS:
-            raise ConfigError(f"{name} {tokens} is over the limit of {MAX_TOKENS} tokens", path=where)
+    check_tokens(("input_length", input_length), ("output_length", output_length), where=where)
     return MooncakeRow(stamp, input_length, output_length, tuple(hash_ids))
 
 

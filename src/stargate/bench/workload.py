@@ -259,11 +259,11 @@ def _trace_lines(scenario: Scenario, traffic: TraceTraffic) -> tuple[Path, list[
         raise ConfigError(reason, path="$.traffic_pattern.path") from exc
 
 
-def _enough(scenario: Scenario, shapes: list[_Shape]) -> list[_Shape]:
+def _enough(scenario: Scenario, path: Path, shapes: list[_Shape]) -> list[_Shape]:
     if len(shapes) < scenario.request_count:
         raise ConfigError(
             f"trace has {len(shapes)} requests, fewer than request_count ({scenario.request_count})",
-            path="$.traffic_pattern.path",
+            path=f"$.traffic_pattern.path ({path})",
         )
     return shapes
 
@@ -286,14 +286,10 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
         stamp = mooncake.number_field(row, "timestamp_ms", what, where)
         input_tokens = mooncake.integer_field(row, "input_tokens", what, where)
         output_tokens = mooncake.integer_field(row, "output_tokens", what, where)
-        if input_tokens < 1 or output_tokens < 1:
-            raise ConfigError("trace tokens must be >= 1 and timestamps finite", path=where)
         session = mooncake.text_field(row, "session", what, where)
         prompt = mooncake.text_field(row, "prompt", what, where)
         routing = mooncake.text_field(row, "routing_key", what, where)
-        for name, tokens in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
-            if tokens > MAX_TOKENS:
-                raise ConfigError(f"{name} {tokens} is over the limit of {MAX_TOKENS} tokens", path=where)
+        mooncake.check_tokens(("input_tokens", input_tokens), ("output_tokens", output_tokens), where=where)
         turn = turns.get(session, 0) if session else 0
         if session:
             turns[session] = turn + 1
@@ -303,7 +299,7 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
     start = min(stamps, default=0.0)  # the earliest row, which need not be the first
     for shape, stamp in zip(shapes, stamps, strict=True):
         shape.at_ms = (stamp - start) * traffic.time_scale
-    return _enough(scenario, shapes)
+    return _enough(scenario, path, shapes)
 
 
 def _token_fields(traffic: object, shape: _Shape) -> tuple[str, str]:
@@ -368,7 +364,7 @@ def _mooncake(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder)
         if line.strip():
             rows.append(mooncake.parse_row(line, f"$.traffic_pattern.path ({path}:{number})"))
     requests = mooncake.replay_requests(rows, prompts, traffic.block_tokens, traffic.time_scale)
-    return _enough(scenario, [
+    return _enough(scenario, path, [
         _Shape(r.at_ms, None, r.conversation, r.input_tokens, r.output_tokens, "trace",
                session=r.conversation, turn=r.turn, prompt=r.prompt)
         for r in requests

@@ -326,3 +326,27 @@ def test_trace_values_of_the_wrong_type_name_the_field_and_line(
     with pytest.raises(ConfigError, match=message) as error:
         build(data, base_dir=tmp_path)
     assert "t.jsonl:1" in error.value.path
+
+
+def test_trace_lengths_below_one_and_too_few_rows_name_the_field_and_file(tmp_path: Path) -> None:
+    cases = [
+        ("mooncake", {"timestamp": 1, "input_length": 600, "output_length": -1, "hash_ids": [1]},
+         "output_length must be >= 1, got -1"),
+        ("mooncake", {"timestamp": 1, "input_length": 0, "output_length": 5, "hash_ids": [1]},
+         "input_length must be >= 1, got 0"),
+        ("stargate", {"timestamp_ms": 1, "input_tokens": 0, "output_tokens": 5}, "input_tokens must be >= 1"),
+    ]  # fmt: skip
+    for fmt, row, message in cases:
+        (tmp_path / "t.jsonl").write_bytes(orjson.dumps(row) + b"\n")
+        data = scenario({"kind": "trace", "format": fmt, "path": "t.jsonl"}) | {"request_count": 1}
+        with pytest.raises(ConfigError, match=message) as error:
+            build(data, base_dir=tmp_path)
+        assert "t.jsonl:1" in error.value.path
+    (tmp_path / "t.jsonl").write_bytes(orjson.dumps(cases[2][1] | {"input_tokens": 3}) + b"\n")
+    for fmt in ("stargate", "mooncake"):
+        if fmt == "mooncake":
+            (tmp_path / "t.jsonl").write_bytes(orjson.dumps(cases[0][1] | {"output_length": 3}) + b"\n")
+        data = scenario({"kind": "trace", "format": fmt, "path": "t.jsonl"}) | {"request_count": 2}
+        with pytest.raises(ConfigError, match="fewer than request_count") as error:
+            build(data, base_dir=tmp_path)
+        assert error.value.path == f"$.traffic_pattern.path ({(tmp_path / 't.jsonl').resolve()})"
