@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from rich.console import Console
 
+from stargate.bench.schema import MAX_REQUEST_COUNT, MAX_TOKENS
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet
 
@@ -109,7 +110,7 @@ def generate_trace(shape: TraceShape, seed: int) -> list[TraceRow]:
         for turn in range(rng.randint(1, shape.max_turns)):
             if length > shape.max_input_tokens:
                 break
-            output = _lognormal(rng, shape.output_tokens, 0.5)
+            output = min(_lognormal(rng, shape.output_tokens, 0.5), MAX_TOKENS)
             blocks = _blocks(shape, system, system_sizes[system], conversation, length)
             pending.append((at, conversation, turn, length, output, blocks))
             at += shape.min_think_s + rng.expovariate(1.0 / shape.mean_extra_think_s)
@@ -149,6 +150,43 @@ _FLAGS = {
 }
 
 
+_DAY_S = 86_400.0
+_LIMITS: dict[str, tuple[float, float]] = {
+    "conversations": (0, MAX_REQUEST_COUNT),
+    "system_tokens": (0, MAX_TOKENS),
+    "first_user_tokens": (0, MAX_TOKENS),
+    "turn_user_tokens": (0, MAX_TOKENS),
+    "output_tokens": (0, MAX_TOKENS),
+    "conversation_rate": (1 / _DAY_S, math.inf),
+    "burst_factor": (0, 1000.0),
+    "burst_period_s": (0, _DAY_S),
+    "burst_s": (0, _DAY_S),
+    "min_think_s": (0, _DAY_S),
+    "mean_extra_think_s": (0, _DAY_S),
+    "max_input_tokens": (0, MAX_TOKENS),
+    "block_tokens": (0, MAX_TOKENS),
+}
+"""Flag ranges beyond > 0: token counts the replay accepts (:data:`MAX_TOKENS`), and times and rates
+that keep every timestamp a finite whole number of milliseconds (a day is longer than any trace)."""
+
+
+def _check_flags(values: Mapping[str, float]) -> None:
+    for name, value in values.items():
+        low, high = _LIMITS.get(name, (0, math.inf))
+        flag = "--" + name.replace("_", "-")
+        if not value > 0:
+            raise ConfigError("must be > 0", path=flag)
+        if value < low:
+            raise ConfigError(f"must be at least {_shown(low)} (one a day), got {_shown(value)}", path=flag)
+        if not value <= high:
+            raise ConfigError(f"must be at most {_shown(high)}, got {_shown(value)}", path=flag)
+
+
+def _shown(value: float) -> str:
+    whole = math.isfinite(value) and value == int(value) and value < 1e16
+    return str(int(value)) if whole else f"{value:.6g}"
+
+
 def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     """One flag per ``TraceShape`` field; its default is the field's."""
     help_text = "write a synthetic conversation trace in the Mooncake format"
@@ -163,12 +201,14 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
 
 def gen_trace_command(console: Console, args: argparse.Namespace) -> int:
     values = {field.name: getattr(args, field.name) for field in fields(TraceShape)}
-    bad = [name for name, value in values.items() if not value > 0]
-    if bad:
-        raise ConfigError("must be > 0", path="--" + bad[0].replace("_", "-"))
+    _check_flags(values)
     rows = generate_trace(TraceShape(**values), args.seed)
+    if not rows:
+        reason = f"no conversation's first prompt fits in {args.max_input_tokens} tokens: the trace is empty"
+        raise ConfigError(reason, path="--max-input-tokens")
     count = write_trace(args.out, rows)
-    seconds = rows[-1].timestamp_ms / 1000 if rows else 0.0
-    console.print(f"wrote {count} requests of {args.conversations} conversations over {seconds:.0f} s "
+    seconds = rows[-1].timestamp_ms / 1000
+    conversations = len({row.conversation for row in rows})
+    console.print(f"wrote {count} requests of {conversations} conversations over {seconds:.0f} s "
                   f"to {args.out}", highlight=False)  # fmt: skip
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from stargate.bench.cli import main
 from stargate.bench.mooncake import MooncakeRow, conversation_keys
 from stargate.bench.tracegen import TraceRow, TraceShape, generate_trace, write_trace
 
@@ -95,3 +96,38 @@ def test_conversation_keys_mostly_recover_the_generated_conversations(shape: Tra
     # a first turn with no full block of its own may keep a key of its own; later turns share one
     kept = sum(1 for found in later_keys.values() if len(found) == 1)
     assert len(later_keys) > 50 and kept >= 0.95 * len(later_keys)
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--min-think-s", "inf"], "--min-think-s: must be at most 86400, got inf"),
+        (["--min-think-s", "1e306"], "--min-think-s: must be at most 86400"),
+        (["--mean-extra-think-s", "inf"], "--mean-extra-think-s: must be at most 86400"),
+        (["--conversation-rate", "1e-320"], "--conversation-rate: must be at least"),
+        (["--output-tokens", "5000000"], "--output-tokens: must be at most 1000000, got 5000000"),
+        (["--max-input-tokens", "1000001"], "--max-input-tokens: must be at most 1000000"),
+        (["--max-input-tokens", "10"], "--max-input-tokens: no conversation's first prompt fits in 10"),
+    ],
+)
+def test_flags_a_replay_could_not_take_are_usage_errors(
+    tmp_path: Path, flags: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "t.jsonl"
+    assert main(["gen-trace", "--out", str(out), *flags]) == 2
+    assert f"error: {error}" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_the_summary_counts_the_conversations_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "t.jsonl"
+    flags = ["--conversations", "50", "--max-input-tokens", "3000", "--output-tokens", "600000"]
+    assert main(["gen-trace", "--out", str(out), *flags]) == 0
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert all(row["output_length"] <= 1_000_000 for row in rows)
+    conversations = len(by_conversation(generate_trace(TraceShape(conversations=50, max_input_tokens=3000,
+                                                                    output_tokens=600000), 0)))  # fmt: skip
+    assert 0 < conversations < 50
+    assert f"wrote {len(rows)} requests of {conversations} conversations" in capsys.readouterr().out
