@@ -72,14 +72,20 @@ def _lognormal(rng: random.Random, median: int, sigma: float = 0.6) -> int:
 
 
 def _starts(shape: TraceShape, rng: random.Random) -> list[float]:
-    """Conversation start times: Poisson, ``burst_factor`` x faster inside each burst window."""
+    """Conversation start times: Poisson, ``burst_factor`` x faster inside each burst window.
+
+    Drawn by thinning a Poisson process at the peak rate: a gap drawn at the rate of the moment it
+    starts would run a quiet gap over the next burst, which then starts fewer than promised.
+    """
     times: list[float] = []
+    peak = shape.conversation_rate * max(1.0, shape.burst_factor)
     now = 0.0
-    for _ in range(shape.conversations):
+    while len(times) < shape.conversations:
+        now += rng.expovariate(peak)
         in_burst = (now % shape.burst_period_s) < shape.burst_s
         rate = shape.conversation_rate * (shape.burst_factor if in_burst else 1.0)
-        now += rng.expovariate(rate)
-        times.append(now)
+        if rng.random() * peak < rate:
+            times.append(now)
     return times
 
 

@@ -131,3 +131,17 @@ def test_the_summary_counts_the_conversations_written(
                                                                     output_tokens=600000), 0)))  # fmt: skip
     assert 0 < conversations < 50
     assert f"wrote {len(rows)} requests of {conversations} conversations" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("factor", "burst_s"), [(5.0, 6.0), (20.0, 2.0)])
+def test_the_start_rate_inside_bursts_is_the_burst_factor_times_the_quiet_rate(
+    factor: float, burst_s: float
+) -> None:
+    shape = TraceShape(
+        conversations=4000, max_turns=1, burst_factor=factor, burst_s=burst_s, burst_period_s=30.0
+    )
+    starts = [row.timestamp_ms / 1000 for row in generate_trace(shape, 5)]
+    periods = max(starts) / 30.0
+    inside = sum(1 for t in starts if t % 30.0 < burst_s)
+    ratio = (inside / (periods * burst_s)) / ((len(starts) - inside) / (periods * (30.0 - burst_s)))
+    assert 0.9 * factor < ratio < 1.1 * factor  # a quiet gap running over the burst gave 4.1 and 10.8
