@@ -13,6 +13,7 @@ import bisect
 import itertools
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -250,10 +251,12 @@ def _sessions(scenario: Scenario, traffic: SessionsTraffic, rngs: dict[str, rand
     return shapes
 
 
-def _trace_lines(scenario: Scenario, traffic: TraceTraffic) -> tuple[Path, list[bytes]]:
-    path = (scenario.base_dir / traffic.path).resolve()
+def _trace_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """The trace's numbered lines, read as they are taken: a replay of a few rows of a large trace
+    reads only those."""
     try:
-        return path, Path(path).read_bytes().splitlines()
+        with path.open("rb") as file:
+            yield from enumerate(file, 1)
     except OSError as exc:
         reason = f"cannot read trace {path}: {exc.strerror or exc}"
         raise ConfigError(reason, path="$.traffic_pattern.path") from exc
@@ -271,13 +274,11 @@ def _enough(scenario: Scenario, path: Path, shapes: list[_Shape]) -> list[_Shape
 def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) -> list[_Shape]:
     if traffic.format == "mooncake":
         return _mooncake(scenario, traffic, prompts)
-    path, lines = _trace_lines(scenario, traffic)
+    path = (scenario.base_dir / traffic.path).resolve()
     shapes: list[_Shape] = []
     turns: dict[str, int] = {}
     stamps: list[float] = []
-    for number, line in enumerate(lines, 1):
-        if len(shapes) >= scenario.request_count:
-            break
+    for number, line in _trace_lines(path):
         if not line.strip():
             continue
         where = f"$.traffic_pattern.path ({path}:{number})"
@@ -296,6 +297,8 @@ def _trace(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) ->
         stamps.append(stamp)
         shapes.append(_Shape(None, routing, session, input_tokens, output_tokens, "trace",
                              session=session, turn=turn, prompt=prompt))  # fmt: skip
+        if len(shapes) >= scenario.request_count:
+            break  # the rest of the file is never read
     start = min(stamps, default=0.0)  # the earliest row, which need not be the first
     for shape, stamp in zip(shapes, stamps, strict=True):
         shape.at_ms = (stamp - start) * traffic.time_scale
@@ -356,13 +359,13 @@ def _check_schedule(scenario: Scenario, traffic: object, shapes: list[_Shape]) -
 
 def _mooncake(scenario: Scenario, traffic: TraceTraffic, prompts: PromptBuilder) -> list[_Shape]:
     """Mooncake rows: prompts rebuilt block by block, the conversation key as the cache key."""
-    path, lines = _trace_lines(scenario, traffic)
+    path = (scenario.base_dir / traffic.path).resolve()
     rows: list[mooncake.MooncakeRow] = []
-    for number, line in enumerate(lines, 1):
-        if len(rows) >= scenario.request_count:
-            break
+    for number, line in _trace_lines(path):
         if line.strip():
             rows.append(mooncake.parse_row(line, f"$.traffic_pattern.path ({path}:{number})"))
+            if len(rows) >= scenario.request_count:
+                break  # the rest of the file is never read
     requests = mooncake.replay_requests(rows, prompts, traffic.block_tokens, traffic.time_scale)
     return _enough(scenario, path, [
         _Shape(r.at_ms, None, r.conversation, r.input_tokens, r.output_tokens, "trace",

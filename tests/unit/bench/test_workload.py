@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import itertools
 import statistics
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -350,3 +351,24 @@ def test_trace_lengths_below_one_and_too_few_rows_name_the_field_and_file(tmp_pa
         with pytest.raises(ConfigError, match="fewer than request_count") as error:
             build(data, base_dir=tmp_path)
         assert error.value.path == f"$.traffic_pattern.path ({(tmp_path / 't.jsonl').resolve()})"
+
+
+@pytest.mark.parametrize("fmt", ["stargate", "mooncake"])
+def test_a_trace_is_read_only_as_far_as_the_rows_replayed(tmp_path: Path, fmt: str) -> None:
+    row = (
+        {"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}
+        if fmt == "mooncake"
+        else {"timestamp_ms": 0, "input_tokens": 4, "output_tokens": 1}
+    )
+    rest = b"not a row, never read\n" * 800_000  # 17 MB
+    (tmp_path / "t.jsonl").write_bytes(orjson.dumps(row) + b"\n" + orjson.dumps(row) + b"\n" + rest)
+    data = scenario({"kind": "trace", "format": fmt, "path": "t.jsonl"}) | {"request_count": 2}
+    tracemalloc.start()
+    try:
+        assert len(build(data, base_dir=tmp_path).requests) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4_000_000  # the whole file read and split into lines first: 67 MB
+    with pytest.raises(ConfigError, match="cannot read trace"):
+        build(data | {"traffic_pattern": data["traffic_pattern"] | {"path": "."}}, base_dir=tmp_path)
