@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gzip
 import io
@@ -591,6 +592,28 @@ async def test_b26_health_rewritten_to_resolved_path(
         assert "x-dynamo-request-priority" not in headers
     finally:
         await app.close()
+
+
+async def test_credentials_in_the_engine_url_replace_the_clients_and_are_never_logged(
+    engine: FakeEngine, client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    plain = engine.url
+    engine.url = plain.replace("http://", "http://admin:s3cret%21@")
+    app = await started(engine)  # the stats stream is refused: its warnings name the URL
+    try:
+        headers = {**HEADERS, "authorization": "Bearer sk-client"}  # as the openai SDK sends
+        async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+        async with client.get(app.http_url + "/health") as resp:
+            assert resp.status == 200
+        await until("the stats stream's fallback", lambda: app.hub.fallback_enabled)
+    finally:
+        await app.close()
+    basic = "Basic " + base64.b64encode(b"admin:s3cret!").decode()
+    assert [sent.getall("authorization") for _, _, sent, _ in engine.requests] == [[basic], [basic]]
+    assert plain in caplog.text and "s3cret" not in caplog.text
 
 
 async def test_b45_auto_falls_back_on_404(engine: FakeEngine) -> None:

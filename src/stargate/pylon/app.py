@@ -177,7 +177,8 @@ class PylonApp:
         metrics_app = web.Application(middlewares=[json_route_errors])
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port, "--metrics-port")
-        self._session = session = client_session(connect_timeout_s=10.0, limit=4096)
+        engine_auth = {"Authorization": s.upstream_authorization} if s.upstream_authorization else None
+        self._session = session = client_session(connect_timeout_s=10.0, limit=4096, headers=engine_auth)
         stream: EngineStatsStream | None = None
         if s.stats_source is StatsSource.PROMETHEUS:
             self._spawn(

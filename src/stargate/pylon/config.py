@@ -10,6 +10,7 @@ pure function.
 from __future__ import annotations
 
 import argparse
+import base64
 import logging
 import math
 import re
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import unquote
 
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
@@ -54,6 +56,7 @@ class PylonSettings:
     """Built only by :func:`parse_settings`: the flags hold the defaults, once each."""
 
     upstream_base_url: str
+    upstream_authorization: str | None  # the URL's credentials (HTTP Basic), in no URL a log shows
     http_listen_host: str
     http_listen_port: int
     http_advertise_addr: str | None
@@ -150,11 +153,19 @@ _non_blank = _checked(str, bool, "not blank")
 _backend = _checked(lambda v: UpstreamBackend(v.lower()), bool, "dynamo or passthrough")
 
 
-def _base_url(raw: str) -> str:
+def _base_url(raw: str) -> tuple[str, str | None]:
+    """The URL without its ``user:password@`` and those as an HTTP Basic ``Authorization`` value."""
     base = raw.strip().rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError("must be an http:// or https:// URL")
-    return base
+    scheme, _, rest = base.partition("://")
+    authority, slash, path = rest.partition("/")
+    userinfo, at, host_port = authority.rpartition("@")
+    if not at:
+        return base, None
+    user, _, password = userinfo.partition(":")
+    token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
+    return f"{scheme}://{host_port}{slash}{path}", f"Basic {token}"
 
 
 def _model_id(raw: str) -> str:
@@ -407,11 +418,12 @@ def _check_combinations(ns: argparse.Namespace) -> None:
 def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) -> PylonSettings:
     ns = build_parser(env).parse_args(list(argv))
     _check_combinations(ns)
-    base = ns.upstream_http_base_url
+    base, authorization = ns.upstream_http_base_url
     listen_host, listen_port = ns.http_listen_addr
     seeds = tuple(dict.fromkeys(ns.stargate_address)) or (_stargate_url(DEFAULT_STARGATE_ADDRESS),)
     return PylonSettings(
         upstream_base_url=base,
+        upstream_authorization=authorization,
         http_listen_host=listen_host,
         http_listen_port=listen_port,
         http_advertise_addr=(ns.http_advertise_addr or "").strip() or None,

@@ -490,6 +490,8 @@ class Relay:
         body: bytes,
         observer: RequestObserver | None,
     ) -> web.StreamResponse:
+        if self.s.upstream_authorization is not None:
+            headers["Authorization"] = self.s.upstream_authorization  # the operator's, for the engine
         try:
             upstream = await self.session.request(
                 request.method,

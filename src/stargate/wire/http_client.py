@@ -7,6 +7,8 @@ than an engine's idle timeout; bytes passed through untouched (no automatic deco
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import aiohttp
 
 KEEPALIVE_TIMEOUT_S = 15.0
@@ -21,13 +23,15 @@ def client_session(
     limit_per_host: int = 0,
     read_timeout_s: float | None = None,
     relay: bool = False,
+    headers: Mapping[str, str] | None = None,
 ) -> aiohttp.ClientSession:
     """``limit``/``limit_per_host``: 0 = unbounded. ``relay``: a forwarding proxy's session (no
     added headers, no cookies kept, the connect timeout also bounds the wait for a pooled connection).
 
     Neither decompresses, so the other asks for no compression (``Accept-Encoding: identity``, where
     aiohttp would offer gzip): a stock vLLM or SGLang ``/metrics`` page came gzipped and unreadable.
-    A request that names its own ``Accept-Encoding`` keeps it."""
+    A request that names its own ``Accept-Encoding`` keeps it, as one naming any of ``headers``
+    (sent with every request) keeps its own."""
     connector = aiohttp.TCPConnector(
         limit=limit, limit_per_host=limit_per_host, keepalive_timeout=KEEPALIVE_TIMEOUT_S
     )
@@ -42,12 +46,13 @@ def client_session(
             connector=connector,
             timeout=timeout,
             auto_decompress=False,
-            headers={"Accept-Encoding": "identity"},
+            headers={"Accept-Encoding": "identity", **(headers or {})},
         )
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
         auto_decompress=False,
+        headers=headers,
         skip_auto_headers=RELAY_SKIPPED_HEADERS,
         cookie_jar=aiohttp.DummyCookieJar(),
     )

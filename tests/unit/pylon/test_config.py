@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import math
 import re
 from pathlib import Path
@@ -36,6 +37,14 @@ def test_b01_defaults() -> None:
     assert s.min_update_interval_ms == 1000
     assert s.upstream_base_url == "http://127.0.0.1:8090"
     assert s.max_engine_concurrency is None
+
+
+def test_credentials_in_the_engine_url_are_kept_apart_from_it() -> None:
+    s = parse_settings(["--upstream-http-base-url", "https://ad%40min:pa%3Ass@engine:8443/v1/"])
+    assert s.upstream_base_url == "https://engine:8443/v1"  # what every log line shows
+    assert s.stats_stream_url == "https://engine:8443/v1/pylon/v1/stats/stream"
+    assert s.upstream_authorization == "Basic " + base64.b64encode(b"ad@min:pa:ss").decode()
+    assert parse().upstream_authorization is None
 
 
 def test_b02_unknown_discovery_provider() -> None:
