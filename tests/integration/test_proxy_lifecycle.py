@@ -64,6 +64,27 @@ def test_a_metrics_host_it_cannot_listen_on_is_named(capsys: pytest.CaptureFixtu
     assert "--metrics-host/--metrics-port: cannot listen on 256.1.1.1:0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dial", ["::1:50071", "[::1]:99999", "host:0", "host", "quic://host:1"])
+def test_a_pylon_dial_address_pylons_cannot_dial_is_refused(
+    dial: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every Pylon was handed it and retried 'Misformatted domain name' for ever."""
+    assert main([*BASE_ARGS, "--disable-dns-discovery", "--grpc-pylon-dial-addr", dial]) == 2
+    assert "--grpc-pylon-dial-addr" in capsys.readouterr().err
+
+
+def test_a_pylon_dial_address_keeps_its_form_with_its_scheme_lower_cased() -> None:
+    def dial(value: str) -> str | None:
+        options = build_parser({}).parse_args(
+            [*BASE_ARGS, "--disable-dns-discovery", "--grpc-pylon-dial-addr", value]
+        )
+        return settings_from_args(options).grpc_pylon_dial_addr
+
+    assert dial(" [::1]:50071 ") == "[::1]:50071"
+    assert dial("HTTPS://sg.example:443") == "https://sg.example:443"
+    assert dial("") is None
+
+
 @pytest.mark.parametrize("prefix", ["bad-prefix_", "9x_"])
 def test_a_metrics_prefix_that_cannot_start_a_name_is_refused(
     prefix: str, capsys: pytest.CaptureFixture[str]

@@ -24,7 +24,7 @@ from urllib.parse import unquote
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
 from stargate.wire import headers as h
-from stargate.wire.address import is_ip, split_host_port
+from stargate.wire.address import dial_url, is_dialable, is_ip, split_host_port
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
@@ -154,18 +154,29 @@ _backend = _checked(lambda v: UpstreamBackend(v.lower()), bool, "dynamo or passt
 
 
 def _base_url(raw: str) -> tuple[str, str | None]:
-    """The URL without its ``user:password@`` and those as an HTTP Basic ``Authorization`` value."""
-    base = raw.strip().rstrip("/")
-    if not base.startswith(("http://", "https://")):
+    """The URL without its ``user:password@`` and those as an HTTP Basic ``Authorization`` value.
+
+    Request targets are appended to it, so a query or fragment would land before their paths, and
+    a host:port aiohttp cannot send to made every request a 500: both are refused here."""
+    scheme, _, rest = raw.strip().rstrip("/").partition("://")
+    default_port = {"http": 80, "https": 443}.get(scheme.lower())
+    if default_port is None:
         raise argparse.ArgumentTypeError("must be an http:// or https:// URL")
-    scheme, _, rest = base.partition("://")
     authority, slash, path = rest.partition("/")
     userinfo, at, host_port = authority.rpartition("@")
+    base = f"{scheme.lower()}://{host_port}{slash}{path}"
+    has_port = ":" in host_port and not host_port.endswith("]")
+    target = host_port if has_port else f"{host_port}:{default_port}"
+    if not is_dialable(target) or "?" in base or "#" in base:
+        raise argparse.ArgumentTypeError(
+            f"expected http(s)://HOST[:PORT][/PATH] with an IPv6 host in brackets, a port of 1-65535 "
+            f"and no query, got {base!r}"
+        )
     if not at:
         return base, None
     user, _, password = userinfo.partition(":")
     token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
-    return f"{scheme}://{host_port}{slash}{path}", f"Basic {token}"
+    return base, f"Basic {token}"
 
 
 def _model_id(raw: str) -> str:
@@ -197,32 +208,18 @@ def _identity(field: str, *, blank: bool = False) -> Callable[[str], str]:
 DEFAULT_STARGATE_ADDRESS = "127.0.0.1:50071"
 
 
-def _dialable(address: str) -> bool:
-    """``host:port`` a peer can dial: a name or an IP, port 1-65535, nothing a dialer reads as more."""
-    try:
-        host, port = split_host_port(address)
-    except ValueError:
-        return False
-    return port > 0 and bool(host) and not any(c.isspace() or c in "/?#@" for c in host)
-
-
 def _stargate_url(raw: str) -> str:
-    """``host:port`` or ``http(s)://host:port`` (https = TLS), the channel's target: a port gRPC
-    would take modulo 65536, or a target it cannot resolve, retried for ever without the flag."""
-    address = raw.strip()
-    scheme, sep, target = address.partition("://")
-    if not sep:
-        scheme, target = "http", address
-    if scheme not in ("http", "https") or not _dialable(target.rstrip("/")):
-        raise argparse.ArgumentTypeError(
-            f"expected HOST:PORT or http(s)://HOST:PORT with a port of 1-65535, got {raw!r}"
-        )
-    return f"{scheme}://{target}"
+    """``host:port`` or ``http(s)://host:port`` (https = TLS), the channel's target."""
+    try:
+        url = dial_url(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return url if "://" in url else f"http://{url}"
 
 
 def _advertise_addr(raw: str) -> str:
     """``host:port`` Stargate dials (a name or an IP, port 1-65535): registered as ``http://host:port``."""
-    if not _dialable(raw.strip()):
+    if not is_dialable(raw.strip()):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port of 1-65535, got {raw!r}")
     return raw.strip()
 
@@ -279,7 +276,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     def pylon(flag: str, **kw: Any) -> None:
         a(flag, env_var=flag.removeprefix("--").replace("-", "_").upper(), **kw)
 
-    a("--upstream-http-base-url", type=_base_url, required=True, help="engine base URL (http:// or https://)")
+    a("--upstream-http-base-url", type=_base_url, required=True,
+      help="engine base URL: http(s)://[user:password@]host[:port][/path]")
     a("--http-listen-addr", type=_listen_addr, default="127.0.0.1:0",
       help="where Stargate sends requests (IP:port, port 0 ok)")
     a("--http-header-read-timeout-ms", type=non_negative_int, default=10_000,

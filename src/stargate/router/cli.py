@@ -30,6 +30,7 @@ from stargate.router.plain_client import (
 )
 from stargate.router.proxy import ProxySettings
 from stargate.wire import runner
+from stargate.wire.address import dial_url
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 TUNNEL_PROTOCOLS = {
@@ -169,7 +170,11 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         default=None,
         help="remote watch seed (repeatable, comma-delimited)",
     )
-    add("--grpc-pylon-dial-addr", default=None, help="written into every StargateInfo")
+    add(
+        "--grpc-pylon-dial-addr",
+        default=None,
+        help="host:port or http(s)://host:port Pylons dial, written into every StargateInfo",
+    )
     add("--dns-poll-ms", type=positive_int, default=_D.discovery.poll_ms, help="peer discovery interval")
     add_discovery_flags(add)
     add("--watch-heartbeat-ms", type=positive_int, default=_D.watch_heartbeat_ms,
@@ -298,6 +303,12 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         raise ConfigError(
             "names no file: leave the flag out for the permissive default", path="--lb-config-path"
         )
+    dial = (options.grpc_pylon_dial_addr or "").strip() or None
+    if dial is not None:
+        try:  # every Pylon dials it: a malformed one it retries for ever
+            dial = dial_url(dial)
+        except ValueError as exc:
+            raise ConfigError(str(exc), path="--grpc-pylon-dial-addr") from None
     lb_config = load_lb_config(options.lb_config_path) if options.lb_config_path else LbConfig.permissive()
     urls = tuple(
         part.strip() for raw in options.remote_stargate_url or () for part in raw.split(",") if part.strip()
@@ -335,7 +346,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         discovery=discovery_settings(options),
         otel_endpoint=options.otel_endpoint,
         otel_service_name=options.otel_service_name,
-        grpc_pylon_dial_addr=options.grpc_pylon_dial_addr,
+        grpc_pylon_dial_addr=dial,
         remote_stargate_urls=urls,
         watch_heartbeat_ms=options.watch_heartbeat_ms,
         registration_idle_timeout_ms=options.registration_update_idle_timeout_ms,

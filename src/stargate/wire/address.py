@@ -44,5 +44,27 @@ def is_ip(value: str) -> bool:
     return True
 
 
+def is_dialable(address: str) -> bool:
+    """``host:port`` a peer can dial: a name or an IP, port 1-65535, nothing a dialer reads as more."""
+    try:
+        host, port = split_host_port(address)
+    except ValueError:
+        return False
+    return port > 0 and not any(c.isspace() or c in "/?#@" for c in host)
+
+
+def dial_url(raw: str) -> str:
+    """``host:port`` or ``http(s)://host:port`` (https = TLS) a gRPC channel dials, with the scheme
+    lower-cased (RFC 3986) when one is given; anything else raises ``ValueError``: gRPC takes a port
+    above 65535 modulo 65536 and retries a target it cannot resolve for ever."""
+    address = raw.strip()
+    scheme, sep, target = address.partition("://")
+    if not sep:
+        scheme, target = "http", address
+    if scheme.lower() not in ("http", "https") or not is_dialable(target.rstrip("/")):
+        raise ValueError(f"expected HOST:PORT or http(s)://HOST:PORT with a port of 1-65535, got {raw!r}")
+    return f"{scheme.lower()}://{target}" if sep else target
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

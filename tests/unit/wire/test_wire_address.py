@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from stargate.wire.address import join_host_port, split_host_port, split_ip_port
+from stargate.wire.address import dial_url, join_host_port, split_host_port, split_ip_port
 
 
 def test_split_keeps_names_and_unbrackets_ipv6() -> None:
@@ -37,3 +37,16 @@ def test_listener_address_must_be_an_ip() -> None:
     assert split_ip_port("0.0.0.0:1") == ("0.0.0.0", 1)
     with pytest.raises(ValueError):
         split_ip_port("localhost:1")
+
+
+def test_a_dial_url_keeps_its_form_with_its_scheme_lower_cased() -> None:
+    assert dial_url(" pod.svc:50071 ") == "pod.svc:50071"
+    assert dial_url("HTTPS://[::1]:443/") == "https://[::1]:443/"
+
+
+@pytest.mark.parametrize(
+    "bad", ["::1:50071", "[::1]:99999", "host:0", "quic://host:1", "http://user@host:1", "http://h:1?x"]
+)
+def test_a_dial_url_no_channel_can_dial_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        dial_url(bad)
