@@ -41,6 +41,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from stargate.errors import ExpectationFailed, HandlerTimedOut, RequestError, StargateError
 from stargate.responses import error_response
+from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults, Fault, detail
 from stargate.wire.runner import open_files_limit
 
@@ -107,7 +108,7 @@ class GuardedRequestHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
-            self._peer = f"{peer[0]}:{peer[1]}"
+            self._peer = join_host_port(str(peer[0]), int(peer[1]))
         super().connection_made(transport)
         self._arm_head_timer()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 import aiohttp
@@ -36,12 +37,14 @@ def test_the_aiohttp_connection_state_the_client_deadlines_read_exists() -> None
     assert issubclass(GuardedRequestHandler, RequestHandler)
 
 
-async def listening(app: web.Application, head_s: float = 0, **kwargs: Any) -> tuple[GuardedAppRunner, int]:
+async def listening(
+    app: web.Application, head_s: float = 0, host: str = "127.0.0.1", **kwargs: Any
+) -> tuple[GuardedAppRunner, int]:
     """``app`` on a loopback port, its client faults logged on ``test.http_server``."""
     faults = ClientFaults(logging.getLogger("test.http_server"))
     runner = GuardedAppRunner(app, faults=faults, timeouts=ClientTimeouts(head_s, 0, 0), **kwargs)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, 0)
     await site.start()
     return runner, runner.addresses[0][1]
 
@@ -64,6 +67,21 @@ async def test_a_handler_that_raises_gets_the_json_error_body(problem: bool) -> 
             assert resp.status == 500
             assert resp.content_type == ("application/problem+json" if problem else "application/json")
             assert (await resp.json(content_type=None))["error"]["code"] == "internal_error"
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_ipv6_client_is_named_in_brackets(caplog: pytest.LogCaptureFixture) -> None:
+    """``::1:41234`` reads as an address or as ``::1`` port 41234."""
+    runner, port = await listening(web.Application(), host="::1")
+    try:
+        with caplog.at_level(logging.WARNING, logger="test.http_server"):
+            reader, writer = await asyncio.open_connection("::1", port)
+            writer.write(b"GARBAGE /\x00 HTTP/1.1\r\n\r\n")
+            await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            await until("the warning", lambda: bool(caplog.records))
+        assert re.search(r"from \[::1\]:\d+", caplog.records[0].getMessage())
     finally:
         await runner.cleanup()
 
