@@ -50,6 +50,7 @@ from stargate.pylon.stats.observation import Endpoint, Observation, State, embed
 from stargate.responses import error_response
 from stargate.wire import headers as h
 from stargate.wire import json_body
+from stargate.wire.address import join_host_port
 from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock
@@ -102,7 +103,8 @@ async def _probe_once(host: str, port: int, path: str) -> bool | None:
     writer: asyncio.StreamWriter | None = None
     try:
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+        head = f"GET {path} HTTP/1.1\r\nHost: {join_host_port(host, port)}\r\nConnection: close\r\n\r\n"
+        writer.write(head.encode())
         await writer.drain()
         return False if await reader.read(1) else None
     except ConnectionRefusedError:
