@@ -85,6 +85,13 @@ def test_a_pylon_dial_address_keeps_its_form_with_its_scheme_lower_cased() -> No
     assert dial("") is None
 
 
+def test_a_bracketed_ipv6_metrics_host_is_that_address() -> None:
+    """It was looked up as the name ``[::1]`` and reported as ``cannot listen on [[::1]]:0``."""
+    args = [*BASE_ARGS, "--disable-dns-discovery"]
+    args[args.index("--metrics-host") + 1] = "[::1]"
+    assert settings_from_args(build_parser({}).parse_args(args)).metrics_host == "::1"
+
+
 @pytest.mark.parametrize("prefix", ["bad-prefix_", "9x_"])
 def test_a_metrics_prefix_that_cannot_start_a_name_is_refused(
     prefix: str, capsys: pytest.CaptureFixture[str]

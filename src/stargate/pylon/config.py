@@ -24,7 +24,7 @@ from urllib.parse import unquote
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
 from stargate.wire import headers as h
-from stargate.wire.address import dial_url, is_dialable, is_ip, split_host_port
+from stargate.wire.address import dial_url, is_dialable, is_ip, split_host_port, unbracket
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
@@ -148,7 +148,7 @@ def _checked(convert: Callable[[str], T], check: Callable[[T], bool], expected: 
 
 
 _finite_positive = _checked(float, lambda v: math.isfinite(v) and v > 0, "finite and > 0")
-_ip = _checked(str, is_ip, "an IP address")
+_ip = _checked(unbracket, is_ip, "an IP address")
 _non_blank = _checked(str, bool, "not blank")
 _backend = _checked(lambda v: UpstreamBackend(v.lower()), bool, "dynamo or passthrough")
 

@@ -30,7 +30,7 @@ from stargate.router.plain_client import (
 )
 from stargate.router.proxy import ProxySettings
 from stargate.wire import runner
-from stargate.wire.address import dial_url
+from stargate.wire.address import dial_url, unbracket
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 TUNNEL_PROTOCOLS = {
@@ -322,7 +322,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         http_header_read_timeout_ms=options.http_header_read_timeout_ms,
         http_body_read_timeout_ms=options.http_body_read_timeout_ms,
         http_send_timeout_ms=options.http_send_timeout_ms,
-        metrics_host=options.metrics_host,
+        metrics_host=unbracket(options.metrics_host),
         metrics_port=options.metrics_port,
         metrics_prefix=options.metrics_prefix,
         shutdown_drain_timeout_ms=options.shutdown_drain_timeout_ms,

@@ -66,5 +66,10 @@ def dial_url(raw: str) -> str:
     return f"{scheme.lower()}://{target}" if sep else target
 
 
+def unbracket(host: str) -> str:
+    """A bare host flag's value, ``[v6]`` read as ``v6`` (the form every ``host:port`` flag takes)."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -82,6 +82,12 @@ def test_a_refused_engine_url_is_shown_without_its_password() -> None:
     assert "s3cret" not in str(raised.value) and "http://[::1]:99999" in str(raised.value)
 
 
+def test_a_bracketed_ipv6_metrics_host_is_that_address() -> None:
+    assert parse("--metrics-host", "[::1]").metrics_host == "::1"
+    with pytest.raises(ConfigError, match="--metrics-host"):
+        parse("--metrics-host", "[localhost]")
+
+
 def test_b02_unknown_discovery_provider() -> None:
     with pytest.raises(ConfigError, match="--model-discovery-provider"):
         parse("--model-discovery-provider", "unknown")
