@@ -70,6 +70,14 @@ def complete(rig: Rig, rid: str, claimed: int, reported: int, cached: int | None
     )
 
 
+def send_turn(rig: Rig, rid: str, tokens: int) -> None:
+    """A turn of conversation ``conv`` admitted, sent to the engine and ended at Pylon."""
+    rig.load.track(rid, rig.gen, 0, tokens, "conv")
+    rig.hub.on_request_tracked(rid, rig.gen)
+    rig.load.sent(rid)
+    rig.load.release(rid)
+
+
 def test_fallback_samples_subtract_what_the_engine_reports_cached() -> None:
     rig = make_rig(initial_input_tps=1000, fallback=True)
     complete(rig, "hit", 1200, 1200, 1000)  # 200 prefilled in 0.2 s
@@ -86,10 +94,7 @@ def test_the_engines_cached_count_wins_over_pylons() -> None:
     """Pylon does not see evictions: an engine that prefilled a turn whole says so."""
     rig = make_rig(initial_input_tps=1000, fallback=True, prefix_caching=True)
     for rid, tokens in (("turn-1", 1000), ("turn-2", 1200)):
-        rig.load.track(rid, rig.gen, 0, tokens, "conv")
-        rig.hub.on_request_tracked(rid, rig.gen)
-        rig.load.sent(rid)
-        rig.load.release(rid)
+        send_turn(rig, rid, tokens)
     complete(rig, "turn-2", 1200, 1200, 0)  # Pylon counted 200 of it
     assert mean(rig) == pytest.approx((5 * 1000 + 6000) / 6)
 
@@ -97,10 +102,7 @@ def test_the_engines_cached_count_wins_over_pylons() -> None:
 def test_fallback_samples_count_the_share_pylon_counted_as_work() -> None:
     rig = make_rig(initial_input_tps=1000, fallback=True, prefix_caching=True)
     for rid, tokens in (("turn-1", 1000), ("turn-2", 1200)):
-        rig.load.track(rid, rig.gen, 0, tokens, "conv")
-        rig.hub.on_request_tracked(rid, rig.gen)
-        rig.load.sent(rid)
-        rig.load.release(rid)
+        send_turn(rig, rid, tokens)
         complete(rig, rid, tokens, tokens, None)
     # turn-1: 1 000 tokens in 0.2 s; turn-2: 200 of 1 200 in 0.2 s.
     assert mean(rig) == pytest.approx((5 * 1000 + 5000 + 1000) / 7)
