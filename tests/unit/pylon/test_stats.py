@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from stargate.pylon.models import Generation
+from stargate.pylon.observer import RequestObserver
 from stargate.pylon.stats.kv import parse_kv
 from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
@@ -261,6 +262,41 @@ def test_b59_fallback_input_samples_from_complete_chats() -> None:
         )
         expected = 100 if i == 4 else 0
         assert rig.hub.snapshot(rig.gen).last_mean_input_tps == pytest.approx(expected)
+
+
+def test_fallback_input_samples_time_each_prefill_on_a_serial_engine() -> None:
+    """Three prompts sent at once to an engine prefilling 1 000 tokens in 0.1 s, one after
+    another: each sample is 10 000 tokens/s (their times to first output give 10 000, 5 000 and
+    3 333). A prompt sent to an idle engine is timed from its sending."""
+    rig = make_rig(fallback=True, initial_input_tps=10_000)
+
+    def sent(rid: str) -> RequestObserver:
+        observer = RequestObserver(
+            request_id=rid,
+            generation=rig.gen,
+            endpoint=Endpoint.CHAT,
+            input_tokens=1000,
+            clock=rig.clock,
+            sink=rig.hub.on_observation,
+        )
+        observer.headers(200)
+        return observer
+
+    observers = [sent(f"r{i}") for i in range(3)]
+    for observer in observers:
+        rig.clock.advance(0.1)
+        observer.output(1)
+    rig.clock.advance(0.5)
+    for observer in observers:
+        observer.output(20)
+        assert observer.finish() is State.COMPLETE
+        assert rig.hub.snapshot(rig.gen).last_mean_input_tps == pytest.approx(10_000)
+    rig.clock.advance(5)
+    late = sent("late")
+    rig.clock.advance(0.1)
+    late.output(1)
+    late.finish()
+    assert rig.hub.snapshot(rig.gen).last_mean_input_tps == pytest.approx(10_000)
 
 
 def test_b60_fallback_output_tps() -> None:
