@@ -4,6 +4,7 @@ import pytest
 
 from stargate.pylon.models import Generation
 from stargate.pylon.observer import RequestObserver
+from stargate.pylon.stats.counters import REQUEST_TTL_S, CounterTracker
 from stargate.pylon.stats.kv import parse_kv
 from stargate.pylon.stats.ndjson import PingEvent, StatsEvent
 from stargate.pylon.stats.observation import Endpoint, Observation, State
@@ -448,3 +449,17 @@ def test_b107_embedding_item_tps_pylon_only() -> None:
     assert r.hub.embedding_item_tps(r.gen) == (1.0, 200.0)
     stats = r.hub.snapshot(r.gen)
     assert stats.output_tps == 0 and stats.max_output_tps == 0
+
+
+def test_a_sweep_finds_every_entry_due_behind_one_seen_since() -> None:
+    """The sweep reads the store oldest-seen first and stops at the first entry not due, so an
+    entry seen again must move behind those it was created before."""
+    counters = CounterTracker(0.01)
+    gen = Generation("m", 1)
+    for rid in ("a", "b", "c"):
+        counters.observe(rid, gen, 0.0)
+    counters.end("a", gen, 100.0)  # Pylon saw a end at 100 s: kept for the engine's late events
+    counters.sweep(REQUEST_TTL_S + 1.0)
+    assert [counters.owner(rid) for rid in ("a", "b", "c")] == [gen, None, None]
+    counters.sweep(REQUEST_TTL_S + 101.0)
+    assert counters.owner("a") is None

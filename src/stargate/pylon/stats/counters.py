@@ -109,6 +109,7 @@ class CounterTracker:
             entry.ended = False
             entry.prefill_share = prefill_share
         elif entry is None or entry.generation != generation or (entry.ended and not entry.finalized):
+            self._entries.pop(request_id, None)
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.popitem(last=False)
             self._entries[request_id] = _Entry(generation, now, prefill_share=prefill_share)
@@ -119,7 +120,7 @@ class CounterTracker:
         entry = self._entries.get(remembered(request_id))
         if entry is not None and entry.generation == generation:
             entry.ended = True
-            entry.seen_at = now
+            self._seen(request_id, entry, now)
 
     def owner(self, request_id: str) -> Generation | None:
         entry = self._entries.get(remembered(request_id))
@@ -158,7 +159,7 @@ class CounterTracker:
         for counter, value in ((entry.input, tokens_processed), (entry.output, tokens_generated)):
             if value is not None and value < counter.observed:
                 return CounterResult(Outcome.REGRESSING)
-        entry.seen_at = now
+        self._seen(request_id, entry, now)
         in_sample = (
             entry.input.update(tokens_processed, now, self._floor, from_zero=True)
             if tokens_processed is not None
@@ -173,17 +174,25 @@ class CounterTracker:
             entry.finalized = True
         return CounterResult(Outcome.APPLIED, in_sample, out_sample, entry.prefill_share)
 
+    def _seen(self, request_id: str, entry: _Entry, now: float) -> None:
+        """Entries are kept in the order they were last seen, so a sweep reads only those due."""
+        entry.seen_at = now
+        self._entries.move_to_end(request_id)
+
     def sweep(self, now: float) -> int:
         """Finalize live entries unseen for 300 s and delete old tombstones and ended entries;
-        returns finalized count."""
-        finalized = 0
-        for rid in list(self._entries):
-            entry = self._entries[rid]
+        returns finalized count. Reads only the entries due, oldest first (a full store of 200 000
+        read each second held the event loop 50-76 ms)."""
+        due = []
+        for rid, entry in self._entries.items():
             if now - entry.seen_at < REQUEST_TTL_S:
-                continue
+                break
+            due.append((rid, entry))
+        finalized = 0
+        for rid, entry in due:
             if entry.live and not (entry.finalized or entry.ended):
                 entry.finalized = True
-                entry.seen_at = now
+                self._seen(rid, entry, now)
                 finalized += 1
             else:
                 del self._entries[rid]
