@@ -456,10 +456,12 @@ def test_a_sweep_finds_every_entry_due_behind_one_seen_since() -> None:
     entry seen again must move behind those it was created before."""
     counters = CounterTracker(0.01)
     gen = Generation("m", 1)
-    for rid in ("a", "b", "c"):
+    long_id = "0" * (MAX_REMEMBERED_CHARS + 1)  # kept by its digest
+    for rid in ("a", "b", "c", long_id):
         counters.observe(rid, gen, 0.0)
     counters.end("a", gen, 100.0)  # Pylon saw a end at 100 s: kept for the engine's late events
+    counters.end(long_id, gen, 100.0)
     counters.sweep(REQUEST_TTL_S + 1.0)
-    assert [counters.owner(rid) for rid in ("a", "b", "c")] == [gen, None, None]
+    assert [counters.owner(rid) for rid in ("a", "b", "c", long_id)] == [gen, None, None, gen]
     counters.sweep(REQUEST_TTL_S + 101.0)
-    assert counters.owner("a") is None
+    assert counters.owner("a") is None and counters.owner(long_id) is None

@@ -117,10 +117,11 @@ class CounterTracker:
     def end(self, request_id: str, generation: Generation, now: float) -> None:
         """Pylon saw the request end: it is no longer live, and its owner is kept for the engine's
         late events."""
-        entry = self._entries.get(remembered(request_id))
+        key = remembered(request_id)
+        entry = self._entries.get(key)
         if entry is not None and entry.generation == generation:
             entry.ended = True
-            self._seen(request_id, entry, now)
+            self._seen(key, entry, now)
 
     def owner(self, request_id: str) -> Generation | None:
         entry = self._entries.get(remembered(request_id))
