@@ -366,7 +366,10 @@ def _first_output_watch(path_qs: str, response: UpstreamResponse) -> FirstOutput
     engine sends ``response.created`` and ``response.in_progress`` as it takes the request, before
     its prefill, and a prefill taken as ended there hid that prompt's work from load-aware
     routing. Other answers' first byte is their first token (or all of them)."""
-    if response.status >= 300 or URL(path_qs, encoded=True).path != RESPONSES_PATH:  # as routed
+    path = path_qs.partition("?")[0]
+    if "%" in path:
+        path = URL(path, encoded=True).path  # decoded, as the router matched it
+    if response.status >= 300 or path != RESPONSES_PATH:
         return None
     content_type = response.header("content-type") or ""
     return FirstOutput() if content_type.startswith("text/event-stream") else None
