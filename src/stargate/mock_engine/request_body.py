@@ -13,7 +13,7 @@ import functools
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from stargate.body_coding import decoded, off_loop
+from stargate.body_coding import content_coding, decoded, off_loop
 from stargate.errors import PayloadTooLarge, RequestError, UnsupportedEncoding
 from stargate.wire.client_faults import detail
 
@@ -27,7 +27,7 @@ async def read_body(request: web.Request) -> bytes:
         # The rest of the body is not read, so the connection cannot carry another request.
         reason = f"request body cannot be decoded: {detail(str(exc))}"
         raise web.HTTPBadRequest(text=reason, headers={"connection": "close"}) from exc
-    coding = request.headers.get("content-encoding")
+    coding = content_coding(request.headers)
     if not coding:
         return raw
     limit = request.client_max_size

@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from stargate.body_coding import decoded, off_loop
+from stargate.body_coding import content_coding, decoded, off_loop
 from stargate.errors import (
     BodyBufferFull,
     EngineBodyBufferFull,
@@ -414,7 +414,7 @@ class Relay:
         span: Span | None,
     ) -> web.StreamResponse:
         # Checked decoded, forwarded as received: a compressed body reaches the engine unchanged.
-        coding = request.headers.get("content-encoding")
+        coding = content_coding(request.headers)
         check = functools.partial(_body_rules, body, coding, endpoint, self.s.relay_non_streaming)
         error, items = await off_loop(check) if coding else check()
         if error is not None:

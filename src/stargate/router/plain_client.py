@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from stargate.body_coding import decoded, off_loop
+from stargate.body_coding import content_coding, decoded, off_loop
 from stargate.errors import ConfigError, PayloadTooLarge, RequestError
 from stargate.router.prefix_keys import PrefixKeys
 from stargate.wire import headers as h
@@ -150,7 +150,7 @@ class PlainClients:
         raw = await self._read(request)
         try:
             # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
-            coding = headers.get("content-encoding")
+            coding = content_coding(headers)
             parse = functools.partial(_json_object, raw, coding, self.settings.max_body_bytes)
             self._fill(headers, await off_loop(parse) if coding else parse(), request.path)
         except BaseException:
