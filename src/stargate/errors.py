@@ -254,6 +254,11 @@ class UpstreamBroken(UpstreamError):
     nothing, but the backend may have run part of the request."""
 
 
+class UpstreamInvalid(UpstreamError):
+    """The backend answered with a response head that cannot be read: it ran the request, so it is
+    not sent again (nginx's ``proxy_next_upstream`` leaves ``invalid_header`` out by default)."""
+
+
 class BackendRejected(StargateError):
     """A refusal a backend answers before anything ran, with Stargate's retry headers."""
 

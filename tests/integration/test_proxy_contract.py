@@ -884,6 +884,59 @@ async def test_a_backend_dying_before_its_first_byte_is_retried_on_a_sibling(sg:
     assert sg.metric("stargate_requests_total", **labels(inference_server_id="b-ok", status="200")) == 1
 
 
+@contextlib.asynccontextmanager
+async def answers_with_fields(count: int) -> AsyncIterator[tuple[str, list[int]]]:
+    """A raw backend whose 200 answer carries ``count`` header fields; the list counts the requests
+    it answered so."""
+    answered: list[int] = []
+    fields = b"".join(b"x-f%d: v\r\n" % i for i in range(count - 1))
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while (await read_request(reader)).startswith(b"GET /health"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            answered.append(1)
+            writer.write(b"HTTP/1.1 200 OK\r\n%bcontent-length: 2\r\n\r\nok" % fields)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", answered
+    finally:
+        server.close()
+
+
+async def test_an_answer_with_the_fields_pylon_adds_is_read(sg: Harness) -> None:
+    """An engine's 126 fields plus Pylon's own (date, server, transfer-encoding) reached Stargate
+    past aiohttp's 128: the request ran two or three times, then ended 502 anyway."""
+    async with answers_with_fields(128 + 12) as (url, answered):
+        wide = ScriptedBackend("wide")
+        wide.url = url
+        await sg.register(registration(wide))
+        async with (
+            aiohttp.ClientSession(max_headers=200) as http,  # the client too reads past 128
+            http.post(sg.base + CHAT, headers=HEADERS, data=b"{}") as resp,
+        ):
+            status, body = resp.status, await resp.read()
+    assert (status, body, answered) == (200, b"ok", [1])
+
+
+async def test_an_answer_whose_head_cannot_be_read_is_a_502_never_sent_again(sg: Harness) -> None:
+    """The backend answered, so it ran the request: no reconnect, no other backend."""
+    async with answers_with_fields(128 + 13) as (url, answered):
+        wider = ScriptedBackend("wider")
+        wider.url = url
+        await sg.register(registration(wider, "c"))
+        other = await sg.backend("z", cluster_id="slow", queued_input_size=100_000)
+        status, _, body = await sg.post()
+    assert status == 502 and answered == [1] and other.requests == []
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "upstream_transport_error" and "unreadable head" in error["message"]
+    assert sg.metric("stargate_requests_total", **labels(inference_server_id="wider", status="502")) == 1
+    assert sg.metric("stargate_proxy_retries_total", **labels(reason="hot_path_reconnect")) == 0
+
+
 async def test_a_lone_backend_dying_before_its_first_byte_gets_an_error_answer(sg: Harness) -> None:
     """No other backend to retry on: the client gets the failure that happened, not the 503 of a
     request nobody could take."""

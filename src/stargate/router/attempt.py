@@ -37,7 +37,8 @@ Attempt outcomes:
   → never the same backend again (it may still be running the request): a sibling at once.
   ``UpstreamBroken`` (not in the original: the driver relays a response only once its first body
   byte is in hand, so a body that breaks before it has told the client nothing) is handled like a
-  timeout: the backend may have run part of the request.
+  timeout: the backend may have run part of the request. ``UpstreamInvalid`` (a response head
+  that cannot be read: the backend ran the request) → ``Fail``, never sent again.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from stargate.errors import (
     StargateError,
     UpstreamBroken,
     UpstreamError,
+    UpstreamInvalid,
     UpstreamTimeout,
 )
 from stargate.router.headers import MAX_WAIT_CAP_MS, ProxyRequest
@@ -449,6 +451,8 @@ class AttemptMachine:
     def _send_failed(self, state: AttemptState, event: SendFailed, now: float) -> tuple[AttemptState, Action]:
         backend = _current(state)
         backend_id = backend.inference_server_id
+        if isinstance(event.error, UpstreamInvalid):  # it answered: the request ran
+            return state, Fail(event.error, backend_id)
         if self._budget_spent(state, now):
             return _noted(state, Exhausted("retry_budget_exhausted")), Fail(event.error, backend_id)
         if state.connect_retries >= self.settings.max_connect_retries:

@@ -19,8 +19,10 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from stargate.errors import UpstreamError, UpstreamNotSent, UpstreamTimeout
+from stargate.errors import UpstreamError, UpstreamInvalid, UpstreamNotSent, UpstreamTimeout
+from stargate.wire.client_faults import detail
 from stargate.wire.http_client import client_session
+from stargate.wire.limits import HOP_HEADER_FIELDS, MAX_RESPONSE_HEADER_FIELDS
 
 # aiohttp adds these on its own unless told not to; a proxy must send only what the client sent.
 DEFAULT_LIMIT_PER_HOST = 1024
@@ -77,8 +79,14 @@ class Transport(Protocol):
 def make_session(
     connect_timeout_s: float, limit_per_host: int = DEFAULT_LIMIT_PER_HOST
 ) -> aiohttp.ClientSession:
-    """The process-wide relay session (``stargate.wire.http_client``), bounded per backend."""
-    return client_session(connect_timeout_s=connect_timeout_s, limit_per_host=limit_per_host, relay=True)
+    """The process-wide relay session (``stargate.wire.http_client``), bounded per backend. It reads
+    the header fields Pylon adds to an engine's answer at Pylon's own limit."""
+    return client_session(
+        connect_timeout_s=connect_timeout_s,
+        limit_per_host=limit_per_host,
+        relay=True,
+        max_headers=MAX_RESPONSE_HEADER_FIELDS + HOP_HEADER_FIELDS,
+    )
 
 
 T = TypeVar("T")
@@ -251,6 +259,9 @@ class HttpTransport:
             waited = exc.waited_s if isinstance(exc, _LeftRouting) else self._request_timeout_s
             message = f"backend {backend_id} sent no response headers within {waited:g} s"
             raise UpstreamTimeout(message) from exc
+        except aiohttp.ClientResponseError as exc:  # a response head aiohttp cannot parse
+            reason = detail(exc.message)
+            raise UpstreamInvalid(f"backend {backend_id} answered with an unreadable head: {reason}") from exc
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise UpstreamError(f"connection to backend {backend_id} failed before a response") from exc
         return _AiohttpResponse(resp, functools.partial(self._guarded, alive), self._request_timeout_s, alive)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import aiohttp
 
+from stargate.wire.limits import MAX_RESPONSE_HEADER_FIELDS
+
 KEEPALIVE_TIMEOUT_S = 15.0
 RELAY_SKIPPED_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """A forwarding proxy adds none of these: the client's own (or none) go upstream."""
@@ -24,6 +26,7 @@ def client_session(
     read_timeout_s: float | None = None,
     relay: bool = False,
     headers: Mapping[str, str] | None = None,
+    max_headers: int = MAX_RESPONSE_HEADER_FIELDS,
 ) -> aiohttp.ClientSession:
     """``limit``/``limit_per_host``: 0 = unbounded. ``relay``: a forwarding proxy's session (no
     added headers, no cookies kept, the connect timeout also bounds the wait for a pooled connection).
@@ -47,6 +50,7 @@ def client_session(
             timeout=timeout,
             auto_decompress=False,
             headers={"Accept-Encoding": "identity", **(headers or {})},
+            max_headers=max_headers,
         )
     return aiohttp.ClientSession(
         connector=connector,
@@ -54,5 +58,6 @@ def client_session(
         auto_decompress=False,
         headers=headers,
         skip_auto_headers=RELAY_SKIPPED_HEADERS,
+        max_headers=max_headers,
         cookie_jar=aiohttp.DummyCookieJar(),
     )

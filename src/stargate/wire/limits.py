@@ -27,6 +27,11 @@ by the next hop, its 400 blamed on the backend."""
 HOP_HEADER_FIELDS = 12
 """Room for the header fields a hop adds: Pylon takes ``MAX_REQUEST_HEADER_FIELDS`` plus this many
 (what a router added to a request it took), and an engine gets at most that plus Pylon's own."""
+MAX_RESPONSE_HEADER_FIELDS = 128
+"""Header fields a client session reads in an answer (aiohttp's own limit); Stargate reads
+``HOP_HEADER_FIELDS`` more, for those Pylon adds relaying an engine's answer (``date``, ``server``,
+``transfer-encoding``): an engine's answer of 126 fields reached Stargate with 131, unreadable,
+and was sent again."""
 MAX_PLAUSIBLE_TOKENS = 1 << 24
 """16 777 216 prompt tokens: above every model's context window. A throughput sample counting more
 came from a client's claim or a faulty counter, not from an engine (Pylon's and Stargate's rates)."""

@@ -7,7 +7,14 @@ from dataclasses import replace
 
 from support.router_fakes import backend, make_request, make_view
 
-from stargate.errors import PayloadTooLarge, UpstreamBroken, UpstreamError, UpstreamNotSent, UpstreamTimeout
+from stargate.errors import (
+    PayloadTooLarge,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamInvalid,
+    UpstreamNotSent,
+    UpstreamTimeout,
+)
 from stargate.router.attempt import (
     Action,
     Answered,
@@ -79,6 +86,12 @@ def test_a_body_broken_before_its_first_byte_never_goes_back_to_the_same_backend
     assert action == Pick("c1", frozenset({"a"}))
     assert state.failed_backend_ids == {"a"} and state.connect_retries == 1
     assert state.notes == (Retried("connect_failover"),)
+
+
+def test_an_answer_that_cannot_be_read_ends_the_request_where_it_ran() -> None:
+    error = UpstreamInvalid("unreadable head")
+    state, action = step(sending(), SendFailed(error, READY))
+    assert action == Fail(error, "a") and state.connect_retries == 0 and state.notes == ()
 
 
 def test_transport_failures_end_when_budget_or_retries_are_spent() -> None:
