@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from stargate.wire import headers as h
+from stargate.wire.client_faults import detail
 
 if TYPE_CHECKING:
     from stargate.balancer.settings import Algorithm
@@ -109,7 +110,7 @@ class UnknownRoutingMethod(RoutingMethodError):
 
     def __init__(self, requested: str) -> None:
         self.requested = requested
-        super().__init__(f"unknown {h.ROUTING_METHOD} {json.dumps(requested)}")
+        super().__init__(f"unknown {h.ROUTING_METHOD} {detail(json.dumps(requested))}")
 
 
 class UnavailableRoutingMethod(RoutingMethodError):

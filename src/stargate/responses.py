@@ -20,6 +20,7 @@ from aiohttp import web
 
 from stargate.errors import MethodNotAllowed, NoSuchEndpoint, StargateError
 from stargate.wire import headers as h
+from stargate.wire.client_faults import detail
 
 REASONS = {
     400: "Bad Request",
@@ -74,9 +75,10 @@ async def json_route_errors(
         return await handler(request)
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
-        message = f"{request.method} is not allowed on {request.path} (allowed: {allowed})"
+        message = f"{request.method} is not allowed on {detail(request.path)} (allowed: {allowed})"
         response = error_response(MethodNotAllowed(message))
         response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
         return response
     except web.HTTPNotFound:
-        return error_response(NoSuchEndpoint(f"no such endpoint: {request.method} {request.path}"))
+        # Client bytes quoted short: an 8 KB path came back whole.
+        return error_response(NoSuchEndpoint(f"no such endpoint: {request.method} {detail(request.path)}"))

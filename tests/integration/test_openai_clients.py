@@ -99,6 +99,9 @@ async def test_plain_client_mode_serves_the_openai_sdk_without_headers(plain: st
         assert (await client.models.retrieve(MODEL)).id == MODEL
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("no-such-model")
+        with pytest.raises(openai.NotFoundError) as long_id:  # quoted short, not echoed whole
+            await client.models.retrieve("m" * 7000)
+        assert len(long_id.value.message) < 250 and "is not served" in long_id.value.message
 
         # The id the router gave a request reaches the client, relayed answer or its own error.
         assert chat._request_id is not None and chat._request_id.startswith("sg-")

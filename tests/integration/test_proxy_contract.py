@@ -715,6 +715,21 @@ async def test_unknown_path_and_wrong_method_get_json_errors(sg: Harness) -> Non
         }
 
 
+async def test_error_answers_quote_client_values_short(sg: Harness) -> None:
+    """A 7 000-character path or routing method came back whole in the error's message."""
+    long = "x" * 7000
+    async with sg.http.post(sg.base + "/v1/" + long, headers=HEADERS) as resp:
+        message = (await resp.json())["error"]["message"]
+        assert resp.status == 404 and message.startswith("no such endpoint: POST /v1/xxx")
+        assert len(message) < 200
+    status, _, body = await sg.post({"x-routing-method": long})
+    message = orjson.loads(body)["error"]["message"]
+    assert status == 400 and message.startswith('unknown x-routing-method "xxx') and len(message) < 200
+    async with sg.http.get(sg.base + "/v1/models/" + long) as resp:
+        message = (await resp.json())["error"]["message"]
+        assert resp.status == 404 and len(message) < 250
+
+
 def openai_chunk(content: str | None, finish: str | None = None) -> bytes:
     delta = {} if content is None else {"content": content}
     chunk = {

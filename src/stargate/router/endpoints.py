@@ -12,6 +12,7 @@ from aiohttp import web
 from stargate.errors import ModelNotFound, RequestError
 from stargate.responses import error_response
 from stargate.router.headers import via_problem
+from stargate.wire.client_faults import detail
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Endpoints:
     async def model(self, request: web.Request) -> web.Response:
         model_id = request.match_info["model_id"]
         if not model_id.strip() or model_id not in self.list_models(None, [model_id]):
-            return error_response(ModelNotFound(f"model {model_id!r} is not served by any active backend"))
+            message = f"model {detail(repr(model_id))} is not served by any active backend"
+            return error_response(ModelNotFound(message))
         return _json(self._model(model_id))
 
     async def health(self, request: web.Request) -> web.Response:
