@@ -139,8 +139,9 @@ async def test_stop_ends_open_watch_streams_promptly() -> None:
 
 
 def test_settings_errors_name_the_flag() -> None:
-    with pytest.raises(ConfigError, match="--remote-stargate-url"):
-        ControlPlaneSettings("sg", "a:1", "b:2", remote_stargate_urls=("grpc://nohost",)).validate()
+    for unusable in ("grpc://nohost", "ftp://127.0.0.1:5", "foo bar", "http://a b:5"):
+        with pytest.raises(ConfigError, match="--remote-stargate-url"):
+            ControlPlaneSettings("sg", "a:1", "b:2", remote_stargate_urls=(unusable,)).validate()
     with pytest.raises(ConfigError, match="--watch-heartbeat-ms"):
         ControlPlaneSettings("sg", "a:1", "b:2", watch_heartbeat_ms=0).validate()
     with pytest.raises(ConfigError, match="--registration-update-idle-timeout-ms"):

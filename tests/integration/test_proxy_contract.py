@@ -73,6 +73,13 @@ async def test_p98_missing_required_header_is_400_and_backend_not_called(
     assert sg.metric("stargate_requests_total", **labels(inference_server_id="", status="400")) == 0
 
 
+async def test_a_refused_expectation_carries_the_request_id(sg: Harness) -> None:
+    status, headers, _ = await sg.post({"expect": "foo"})
+    assert (status, headers["x-request-id"]) == (417, "req-1")
+    status, headers, _ = await sg.post({f"x-extra-{i}": "v" for i in range(100)})
+    assert (status, headers["x-request-id"]) == (400, "req-1")
+
+
 async def test_p99_invalid_numeric_headers_are_400(sg: Harness) -> None:
     for name, value in [
         ("x-input-tokens", "bad"),
@@ -81,8 +88,9 @@ async def test_p99_invalid_numeric_headers_are_400(sg: Harness) -> None:
         ("x-priority", "4294967296"),
         ("x-routing-method", "sticky"),
     ]:
-        status, _, _ = await sg.post({name: value})
+        status, headers, _ = await sg.post({name: value})
         assert status == 400, name
+        assert headers["x-request-id"] == "req-1", name  # every answer carries the client's id
 
 
 async def test_p101_unknown_model_is_404_no_eligible_candidates(sg: Harness) -> None:

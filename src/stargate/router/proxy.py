@@ -116,7 +116,7 @@ class ProxyHandler:
             except StargateError as exc:
                 problem = exc
         if problem is not None:
-            return error_response(problem)  # a body sent all the same is read and dropped
+            return _refused(request.headers, problem)  # a body sent all the same is read and dropped
         await send_continue(request)
         return None
 
@@ -139,7 +139,7 @@ class ProxyHandler:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
         if (problem := self._head_problem(request)) is not None:
-            return error_response(problem)
+            return _refused(request.headers, problem)
         headers: Mapping[str, str] = request.headers
         replay: ReplayBody | None = None
         try:
@@ -151,7 +151,7 @@ class ProxyHandler:
         except StargateError as exc:
             if replay is not None:
                 replay.release()
-            return error_response(exc)
+            return _refused(headers, exc)
         if replay is None:
             source = request.content.iter_any() if request.body_exists else None
             replay = ReplayBody(source, self._settings.max_replay_body_bytes, self._budget)
@@ -320,3 +320,12 @@ class ProxyHandler:
     ) -> None:
         if report_client_gone(self._faults, request, parsed.request_id, started=started) and started:
             self._metrics.response_cut(parsed.target, backend_id, "client")
+
+
+def _refused(headers: Mapping[str, str], problem: StargateError) -> web.Response:
+    """A request refused before it was parsed still carries the client's own ``x-request-id`` (every
+    answer does), where the client sent a usable one."""
+    response = error_response(problem)
+    if (request_id := h.text_value(headers.get(h.REQUEST_ID))) is not None:
+        response.headers[h.REQUEST_ID] = request_id
+    return response

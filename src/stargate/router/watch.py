@@ -46,14 +46,20 @@ def normalize_stargates(
 
 
 def url_key(raw: str) -> str:
-    """``host:port`` identity of a watch URL (``http://`` assumed); ``ValueError`` if unusable."""
+    """``host:port`` identity of a watch URL (``http://`` assumed); ``ValueError`` if unusable: a
+    scheme other than http(s) or a host no resolver answers (``foo bar``), which every Pylon was sent
+    and retried for ever."""
     text = raw.strip()
     parts = urlsplit(text if "://" in text else f"http://{text}")
     host = parts.hostname
     port = parts.port if parts.port is not None else _DEFAULT_PORTS.get(parts.scheme.lower())
-    if not host or port is None:
+    if not host or port is None or parts.scheme.lower() not in _DEFAULT_PORTS or _unusable(host):
         raise ValueError(f"not a host:port watch URL: {raw!r}")
     return join_host_port(host, port)
+
+
+def _unusable(host: str) -> bool:
+    return any(c.isspace() or c in "/?#@[]" for c in host)
 
 
 def self_endpoint_keys(advertise_addr: str, discovery_dns_name: str | None, port: int) -> set[str]:
