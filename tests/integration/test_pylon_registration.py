@@ -59,15 +59,15 @@ async def test_b110_refused_stream_retried_after_delay_and_ended_stream_reopened
     reg = client(retry_s=1.0, clock=clock, on_connected=lambda _r, up: downs.append(up))
     reg.update_routers(route_to(stargate))
     try:
-        await until("the first refusal", lambda: downs == [False])  # the backoff sleep is parked now
+        await until("the first refusal", lambda: downs == [False])
+        await clock.sleeping(1)  # the backoff sleep
         clock.advance(0.99)
-        await settle()
-        assert stargate.register_calls == 1  # not retried before the 1 s retry interval
+        assert clock.pending == 1 and stargate.register_calls == 1  # not retried before the 1 s interval
         clock.advance(0.26)  # 1 s plus at most 25 % jitter
         await until("the second refusal", lambda: downs == [False, False])
+        await clock.sleeping(1)
         clock.advance(1.99)
-        await settle()
-        assert stargate.register_calls == 2  # the next retry backs off to 2 s
+        assert clock.pending == 1 and stargate.register_calls == 2  # the next retry backs off to 2 s
         clock.advance(0.51)
         await until("a registration after two refusals", lambda: len(stargate.messages) >= 1)
         await until("the ended stream reopened without a delay", lambda: stargate.register_calls >= 4)

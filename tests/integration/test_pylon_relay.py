@@ -100,6 +100,10 @@ async def test_b76_queue_mismatch_rejected_before_engine(
             body = orjson.loads(await resp.read())
         assert body["reason"] == "queue_estimate_mismatch" and body["actual_queue_ms"] == 1000
         assert body["threshold_ms"] == 25 and body["status"] == 429
+        get = app.metrics.registry.get_sample_value
+        for name, ms in (("expected", 0.0), ("actual", 1000.0)):
+            histogram = f"pylon_queue_admission_{name}_ms"
+            assert (get(f"{histogram}_count"), get(f"{histogram}_sum")) == (1.0, ms)
         assert engine.hits("/v1/chat/completions") == 0
         assert app.load.generation_of("r1") is None
     finally:

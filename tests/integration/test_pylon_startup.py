@@ -213,8 +213,7 @@ async def test_b32_retired_model_gets_new_generation(engine: FakeEngine, stargat
         await app._lifecycle.reconcile([])
         assert "llama" not in app.registration_message().models
         await app._lifecycle.reconcile(["llama"])
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        await until("llama admitted again", lambda: app.registry.admitted("llama") is not None)
         second = app.registry.admitted("llama")
         assert first is not None and second is not None and second.seq > first.seq
     finally:

@@ -9,6 +9,7 @@ import io
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -16,7 +17,7 @@ import orjson
 import pytest
 from grpc import aio
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.pylon_fakes import FakeEngine
 from support.stargate_harness import Reply, ScriptedBackend, registration, rejection, settings
@@ -115,7 +116,8 @@ async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported,
     }
     attributes = dict(relayed.attributes or {})
     assert attributes["pylon.admission.result"] == "accepted"
-    assert attributes["pylon.queue.expected_ms"] >= 0
+    queue = [attributes[f"pylon.queue.{name}_ms"] for name in ("expected", "actual", "threshold")]
+    assert queue == [0, 0, 25]  # an idle engine, as Stargate expected; the 25 ms minimum delta
     assert (
         0 < attributes["engine.time_to_response_headers_ms"] <= attributes["engine.time_to_first_output_ms"]
     )
@@ -196,6 +198,18 @@ def test_shutdown_waits_for_the_collector_only_so_long(monkeypatch: pytest.Monke
     monkeypatch.setattr(otel, "SHUTDOWN_TIMEOUT_S", 0.05)
     tracing = Tracing("stargate", Stuck(InMemorySpanExporter()))
     try:
-        tracing.shutdown()  # returns at once here; before, it waited for the export (the test timed out)
+        started = time.monotonic()
+        tracing.shutdown()  # before, it waited for the export (the test timed out)
+        assert time.monotonic() - started < 1.0
     finally:
         released.set()
+
+
+def test_shutdown_flushes_the_spans_still_buffered() -> None:
+    """Spans still in the batch when a process stops are its last requests: they must go out."""
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("stargate", BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    tracing.end(tracing.start("last", {}, {}), 200, {})
+    assert exporter.get_finished_spans() == ()  # still buffered
+    tracing.shutdown()
+    assert [s.name for s in exporter.get_finished_spans()] == ["last"]

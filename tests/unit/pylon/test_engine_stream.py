@@ -51,3 +51,39 @@ async def test_wake_reconnects_at_once_and_starts_the_delays_over() -> None:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_answer_outside_2xx_is_no_stream_even_with_a_body() -> None:
+    """A 300 is a status to retry on, not events: its body is never read as the engine's."""
+    hits: list[int] = []
+
+    async def stream(_request: web.Request) -> web.StreamResponse:
+        hits.append(1)
+        status, limit = (300, 7) if len(hits) == 1 else (200, 3)
+        body = b'{"type":"ping","v":1,"model":"llama","max_engine_concurrency":%d}\n' % limit
+        return web.Response(status=status, body=body)
+
+    app = web.Application()
+    app.router.add_get("/stats", stream)
+    rig = make_rig()
+    metrics = PylonMetrics()
+    async with serving(app) as url, client_session(connect_timeout_s=5.0) as session:
+        reader = EngineStatsStream(
+            session=session,
+            url=url + "/stats",
+            mode=StatsStreamMode.REQUIRED,
+            hub=rig.hub,
+            metrics=metrics,
+            backoff_start_s=60.0,
+        )
+        task = asyncio.create_task(reader.run())
+        try:
+            await until("a first attempt", lambda: len(hits) == 1)
+            reader.wake()
+            await until("the engine's limit", lambda: rig.hub.effective_limit(rig.gen) == 3)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    get = metrics.registry.get_sample_value
+    assert get("pylon_engine_stats_stream_events_total", {"type": "ping"}) == 1  # the 200's only
+    assert get("pylon_engine_stats_stream_reconnects_total", {"reason": "http_status"}) == 1

@@ -451,6 +451,25 @@ def test_b107_embedding_item_tps_pylon_only() -> None:
     assert stats.output_tps == 0 and stats.max_output_tps == 0
 
 
+def test_embeddings_feed_the_input_rate_over_their_time_to_response_headers() -> None:
+    """An embeddings answer's head comes when its prompt is processed: its time is the prefill's,
+    floored at 10 ms (a faster head is the floor's rate, not an implausible one)."""
+    rig = make_rig(fallback=True)
+    for i in range(5):
+        rig.hub.on_observation(
+            obs(rig, State.COMPLETE, request_id=f"e{i}", endpoint=Endpoint.EMBEDDINGS,
+                time_to_response_headers=0.5, elapsed=0.6)
+        )  # fmt: skip
+    assert rig.hub.snapshot(rig.gen).last_mean_input_tps == pytest.approx(100)  # 50 tokens in 0.5 s
+    floored = make_rig(fallback=True)
+    for i in range(5):
+        floored.hub.on_observation(
+            obs(floored, State.COMPLETE, request_id=f"e{i}", endpoint=Endpoint.EMBEDDINGS,
+                time_to_response_headers=0.002, elapsed=0.003)
+        )  # fmt: skip
+    assert floored.hub.snapshot(floored.gen).last_mean_input_tps == pytest.approx(5000)  # over 10 ms
+
+
 def test_a_sweep_finds_every_entry_due_behind_one_seen_since() -> None:
     """The sweep reads the store oldest-seen first and stops at the first entry not due, so an
     entry seen again must move behind those it was created before."""

@@ -419,6 +419,41 @@ async def test_routing_duration_observed_once_per_request_p127() -> None:
     assert value(metrics, "stargate_proxy_duration_seconds_count", inference_server_id="b") == 1
 
 
+async def test_p127_durations_measure_the_routing_wait_and_the_time_to_the_answer() -> None:
+    """Counted only, a duration recorded as zero went unseen."""
+    now = [10.0]
+
+    async def sleep(seconds: float) -> None:  # the routing wait for room passes on the clock
+        now[0] += seconds
+
+    class Slow(FakeTransport):
+        async def send(
+            self,
+            backend: FakeBackend,
+            method: str,
+            path_qs: str,
+            headers: CIMultiDict[str],
+            body: bytes | AsyncIterable[bytes],
+        ) -> FakeResponse:
+            now[0] += 0.25  # the backend answers after 250 ms
+            return await super().send(backend, method, path_qs, headers, body)
+
+    policy = ScriptedPolicy([UNAVAILABLE, Selected(Choice(0))])
+    state = FakeState(make_view({"c1": ["b"]}, policy))
+    machine = AttemptMachine(
+        RetrySettings(), admission=lambda d, c, r: None, expected_queue=lambda c, p, a: None
+    )
+    metrics = RouterMetrics()
+    transport = Slow({"b": [FakeResponse(200)]})
+    driver = AttemptDriver(state, machine, transport, metrics, clock=lambda: now[0], sleep=sleep)
+    await run(driver, max_wait_ms=1000)
+    waited = now[0] - 10.0 - 0.25
+    assert 0 < waited < 1.0
+    assert value(metrics, "stargate_routing_duration_seconds_sum") == pytest.approx(waited)
+    proxied = value(metrics, "stargate_proxy_duration_seconds_sum", inference_server_id="b")
+    assert proxied == pytest.approx(waited + 0.25)  # from the request's arrival to the answer's head
+
+
 async def test_header_timeout_fails_over_to_a_sibling_without_reconnecting() -> None:
     runner, _, transport, metrics = make_runner(
         {"c1": ["a", "b"], "c2": ["z"]},
