@@ -199,7 +199,8 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "--quic-request-timeout-ms",
         type=positive_int,
         default=_D.request_timeout_ms,
-        help="time allowed until response headers",
+        help="time allowed until response headers (and then between body bytes) once the backend has left "
+        "routing; one still in routing is waited for another period each time, up to 30 min",
     )
     add("--metrics-prefix", default=_D.metrics_prefix, help="prefix of every Prometheus metric name")
     add(

@@ -31,7 +31,10 @@ for a header violation) naming what was wrong.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +48,8 @@ from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults, Fault, detail
 from stargate.wire.runner import open_files_limit
 
+_RESET = struct.pack("ii", 1, 0)
+"""``SO_LINGER`` on, 0 s: closing sends a RST and discards the send queue."""
 MAX_LINE_BYTES = 8190
 """aiohttp's parser limit on the request line and on each header field (neither server changes it)."""
 
@@ -257,10 +262,16 @@ class GuardedRequestHandler(RequestHandler):
             )
 
     def _close_for(self, fault: Fault, message: str, limit_s: float) -> None:
-        """Reset the connection (a close would wait to flush what the client does not read)."""
+        """Reset the connection (a close would wait to flush what the client does not read). A zero
+        linger makes the kernel send a RST and drop its send queue: an abort alone left the ~4 MB
+        the kernel held for a stalled reader queued, then a FIN, for as long as the peer lived."""
         self.timed_out = True
         self._faults.report(fault, message, self._peer, round(limit_s * 1000))
         if self.transport is not None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
             self.transport.abort()
 
     def _arm_head_timer(self) -> None:
