@@ -31,7 +31,8 @@ Attempt outcomes:
   retryable reason → the cluster is excluded and routing runs again. Not in the original: a request
   that ``queue_estimate_mismatch`` refusals would end (retries used up, or every cluster excluded)
   and that is not past a routing wait is requeued once instead (``_requeues``): routed again with the
-  refusing backends back in and sent without an expected queue, which Pylon admits.
+  refusing backends back in and sent without an expected queue, which Pylon admits; so is one that
+  such a refusal left with no backend to take it now.
 * ``SendFailed`` (no response): ``UpstreamNotSent`` / a broken connection → ``Reconnect`` the same
   backend, then the same backend again or (``Reconnected(False)``) a sibling; ``UpstreamTimeout``
   → never the same backend again (it may still be running the request): a sibling at once.
@@ -368,6 +369,11 @@ class AttemptMachine:
         if routing_deadline is not None and now < routing_deadline:
             poll = max(rng.randint(*UNAVAILABLE_POLL_MS) / 1000.0, share)
             return self._wait(state, min(poll, routing_deadline - now), refusal)
+        if _requeues(state, now):
+            # Refused as busier than this router saw, and the rest is full: queued where it was
+            # refused, as when every cluster refused it (a canary holding a slot that the published
+            # load leaves out had a burst the size of the fleet's slots answered 503).
+            return self._route(_requeued(state), snapshot, now, rng, refusal, held)
         if request.max_wait_ms is None:
             reason = "no backend for this model can take the request now (x-max-wait-ms lets it wait)"
         else:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from support.router_fakes import backend, make_request, make_view
+from support.router_fakes import ScriptedPolicy, backend, make_request, make_view
 
+from stargate.balancer.types import UNAVAILABLE, Choice, Selected
 from stargate.errors import (
     PayloadTooLarge,
     UpstreamBroken,
@@ -212,6 +213,27 @@ def test_a_request_whose_last_cluster_refused_it_is_routed_again_within_its_rout
     state, action = step(state, Picked(None))
     assert isinstance(action, Pick) and not state.expects_queue
     assert state.failed_backend_ids == frozenset()
+
+
+def test_a_request_refused_where_the_rest_is_full_is_queued_where_it_was_refused() -> None:
+    """a refused it as busier than expected (a canary held the slot), z is full: without a routing
+    wait it ended 503; it is sent to a again, without an expected queue, which Pylon admits."""
+    policy = ScriptedPolicy([UNAVAILABLE, Selected(Choice(0)), UNAVAILABLE])
+    view = make_view({"c1": ["a"], "c2": ["z"]}, policy)
+    machine = AttemptMachine(
+        RetrySettings(), admission=lambda d, c, r: None, expected_queue=lambda c, p, la: 0
+    )
+    mismatch = Answered(429, signal("queue_estimate_mismatch"), READY)
+    state, action = machine.step(sending(), mismatch, view, 10.0, random.Random(1))
+    assert action == Pick("c1", frozenset({"a"}))
+    state, action = machine.step(state, Picked(None), view, 10.0, random.Random(1))
+    assert action == Pick("c1", frozenset()) and not state.expects_queue
+    state, action = machine.step(state, Picked(A), view, 10.0, random.Random(1))
+    assert isinstance(action, Send) and action.expected_queue_ms is None
+    # Once: refused again, and the rest still full, it ends as in the original.
+    state, action = machine.step(state, mismatch, view, 10.0, random.Random(1))
+    state, action = machine.step(state, Picked(None), view, 10.0, random.Random(1))
+    assert isinstance(action, Fail) and action.error.status == 503
 
 
 def test_a_requeue_does_not_bring_back_a_backend_that_refused_for_another_reason() -> None:
