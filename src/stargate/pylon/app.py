@@ -250,6 +250,7 @@ class PylonApp:
                 clock=self.clock,
                 produced=relay.produced_within,
                 work_ahead=relay.work_ahead_s,
+                waiting=self.load.oldest_wait_s,
                 occupying=self.load.occupying,
             )
         canaries = self.canaries

@@ -10,11 +10,15 @@ events for them are dropped (spec §13 item 2 lets them in), so they leave Pylon
 
 Not in the original: a canary queued behind the engine's work is late, not failed. Its timeout
 starts after the prompt work the engine had in hand when it was sent (``work_ahead``, at the
-measured input rate, at most ``MAX_WORK_AHEAD_S``), and one that still gets no answer while the
-engine produced output for other requests of the model meanwhile (``produced``) passes. Counted as
+measured input rate, at most ``MAX_WORK_AHEAD_S``), and one that still gets no answer passes
+while the engine produced output for other requests of the model meanwhile (``produced``), or
+while a request sent to the engine before it still waits for its first output (``waiting``: an
+engine prefilling a long prompt produces nothing), as long as that request has waited at most
+``MAX_WORK_AHEAD_S``, so an engine that hangs with requests in flight is still found. Counted as
 failures, every engine of a saturated fleet went ``INACTIVE`` at once and the routers answered the
-requests they were holding 503; long prompts still did so when no first token came within the
-timeout.
+requests they were holding 503; a 45k-token prompt prefilling at 1000 tokens/s, behind a Pylon
+whose input rate was set 5x too high, took its engine out of routing mid-prefill, and the router
+moved it to every backend in turn and answered 502.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ CANARY_PROMPT = "1+1="
 CANARY_INPUT_TOKENS = 4
 RECOVERY_RETRY_S = 1.0
 MAX_WORK_AHEAD_S = 120.0
-"""The most a canary's timeout is extended for the work queued ahead of it: an engine that hangs
-with a deep queue is still found (its health probes find one that stops answering at all)."""
+"""The most a canary's timeout is extended for the work queued ahead of it, and the longest a
+request still without output excuses a late canary: an engine that hangs with a deep queue is
+still found (its health probes find one that stops answering at all)."""
 LATE = "no answer within the timeout"
 MAX_GENERATION_S = 600.0
 """The longest a streamed canary may take after its first byte, tokens coming or not."""
@@ -158,15 +163,18 @@ class CanaryRunner:
         clock: Clock | None = None,
         produced: Callable[[str, float], bool] = lambda _model_id, _seconds: False,
         work_ahead: Callable[[Generation], float] = lambda _gen: 0.0,
+        waiting: Callable[[Generation], float | None] = lambda _gen: None,
         occupying: Callable[[Generation], contextlib.AbstractContextManager[None]] = (
             lambda _gen: contextlib.nullcontext()
         ),
     ) -> None:
         """``produced(model_id, seconds)``: whether the engine produced output for the model within
         the last ``seconds`` (``Relay.produced_within``); ``work_ahead(gen)``: seconds of prompt
-        work ahead of a request sent now (``Relay.work_ahead_s``); ``occupying(gen)``: counts a
-        canary in Pylon's admission while it runs (``LiveLoad.occupying``): it holds an engine slot
-        that a request admitted beside it would otherwise be expected to find free."""
+        work ahead of a request sent now (``Relay.work_ahead_s``); ``waiting(gen)``: how long the
+        oldest request sent to the engine still without output has waited, None when none has
+        (``LiveLoad.oldest_wait_s``); ``occupying(gen)``: counts a canary in Pylon's admission while
+        it runs (``LiveLoad.occupying``): it holds an engine slot that a request admitted beside it
+        would otherwise be expected to find free."""
         self._session = session
         self._base = base_url
         self._ids = ids
@@ -179,6 +187,7 @@ class CanaryRunner:
         self._clock = clock or SystemClock()
         self._produced = produced
         self._work_ahead = work_ahead
+        self._waiting = waiting
         self._occupying = occupying
         self._tasks: dict[Generation, asyncio.Task[None]] = {}
 
@@ -194,15 +203,26 @@ class CanaryRunner:
             task.cancel()
 
     async def canary(self, gen: Generation) -> str | None:
-        """Why the canary failed, or None; a late one passes while the engine produces output."""
+        """Why the canary failed, or None; a late one passes while the engine produces output or
+        still works on a prompt sent before the canary."""
         timeout_s = self._timeout_s + min(self._work_ahead(gen), MAX_WORK_AHEAD_S)
         request_id = self._ids.new(CANARY, gen.seq)
+        started = self._clock.monotonic()
         with self._occupying(gen):
             failure = await send_canary(
                 self._session, self._base, request_id, gen, threshold=self._threshold, timeout_s=timeout_s
             )
-        if failure == LATE and self._produced(gen.model_id, timeout_s):
+        if failure != LATE:
+            return failure
+        if self._produced(gen.model_id, timeout_s):
             log.debug("canary for model %s queued past its timeout behind answered requests", gen.model_id)
+            return None
+        waited = self._waiting(gen)
+        if waited is not None and self._clock.monotonic() - started < waited <= MAX_WORK_AHEAD_S:
+            log.debug(
+                "canary for model %s queued past its timeout behind a request before its first output",
+                gen.model_id,
+            )
             return None
         return failure
 

@@ -56,6 +56,7 @@ class _Tracked:
     work_tokens: int  # the prompt work the engine still has to do (input tokens minus its cache)
     key: str | None = None
     slot_since: float | None = None  # sent to the engine with a slot free: its hold is measured
+    sent_at: float | None = None  # when it went to the engine
 
     @property
     def work_priority(self) -> int | None:
@@ -216,15 +217,17 @@ class LiveLoad:
         self.on_change(t.generation)
 
     def sent(self, request_id: str, limit: int = 0) -> None:
-        """The request goes to the engine now (admitted). Sent while one of the engine's ``limit``
-        slots was free, its time there is measured (``slot_hold_s``). With ``prefix_caching`` its
-        prompt is the key's cached prefix for the key's next prompt here (most recently used last).
-        Keys too long to publish are not kept: the memory stays bounded in bytes."""
+        """The request goes to the engine now (admitted): its wait for output starts
+        (``oldest_wait_s``). Sent while one of the engine's ``limit`` slots was free, its time there
+        is measured (``slot_hold_s``). With ``prefix_caching`` its prompt is the key's cached prefix
+        for the key's next prompt here (most recently used last). Keys too long to publish are not
+        kept: the memory stays bounded in bytes."""
         t = self._requests.get(request_id)
         if t is None:
             return
+        t.sent_at = self._clock()
         if limit > 0 and self.active_requests(t.generation, exclude_request_id=request_id) < limit:
-            t.slot_since = self._clock()
+            t.slot_since = t.sent_at
         if not self._prefix_caching or not t.key or len(t.key) > MAX_AFFINITY_KEY_CHARS:
             return
         # A long key by its digest, as the router keeps it.
@@ -249,6 +252,23 @@ class LiveLoad:
         since = [t.slot_since for t in self._requests.values() if t.generation == generation]
         oldest = min((at for at in since if at is not None), default=None)
         return 0.0 if oldest is None else max(0.0, self._clock() - oldest)
+
+    def oldest_wait_s(self, generation: Generation) -> float | None:
+        """How long the oldest request sent to the engine for ``generation`` and still without
+        output (queued or prefilling) has waited, None when there is none: an engine prefilling a
+        long prompt produces nothing, and a canary queued behind it is late, not failed. A scan of
+        the requests in flight, read only for a late canary: no cost per request."""
+        oldest = min(
+            (
+                t.sent_at
+                for t in self._requests.values()
+                if t.generation == generation
+                and t.sent_at is not None
+                and t.phase is not Phase.OUTPUT_GENERATION
+            ),
+            default=None,
+        )
+        return None if oldest is None else max(0.0, self._clock() - oldest)
 
     @contextlib.contextmanager
     def occupying(self, generation: Generation) -> Iterator[None]:

@@ -15,10 +15,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from support.waiting import until
 
-from stargate.pylon.canary import LATE, CanaryRunner, send_canary
+from stargate.pylon.canary import LATE, MAX_WORK_AHEAD_S, CanaryRunner, send_canary
 from stargate.pylon.health import HealthProber
 from stargate.pylon.ids import CANARY, RequestIds
-from stargate.pylon.load import LiveLoad
+from stargate.pylon.load import LiveLoad, Phase
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
 from stargate.wire.clock import ManualClock
 
@@ -230,6 +230,97 @@ async def test_a_canary_waits_out_the_work_queued_ahead_of_it_before_its_timeout
 
     assert await runner(0.0).canary(gen) == LATE
     assert await runner(1.0).canary(gen) is None  # queued behind a second of prompt work
+
+
+def test_the_oldest_wait_counts_requests_sent_and_still_without_output() -> None:
+    clock = ManualClock()
+    load = LiveLoad(clock=clock.monotonic)
+    gen, other = Generation("llama", 1), Generation("qwen", 1)
+    load.track("refused", gen, 0, 10)  # never sent to the engine
+    load.track("other", other, 0, 10)
+    load.sent("other")
+    assert load.oldest_wait_s(gen) is None
+    load.track("a", gen, 0, 45_000)
+    load.sent("a")
+    clock.advance(5.0)
+    load.track("b", gen, 0, 10)
+    load.sent("b")
+    load.advance("a", Phase.INPUT_PROCESSING)  # prefilling still waits
+    clock.advance(5.0)
+    assert load.oldest_wait_s(gen) == 10.0
+    load.advance("a", Phase.OUTPUT_GENERATION)  # its first output: no longer waiting
+    assert load.oldest_wait_s(gen) == 5.0
+    load.release("b")
+    assert load.oldest_wait_s(gen) is None
+    assert load.oldest_wait_s(other) == 10.0
+
+
+Late = tuple[CanaryRunner, LiveLoad, ManualClock, Generation]
+
+
+def late_canaries(engine: Engine, session: aiohttp.ClientSession) -> Late:
+    """Every canary is late: the engine answers after 0.2 s (real time: the timeout is aiohttp's),
+    past a 0.05 s timeout; Pylon's load and the runner read the same manual clock."""
+    engine.chat_delay_s = 0.2
+    clock = ManualClock()
+    load = LiveLoad(clock=clock.monotonic)
+    registry = ModelRegistry()
+    gen = registry.allocate("llama")
+    runner = CanaryRunner(
+        session=session, base_url=engine.url, ids=RequestIds(UUID), registry=registry,
+        prober=HealthProber(session, engine.url, ("/health",)), interval_s=5.0, threshold=237,
+        timeout_s=0.05, clock=clock, waiting=load.oldest_wait_s,
+    )  # fmt: skip
+    return runner, load, clock, gen
+
+
+def prefilling(load: LiveLoad, gen: Generation, request_id: str = "long") -> None:
+    load.track(request_id, gen, 0, 45_000)
+    load.sent(request_id)
+    load.advance(request_id, Phase.INPUT_PROCESSING)
+
+
+async def test_a_late_canary_passes_behind_a_prompt_sent_before_it_still_prefilling(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    runner, load, clock, gen = late_canaries(engine, session)
+    assert await runner.canary(gen) == LATE  # nothing in the engine's hands
+    prefilling(load, gen)
+    clock.advance(30.0)
+    assert await runner.canary(gen) is None  # no output while it prefills: queued, not failed
+    load.advance("long", Phase.OUTPUT_GENERATION)
+    assert await runner.canary(gen) == LATE  # answered meanwhile: it excuses nothing more
+
+
+async def test_a_prompt_without_output_past_the_bound_does_not_excuse_a_late_canary(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    """An engine that hangs with requests in flight is still found."""
+    runner, load, clock, gen = late_canaries(engine, session)
+    prefilling(load, gen)
+    clock.advance(MAX_WORK_AHEAD_S)
+    assert await runner.canary(gen) is None
+    clock.advance(1.0)
+    assert await runner.canary(gen) == LATE
+
+
+async def test_a_request_sent_after_the_canary_does_not_excuse_it(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    runner, load, clock, gen = late_canaries(engine, session)
+
+    async def sent_behind(request: web.Request) -> web.Response:  # the engine has the canary now
+        clock.advance(1.0)
+        prefilling(load, gen)
+        await asyncio.sleep(engine.chat_delay_s)
+        return web.Response(body=engine.chat_body, content_type="application/json")
+
+    engine.on_chat = sent_behind
+    assert await runner.canary(gen) == LATE
+    assert load.oldest_wait_s(gen) == 0.0  # sent while the canary waited, before it was judged
+    engine.on_chat = None
+    clock.advance(1.0)
+    assert await runner.canary(gen) is None  # the next canary is queued behind it
 
 
 async def test_a_canary_counts_in_pylons_load_while_it_runs(
