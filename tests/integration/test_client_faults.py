@@ -154,8 +154,11 @@ async def until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
 
 
 async def closed_by_server(reader: asyncio.StreamReader) -> bool:
-    """True once the server closed the connection (whatever it still sent before)."""
-    await asyncio.wait_for(reader.read(), 5)
+    """True once the server closed or reset the connection (whatever it still sent before)."""
+    try:
+        await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:
+        return True
     return reader.at_eof()
 
 
