@@ -65,15 +65,17 @@ class FlagSet:
         self.env = env
 
     def add(self, flag: str, *aliases: str, env_var: str | None = None, **kw: Any) -> None:
+        """The help shows the built-in default, never a variable's value: ``--help`` printed the
+        bearer token taken from ``STARGATE_AUTH_TOKEN``."""
+        if kw.get("help") != argparse.SUPPRESS:
+            notes = [kw.get("help") or "", _describe_default(kw), f"(env {env_var})" if env_var else ""]
+            kw["help"] = " ".join(n for n in notes if n) or None
         if env_var is not None and env_var in self.env:
             raw = self.env[env_var]
             kw["default"] = [raw] if kw.get("action") == "append" else raw
             kw.pop("required", None)
             if callable(kw.get("type")):
                 kw["type"] = _naming_env(kw["type"], raw, env_var)
-        if kw.get("help") != argparse.SUPPRESS:
-            notes = [kw.get("help") or "", _describe_default(kw), f"(env {env_var})" if env_var else ""]
-            kw["help"] = " ".join(n for n in notes if n) or None
         self.parser.add_argument(flag, *aliases, **kw)
 
 
@@ -101,4 +103,4 @@ def _describe_default(kw: Mapping[str, Any]) -> str:
         return ""
     if isinstance(default, bool):
         return f"(default: {'true' if default else 'false'})"
-    return "(default: %(default)s)"
+    return f"(default: {default})".replace("%", "%%")  # argparse formats help with %

@@ -44,6 +44,14 @@ def test_help_shows_the_default_once_and_the_variable() -> None:
     assert "strict (default: false) (env T_STRICT)" in text
 
 
+def test_help_never_shows_a_variables_value() -> None:
+    """``pylon --help`` printed the bearer token taken from ``STARGATE_AUTH_TOKEN``."""
+    text = " ".join(flag_set({"T_RETRIES": "7"}).format_help().split())
+    assert "retries (default: 2) (env T_RETRIES)" in text and "7" not in text
+    help_text = pylon_parser({"STARGATE_AUTH_TOKEN": "ENVSECRET123"}).format_help()
+    assert "ENVSECRET123" not in help_text
+
+
 @pytest.mark.parametrize("parser", [stargate_parser({}), pylon_parser()], ids=["stargate", "pylon"])
 def test_every_flag_states_at_most_one_default(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:

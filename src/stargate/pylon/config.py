@@ -23,6 +23,7 @@ from urllib.parse import unquote
 
 from stargate.errors import ConfigError
 from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive_int
+from stargate.pylon.registration import TOKEN_RULE, bearer_token
 from stargate.wire import headers as h
 from stargate.wire.address import dial_url, is_dialable, is_ip, split_host_port, unbracket
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
@@ -153,6 +154,16 @@ _non_blank = _checked(str, bool, "not blank")
 _backend = _checked(lambda v: UpstreamBackend(v.lower()), bool, "dynamo or passthrough")
 
 
+def _token(raw: str) -> str:
+    """The token trimmed (as a token file is); the value is never quoted back."""
+    if not raw.strip():
+        return ""
+    token = bearer_token(raw)
+    if token is None:
+        raise argparse.ArgumentTypeError(TOKEN_RULE)
+    return token
+
+
 def _base_url(raw: str) -> tuple[str, str | None]:
     """The URL without its ``user:password@`` and those as an HTTP Basic ``Authorization`` value.
 
@@ -168,9 +179,11 @@ def _base_url(raw: str) -> tuple[str, str | None]:
     has_port = ":" in host_port and not host_port.endswith("]")
     target = host_port if has_port else f"{host_port}:{default_port}"
     if not is_dialable(target) or "?" in base or "#" in base:
+        # Quoted without anything before an @: a password with an unencoded / reads as a path.
+        shown = f"{scheme}://...@{rest.rpartition('@')[2]}" if "@" in base else base
         raise argparse.ArgumentTypeError(
             f"expected http(s)://HOST[:PORT][/PATH] with an IPv6 host in brackets, a port of 1-65535 "
-            f"and no query, got {base!r}"
+            f"and no query, got {shown!r}"
         )
     if not at:
         return base, None
@@ -337,7 +350,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--engine-prefix-caching", type=parse_bool, default=False, metavar="BOOL",
       help="the engine keeps prompts' KV cache: a request's prompt work is what the last prompt of its "
       "cache-affinity key here did not cover (false = every input token, as the spec says)")
-    a("--auth-token", env_var="STARGATE_AUTH_TOKEN", default=None, help="bearer token for Stargate")
+    a("--auth-token", env_var="STARGATE_AUTH_TOKEN", default=None, type=_token,
+      help="bearer token for Stargate")
     a("--auth-token-file", env_var="STARGATE_AUTH_TOKEN_FILE", default=None,
       help="token file, re-read per stream")
     a("--otel-endpoint", env_var="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
@@ -403,10 +417,13 @@ def _check_combinations(ns: argparse.Namespace) -> None:
         raise ConfigError("must be > 0 with --do-calibration", path="--calibration-requests")
     if ns.auth_token_file and not ns.auth_token:
         try:  # read again whenever a stream opens (a rotated secret); unreadable at start is a typo
-            Path(ns.auth_token_file).read_bytes()
+            raw = Path(ns.auth_token_file).read_bytes()
         except OSError as exc:
             reason = f"cannot read {ns.auth_token_file}: {exc.strerror or exc}"
             raise ConfigError(reason, path="--auth-token-file") from exc
+        if raw.strip() and bearer_token(raw) is None:
+            reason = f"{ns.auth_token_file} holds no usable token: {TOKEN_RULE}"
+            raise ConfigError(reason, path="--auth-token-file")
     if 0 < ns.max_buffered_body_bytes < MAX_BODY_BYTES:
         raise ConfigError(
             f"must be 0 or at least {MAX_BODY_BYTES} (one body)", path="--max-buffered-body-bytes"

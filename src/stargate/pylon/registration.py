@@ -39,6 +39,7 @@ __all__ = [
     "RegistrationClient",
     "RouterInfo",
     "StargateDiscovery",
+    "bearer_token",
     "open_channel",
     "router_from_info",
     "stats_to_proto",
@@ -348,6 +349,22 @@ class RegistrationClient:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+TOKEN_RULE = "a bearer token is printable ASCII without spaces"
+
+
+def bearer_token(raw: bytes | str) -> str | None:
+    """``raw`` trimmed, if it can travel as gRPC metadata (a bearer token: printable ASCII, no
+    spaces), else None. A token with a trailing newline or a non-ASCII byte made every stream fail
+    (``Invalid metadata``) while Pylon said it was ready."""
+    try:
+        text = (raw.decode() if isinstance(raw, bytes) else raw).strip()
+    except UnicodeDecodeError:
+        return None
+    if not text.isascii() or not text.isprintable() or " " in text:
+        return None
+    return text
+
+
 def token_source(static: str | None, file: str | None) -> Callable[[], str | None]:
     """Static token wins; otherwise the file is re-read (trimmed) each time a stream opens."""
 
@@ -356,9 +373,14 @@ def token_source(static: str | None, file: str | None) -> Callable[[], str | Non
             return static
         if file:
             try:
-                return Path(file).read_text().strip() or None
+                raw = Path(file).read_bytes()
             except OSError as exc:  # checked at start: it went away since
                 log.warning("cannot read --auth-token-file %s (%s); registering without a token", file, exc)
+                return None
+            token = bearer_token(raw)
+            if token is None and raw.strip():
+                log.warning("--auth-token-file %s holds no usable token (%s)", file, TOKEN_RULE)
+            return token or None
         return None
 
     return read

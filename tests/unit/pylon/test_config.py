@@ -80,6 +80,9 @@ def test_a_refused_engine_url_is_shown_without_its_password() -> None:
     with pytest.raises(ConfigError) as raised:
         parse_settings(["--upstream-http-base-url", "http://admin:s3cret@[::1]:99999"])
     assert "s3cret" not in str(raised.value) and "http://[::1]:99999" in str(raised.value)
+    with pytest.raises(ConfigError) as raised:  # an unencoded / in the password reads as a path
+        parse_settings(["--upstream-http-base-url", "http://user:pa/ssSECRET@127.0.0.1:99999"])
+    assert "SECRET" not in str(raised.value) and "127.0.0.1:99999" in str(raised.value)
 
 
 def test_a_bracketed_ipv6_metrics_host_is_that_address() -> None:
@@ -211,6 +214,39 @@ def test_b15_auth_token_sources(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert read() == "def"
     assert token_source("static", str(f))() == "static"
     assert parse(env={"STARGATE_AUTH_TOKEN": "env-token"}).auth_token == "env-token"
+    # Trimmed as the file is: a secret made from a file ends with a newline.
+    assert parse(env={"STARGATE_AUTH_TOKEN": "env-token\n"}).auth_token == "env-token"
+
+
+@pytest.mark.parametrize("token", ["tök", "to ken", "tok\x01en"])
+def test_a_token_that_cannot_travel_as_grpc_metadata_is_a_usage_error(tmp_path: Path, token: str) -> None:
+    """Every registration stream failed (``Invalid metadata``) while Pylon said it was ready."""
+    with pytest.raises(ConfigError) as raised:
+        parse("--auth-token", token)
+    assert "--auth-token" in str(raised.value) and token not in str(raised.value)
+    f = tmp_path / "token"
+    f.write_bytes(token.encode())
+    with pytest.raises(ConfigError, match="no usable token") as raised:
+        parse("--auth-token-file", str(f))
+    assert raised.value.path == "--auth-token-file"
+    f.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="no usable token"):
+        parse("--auth-token-file", str(f))
+
+
+def test_a_token_file_rotated_to_an_unusable_token_registers_without_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stargate.pylon.registration import token_source
+
+    f = tmp_path / "token"
+    f.write_text("abc")
+    read = token_source(None, str(f))
+    f.write_bytes(b"\xffabc")
+    assert read() is None
+    assert any("no usable token" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    f.write_text("def\n")
+    assert read() == "def"
 
 
 def test_an_unreadable_token_file_is_a_usage_error_at_start_and_a_warning_later(
