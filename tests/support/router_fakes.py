@@ -103,7 +103,9 @@ class FakeState:
     def release(self, reservation: int) -> None:
         self.released.append(reservation)
 
-    def first_byte(self, reservation: int, answered: bool = True, prefilled: bool = True) -> None:
+    def first_byte(
+        self, reservation: int, answered: bool = True, prefilled: bool = True, ran: bool = True
+    ) -> None:
         self.first_bytes.append((reservation, answered))
         if prefilled:
             self.prefills.append(reservation)

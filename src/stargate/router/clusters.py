@@ -63,6 +63,7 @@ class Reservation:
     counted_prefilling: bool = False  # ... and still waiting for its first byte then
     slot_since: float | None = None  # dispatched to a free slot at this clock time (None: no free slot)
     cached_work: bool = False  # its backend publishes CACHED_PROMPT_WORK (set when the cluster takes it)
+    ran: bool = True  # False once its answer is a refusal (not 2xx): it measures no rate or slot hold
 
     @property
     def pylon_tokens(self) -> int:
@@ -417,7 +418,7 @@ class ClusterState:
         """The attempt's first response byte arrived: its prefill is over, it is decoding now."""
         if reservation not in self.running or not reservation.prefilling:
             return False
-        if _measured(reservation):
+        if _measured(reservation) and reservation.ran:
             self._meter.prefilled(reservation.input_tokens, self._clock())
         self._count(reservation, -1)
         reservation.prefilling = False
@@ -445,7 +446,7 @@ class ClusterState:
         if reservation.key:
             _add(self._keys, reservation.key, -1)
         self._count(reservation, -1)
-        if reservation.slot_since is not None and not reservation.prefilling:
+        if reservation.slot_since is not None and not reservation.prefilling and reservation.ran:
             self._slots.ended(max(0.0, self._clock() - reservation.slot_since))
         if reservation.counted and reservation.backend_id in self.members:
             reservation.counted = False

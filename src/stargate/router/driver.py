@@ -83,7 +83,9 @@ class RoutingStateView(Protocol):
         key: str | None,
     ) -> Any: ...
     def release(self, reservation: Any) -> None: ...
-    def first_byte(self, reservation: Any, answered: bool = True, prefilled: bool = True) -> None: ...
+    def first_byte(
+        self, reservation: Any, answered: bool = True, prefilled: bool = True, ran: bool = True
+    ) -> None: ...
     def prefilled(self, reservation: Any) -> None: ...
     def finish(self, reservation: Any) -> None: ...
     def answered(self, reservation: Any) -> None: ...
@@ -229,7 +231,9 @@ class AttemptDriver:
                 if first is not None:
                     watch = _first_output_watch(path_qs, response)
                     prefilled = watch is None or watch.feed(first)
-                    self._state.first_byte(reservation, answered=response.status < 500, prefilled=prefilled)
+                    status = response.status
+                    ran = 200 <= status < 300
+                    self._state.first_byte(reservation, answered=status < 500, prefilled=prefilled, ran=ran)
                     if watch is not None and not prefilled:
                         rest = self._until_output(rest, watch, reservation)
                 return Passthrough(response, state.backend, first, rest, reservation)
@@ -326,7 +330,7 @@ class AttemptDriver:
         answer starts its row again, and a retryable refusal (relayed once retries ran out) neither."""
         status, header = outcome.response.status, outcome.response.header
         retryable = retry_signal(status, header, self._require_signal).retryable
-        if cut or status >= 500 or (status == 429 and not retryable):
+        if cut or (not retryable and (status >= 500 or status == 429)):
             self._state.server_error(outcome.reservation)
         elif not retryable:
             self._state.answered(outcome.reservation)

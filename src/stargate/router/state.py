@@ -304,13 +304,19 @@ class RoutingState:
         """End only the optimistic load (the backend refused the attempt: §1.9 (c))."""
         self._change(reservation, ClusterState.release)
 
-    def first_byte(self, reservation: Reservation, answered: bool = True, prefilled: bool = True) -> None:
+    def first_byte(
+        self, reservation: Reservation, answered: bool = True, prefilled: bool = True, ran: bool = True
+    ) -> None:
         """The attempt's first response byte arrived. ``answered``: the response is no server
         error, so the backend is alive (``answered_within``); a Pylon whose engine is down answers
         5xx at once. ``prefilled``: the byte is its first token, so it no longer counts as prefill
-        work (else ``prefilled`` follows)."""
+        work (else ``prefilled`` follows). ``ran``: a 2xx, the engine ran it; a refusal measures
+        neither the prefill rate nor a slot's hold (ten-million-token prompts an engine refused
+        at once read as 24 million tokens/s prefilled)."""
         if answered and reservation.backend_id in self._live:
             self._answered[reservation.backend_id] = self._clock()
+        if not ran:
+            reservation.ran = False
         if prefilled:
             self._change(reservation, ClusterState.first_byte)
 

@@ -628,6 +628,7 @@ async def test_only_a_backends_own_failures_count_toward_its_server_error_hold(
         (FakeResponse(500), False, ["a"], []),
         (FakeResponse(429), False, ["a"], []),  # a refusal it gives every request, at once
         (retryable(), False, [], []),  # relayed once retries ran out: busy, not broken
+        (retryable(503, "busy"), False, [], []),  # a 503 so (a budget of 0): not a server error
     ],
 )
 async def test_the_relays_end_tells_whether_the_backend_failed_the_answer(

@@ -431,6 +431,28 @@ def test_measured_slot_time_is_the_mean_from_dispatch_to_end_of_requests_sent_to
     assert only_candidate(state).measured_slot_s == 4.5  # the mean of 3 s and 6 s
 
 
+def test_an_answer_refused_at_once_measures_neither_the_prefill_rate_nor_a_slots_time() -> None:
+    """A ten-million-token prompt the engine refused (400) read as 24 million tokens/s prefilled,
+    and refusals took the mean slot time from 925 ms to 133 ms."""
+    state, clock = make_state()
+    a = join(state, "a")
+    publish(state, a, ModelStats(last_mean_input_tps=100.0, max_engine_concurrency=2))
+
+    def request(tokens: int, ran: bool) -> None:
+        reservation = state.reserve(T, "a", tokens, 0)
+        clock.now += 1.0 if ran else 0.1
+        state.first_byte(reservation, ran=ran)
+        clock.now += 1.0 if ran else 0.0
+        state.finish(reservation)
+
+    request(2000, ran=True)
+    request(2000, ran=True)
+    for _ in range(40):  # 4 s of refusals: samples enough to move the median
+        request(1_000_000, ran=False)
+    assert only_candidate(state).measured_input_tps == 2000.0
+    assert only_candidate(state).measured_slot_s == 2.0
+
+
 def test_until_a_request_ends_the_oldest_one_holding_a_slot_says_since_when() -> None:
     state, clock = make_state()
     a = join(state, "a")
