@@ -39,7 +39,7 @@ from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.router.attempt import RetrySettings
 from stargate.router.health import HealthSettings
-from stargate.router.plain_client import PlainClientSettings
+from stargate.router.plain_client import PlainClientSettings, body_key
 from stargate.router.proxy import ProxySettings
 from stargate.router.state import SERVER_ERRORS_IN_A_ROW
 
@@ -353,6 +353,18 @@ async def test_plain_client_compressed_body_is_read_away_from_the_event_loop(
             assert resp.status == 200
         assert backend.requests[0][2] == packed
         assert len(threads) == 1 and threads[0] != threading.get_ident()
+
+
+async def test_a_plain_clients_non_ascii_session_id_keys_it_by_digest() -> None:
+    """Dropped as no header value before: such a conversation lost its replica."""
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    async with running(plain_clients=PlainClientSettings()) as sg:
+        backend = await sg.backend("b1")
+        for session in ("jos\u00e9", "plain-7"):
+            async with sg.http.post(sg.base + CHAT, data=body, headers={"x-session-id": session}) as resp:
+                assert resp.status == 200
+        keys = [headers.get("x-cache-affinity-key") for _, headers, _ in backend.requests]
+    assert keys == [body_key("jos\u00e9"), "plain-7"] and keys[0].startswith("sha256:")
 
 
 async def test_bodies_read_whole_wait_for_room_and_get_503_when_none_frees() -> None:

@@ -142,7 +142,7 @@ class PlainClients:
         if text_value(headers.get(h.REQUEST_ID)) is None:
             headers[h.REQUEST_ID] = REQUEST_ID_PREFIX + uuid.uuid4().hex
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None and self._session_header is not None:
-            session = text_value(headers.get(self._session_header))
+            session = body_key(headers.get(self._session_header))  # a non-ASCII id keeps its key too
             if session is not None:
                 headers[h.CACHE_AFFINITY_KEY] = session
         if headers.get(h.INPUT_TOKENS) is not None and text_value(headers.get(h.MODEL)) is not None:
