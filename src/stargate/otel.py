@@ -52,7 +52,12 @@ class Tracing:
         )
 
     def inject(self, span: Span, carrier: MutableMapping[str, str]) -> None:
-        """Replace the carrier's ``traceparent``/``tracestate`` with this span's."""
+        """Replace the carrier's ``traceparent``/``tracestate`` with this span's: the propagator
+        writes a tracestate only when the span has one, and a client's own (orphaned, or one the
+        W3C rules drop) went on beside the new traceparent."""
+        for name in ("traceparent", "tracestate"):
+            if name in carrier:
+                del carrier[name]
         PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
 
     def end(self, span: Span, status: int, attributes: Mapping[str, AttributeValue]) -> None:

@@ -33,6 +33,9 @@ class RouteTrace:
     at_backend: str = ""
     """The backend whose answer the request awaits now ("" while it is routed): a client that
     hangs up is counted against it."""
+    relayed_status: int = 0
+    """The status of the answer being relayed (0 before one): a client that hangs up meanwhile is
+    counted with it, not 499, in the metrics and on the span alike."""
 
 
 def setup_tracing(endpoint: str | None, service_name: str, flag: str = "--otel-endpoint") -> Tracing | None:

@@ -5,11 +5,13 @@ through Stargate and Pylon to the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,6 +21,7 @@ from grpc import aio
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from support.pylon_fakes import FakeEngine
 from support.stargate_harness import Reply, ScriptedBackend, registration, rejection, settings
 from support.waiting import until
@@ -71,7 +74,9 @@ def trace_id(span: ReadableSpan) -> str:
     return f"{span.context.trace_id:032x}"
 
 
-async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported, engine: FakeEngine) -> None:
+@contextlib.asynccontextmanager
+async def traced_fleet(exported: Exported, engine: FakeEngine) -> AsyncIterator[str]:
+    """Stargate and Pylon in front of ``engine``, both tracing: the chat URL."""
     server = StargateServer(settings(), tracing=exported.tracing("stargate"))
     pylon: PylonApp | None = None
     try:
@@ -85,16 +90,22 @@ async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported,
             tracing=exported.tracing("pylon"),
         )  # fmt: skip
         await pylon.start()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
-            await until("llama registered", lambda: server.state.list_models(None, []) == ["llama"])
-            url = f"http://{bound.http}/v1/chat/completions"
-            async with http.post(url, data=CHAT, headers=HEADERS) as resp:
-                assert resp.status == 200
-                await resp.read()
+        await until("llama registered", lambda: server.state.list_models(None, []) == ["llama"])
+        yield f"http://{bound.http}/v1/chat/completions"
     finally:
         if pylon is not None:
             await pylon.close()
         await server.shutdown(drain_timeout_s=1.0)
+
+
+async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported, engine: FakeEngine) -> None:
+    async with (
+        traced_fleet(exported, engine) as url,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
+        http.post(url, data=CHAT, headers=HEADERS) as resp,
+    ):
+        assert resp.status == 200
+        await resp.read()
     routed, relayed = exported.one("proxy_openai_request"), exported.one("pylon_request")
     assert (trace_id(routed), parent_id(routed)) == (TRACE_ID, GATEWAY_SPAN)
     assert (trace_id(relayed), parent_id(relayed)) == (TRACE_ID, span_id(routed))
@@ -123,6 +134,51 @@ async def test_gateway_stargate_pylon_engine_share_one_trace(exported: Exported,
     )
     assert (attributes["engine.status_code"], attributes["http.response.status_code"]) == (200, 200)
     assert attributes["pylon.request.state"] == "complete"
+
+
+def status_of(span: ReadableSpan) -> object:
+    return (span.attributes or {})["http.response.status_code"]
+
+
+async def test_a_client_gone_before_the_first_byte_is_499_at_stargate_and_no_server_error_at_pylon(
+    exported: Exported, engine: FakeEngine
+) -> None:
+    """Pylon's span said 500, an error, for every client hang-up."""
+    engine.first_byte_delay_s = 30.0  # headers at once, then nothing: the client gives up
+    async with traced_fleet(exported, engine) as url, aiohttp.ClientSession() as http:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5), http.post(url, data=CHAT, headers=HEADERS) as resp:
+                await resp.read()
+        await until("both spans ended", lambda: len(exported.exporter.get_finished_spans()) == 2)
+    routed, relayed = exported.one("proxy_openai_request"), exported.one("pylon_request")
+    assert (status_of(routed), status_of(relayed)) == (499, 200)  # Pylon had relayed the engine's head
+    assert relayed.status.status_code is not StatusCode.ERROR
+
+
+async def test_a_client_gone_mid_answer_is_the_status_it_got_on_stargates_span(
+    exported: Exported, engine: FakeEngine
+) -> None:
+    """As the metrics count it (200, and a response cut by the client), not 499."""
+    engine.end_gate = asyncio.Event()  # the stream never ends
+    async with traced_fleet(exported, engine) as url, aiohttp.ClientSession() as http:
+        async with http.post(url, data=CHAT, headers=HEADERS) as resp:
+            assert resp.status == 200
+            await resp.content.readany()
+        await until("both spans ended", lambda: len(exported.exporter.get_finished_spans()) == 2)
+    assert status_of(exported.one("proxy_openai_request")) == 200
+
+
+def test_a_clients_tracestate_goes_only_with_its_own_trace(exported: Exported) -> None:
+    """An orphan tracestate (no traceparent) went on beside the new trace's traceparent."""
+    tracing = exported.tracing("stargate")
+    carrier = {"tracestate": "vendor=abc"}
+    span = tracing.start("s", carrier, {})
+    tracing.inject(span, carrier)
+    assert set(carrier) == {"traceparent"} and carrier["traceparent"].split("-")[1] != TRACE_ID
+    carrier = {**GATEWAY, "tracestate": "vendor=abc"}
+    span = tracing.start("s", carrier, {})
+    tracing.inject(span, carrier)
+    assert carrier["tracestate"] == "vendor=abc" and carrier["traceparent"].split("-")[1] == TRACE_ID
 
 
 async def test_stargate_span_records_attempts_retry_reasons_and_the_chosen_backend(

@@ -370,11 +370,13 @@ class Relay:
             return response
         except asyncio.CancelledError:
             # Stargate hung up (aiohttp cancels the handler): the engine request is closed with it,
-            # unless its answer was whole (``Delivered``).
+            # unless its answer was whole (``Delivered``). The span keeps the status Stargate got,
+            # else a client's hang-up: no server error.
+            started = observer is not None and observer.status is not None
+            status = observer.status if observer is not None and observer.status is not None else 499
             if observer is not None and observer.delivered.done:
                 observer.finish()
                 raise
-            started = observer is not None and observer.status is not None
             report_client_gone(self.faults, request, request_id, started=started)
             if observer is not None:
                 observer.cancel()

@@ -176,7 +176,7 @@ class ProxyHandler:
             if self.in_flight == 0:
                 self._idle.set()
             if traced is not None:
-                self._end_span(parsed, status, *traced)
+                self._end_span(parsed, traced[1].relayed_status or status, *traced)
 
     def _begin_span(self, headers: Mapping[str, str], parsed: ProxyRequest) -> tuple[Span, RouteTrace]:
         assert self._tracing is not None
@@ -249,10 +249,10 @@ class ProxyHandler:
             self._metrics.request_finished(parsed.target, outcome.backend_id, outcome.error.status)
             report_client_gone(self._faults, request, parsed.request_id, started=False)
             return error_response(outcome.error)
-        return await self._relay(request, outcome, parsed)
+        return await self._relay(request, outcome, parsed, route)
 
     async def _relay(
-        self, request: web.Request, outcome: Passthrough, parsed: ProxyRequest
+        self, request: web.Request, outcome: Passthrough, parsed: ProxyRequest, route: RouteTrace
     ) -> web.StreamResponse:
         target = parsed.target
         upstream, backend = outcome.response, outcome.backend
@@ -265,6 +265,7 @@ class ProxyHandler:
             self._driver.finish(outcome)
             self._metrics.request_finished(target, backend.inference_server_id, 500)
             return error_response(StargateError("backend identity cannot be sent as a header value"))
+        route.relayed_status = upstream.status
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(filter_headers(upstream.headers, RESPONSE_DROPPED))
         response.headers[h.INFERENCE_SERVER_ID] = backend.inference_server_id
