@@ -1008,6 +1008,23 @@ async def test_response_header_timeout_of_a_backend_that_left_routing_is_a_trans
         backend.hold_health.set()
 
 
+async def test_a_request_past_a_backends_connections_waits_for_one_and_probes_are_not_queued() -> None:
+    """An engine with more slots than Stargate's connections to it: a request past them failed 502
+    after the connect timeout, and health probes queued behind them took the backend out."""
+    probes = HealthSettings(interval_s=0.05, timeout_s=0.1, recheck_s=0.05)
+    async with running(backend_connection_limit=1, connect_timeout_ms=100, health=probes) as sg:
+        backend = await sg.backend("b1")
+        backend.hold_headers = asyncio.Event()
+        first = asyncio.ensure_future(sg.post())
+        await until("the first request holds the connection", lambda: len(backend.requests) == 1)
+        second = asyncio.ensure_future(sg.post())
+        await asyncio.sleep(0.5)  # five connect timeouts and ten probe periods: neither may fire
+        assert not second.done() and len(backend.requests) == 1
+        assert sg.metric("stargate_active_inference_servers", **labels()) == 1
+        backend.hold_headers.set()
+        assert ((await first)[0], (await second)[0]) == (200, 200)
+
+
 # ---- affinity wait X through the real wait-and-widen policy (seed PR) ----------------------------
 
 AFFINITY_CONFIG = {

@@ -32,7 +32,7 @@ from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
 from stargate.router.plain_client import PlainClients, PlainClientSettings
 from stargate.router.proxy import ProxyHandler, ProxySettings
 from stargate.router.state import RoutingState
-from stargate.router.transport import HttpTransport, make_session
+from stargate.router.transport import DEFAULT_LIMIT_PER_HOST, HttpTransport, make_session
 from stargate.tracing import setup_tracing
 from stargate.wire import address
 from stargate.wire.address import join_host_port
@@ -71,7 +71,7 @@ class StargateSettings:
     proxy: ProxySettings = field(default_factory=ProxySettings)
     connect_timeout_ms: int = 2_000
     request_timeout_ms: int = 30_000
-    backend_connection_limit: int = 1024
+    backend_connection_limit: int = DEFAULT_LIMIT_PER_HOST
     stargate_discovery_dns_name: str | None = None
     disable_dns_discovery: bool = False
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
@@ -150,6 +150,7 @@ class StargateServer:
         self.body_budget: BodyBudget | None = None
         self._driver: AttemptDriver | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._probe_session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
 
     async def start(self) -> BoundAddresses:
@@ -196,10 +197,13 @@ class StargateServer:
             metrics_bound = await self._serve(
                 self._metrics_app(), s.metrics_host, s.metrics_port, "--metrics-host/--metrics-port"
             )
+            # Health probes get connections of their own: queued behind a full pool of requests,
+            # they failed and took a backend serving them all out of routing.
+            self._probe_session = make_session(s.connect_timeout_ms / 1000.0, 0)
             self.control_plane = ControlPlane(
                 self.state,
                 self._control_plane_settings(advertise_host, http_bound[1]),
-                self._session,
+                self._probe_session,
                 clock=self.clock,
             )
             grpc_port, discovery_port = await self.control_plane.start(
@@ -244,9 +248,10 @@ class StargateServer:
         if self.control_plane is not None:
             await self.control_plane.stop(grace_s=0.5)
             self.control_plane = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._probe_session):
+            if session is not None:
+                await session.close()
+        self._session = self._probe_session = None
         if self.tracing is not None:
             self.tracing.shutdown()
 

@@ -115,6 +115,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         "plain-client reads); 0 = no cap",
     )
     add(
+        "--proxy-max-connections-per-backend",
+        env_var="STARGATE_PROXY_MAX_CONNECTIONS_PER_BACKEND",
+        type=non_negative_int,
+        default=_D.backend_connection_limit,
+        help="connections to one backend at once, one per request in flight there (a request past "
+        "them waits for one); 0 = no limit",
+    )
+    add(
         "--default-max-wait-ms",
         env_var="STARGATE_DEFAULT_MAX_WAIT_MS",
         type=non_negative_int,
@@ -342,6 +350,7 @@ def settings_from_args(options: argparse.Namespace) -> StargateSettings:
         ),
         connect_timeout_ms=options.quic_connect_timeout_ms,
         request_timeout_ms=options.quic_request_timeout_ms,
+        backend_connection_limit=options.proxy_max_connections_per_backend,
         stargate_discovery_dns_name=options.stargate_discovery_dns_name,
         disable_dns_discovery=options.disable_dns_discovery,
         discovery=discovery_settings(options),

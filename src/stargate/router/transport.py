@@ -25,7 +25,10 @@ from stargate.wire.http_client import client_session
 from stargate.wire.limits import HOP_HEADER_FIELDS, MAX_RESPONSE_HEADER_FIELDS
 
 # aiohttp adds these on its own unless told not to; a proxy must send only what the client sent.
-DEFAULT_LIMIT_PER_HOST = 1024
+DEFAULT_LIMIT_PER_HOST = 4096
+"""Connections to one backend at once (``--proxy-max-connections-per-backend``), one per request in
+flight there: as many as Pylon opens to its engine. At 1024 an engine with 3000 slots answered
+every stream past 1024 with 502 (the wait for a pooled connection was the connect timeout)."""
 
 
 class BackendRef(Protocol):

@@ -28,8 +28,10 @@ def client_session(
     headers: Mapping[str, str] | None = None,
     max_headers: int = MAX_RESPONSE_HEADER_FIELDS,
 ) -> aiohttp.ClientSession:
-    """``limit``/``limit_per_host``: 0 = unbounded. ``relay``: a forwarding proxy's session (no
-    added headers, no cookies kept, the connect timeout also bounds the wait for a pooled connection).
+    """``limit``/``limit_per_host``: 0 = unbounded; a request past them waits for a pooled connection,
+    under its caller's own deadline (a relay's wait for response headers), and the connect timeout
+    bounds only the TCP connect. ``relay``: a forwarding proxy's session (no added headers, no
+    cookies kept).
 
     Neither decompresses, so the other asks for no compression (``Accept-Encoding: identity``, where
     aiohttp would offer gzip): a stock vLLM or SGLang ``/metrics`` page came gzipped and unreadable.
@@ -39,10 +41,7 @@ def client_session(
         limit=limit, limit_per_host=limit_per_host, keepalive_timeout=KEEPALIVE_TIMEOUT_S
     )
     timeout = aiohttp.ClientTimeout(
-        total=None,
-        connect=connect_timeout_s if relay else None,
-        sock_connect=connect_timeout_s,
-        sock_read=read_timeout_s,
+        total=None, connect=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
     )
     if not relay:
         return aiohttp.ClientSession(
