@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 from aiohttp import web
 from support.loopback import serving
 from support.waiting import until
@@ -13,7 +14,21 @@ from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.stats.engine_stream import EngineStatsStream
 from stargate.wire.http_client import client_session
 
-from .helpers import make_rig
+from .helpers import Rig, make_rig
+
+
+def stats_reader(
+    session: aiohttp.ClientSession, url: str, rig: Rig, metrics: PylonMetrics
+) -> EngineStatsStream:
+    """A reader of ``url``'s /stats whose next attempt, without a wake-up, is a minute away."""
+    return EngineStatsStream(
+        session=session,
+        url=url + "/stats",
+        mode=StatsStreamMode.REQUIRED,
+        hub=rig.hub,
+        metrics=metrics,
+        backoff_start_s=60.0,
+    )
 
 
 async def test_wake_reconnects_at_once_and_starts_the_delays_over() -> None:
@@ -33,14 +48,7 @@ async def test_wake_reconnects_at_once_and_starts_the_delays_over() -> None:
     app.router.add_get("/stats", stream)
     rig = make_rig()
     async with serving(app) as url, client_session(connect_timeout_s=5.0) as session:
-        reader = EngineStatsStream(
-            session=session,
-            url=url + "/stats",
-            mode=StatsStreamMode.REQUIRED,
-            hub=rig.hub,
-            metrics=PylonMetrics(),
-            backoff_start_s=60.0,  # without a wake-up the next attempt is a minute away
-        )
+        reader = stats_reader(session, url, rig, PylonMetrics())
         task = asyncio.create_task(reader.run())
         try:
             await until("a first attempt", lambda: len(hits) == 1)
@@ -68,14 +76,7 @@ async def test_an_answer_outside_2xx_is_no_stream_even_with_a_body() -> None:
     rig = make_rig()
     metrics = PylonMetrics()
     async with serving(app) as url, client_session(connect_timeout_s=5.0) as session:
-        reader = EngineStatsStream(
-            session=session,
-            url=url + "/stats",
-            mode=StatsStreamMode.REQUIRED,
-            hub=rig.hub,
-            metrics=metrics,
-            backoff_start_s=60.0,
-        )
+        reader = stats_reader(session, url, rig, metrics)
         task = asyncio.create_task(reader.run())
         try:
             await until("a first attempt", lambda: len(hits) == 1)
