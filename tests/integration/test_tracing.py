@@ -168,6 +168,19 @@ async def test_a_client_gone_mid_answer_is_the_status_it_got_on_stargates_span(
     assert status_of(exported.one("proxy_openai_request")) == 200
 
 
+async def test_a_request_refused_before_routing_has_its_span(exported: Exported, engine: FakeEngine) -> None:
+    """One span per request: a 400 for a bad header had none, and the gateway's trace no child."""
+    async with (
+        traced_fleet(exported, engine) as url,
+        aiohttp.ClientSession() as http,
+        http.post(url, data=CHAT, headers={**HEADERS, "x-priority": "abc"}) as resp,
+    ):
+        assert resp.status == 400
+    refused = exported.one("proxy_openai_request")
+    assert (trace_id(refused), parent_id(refused), status_of(refused)) == (TRACE_ID, GATEWAY_SPAN, 400)
+    assert (refused.attributes or {})["request.id"] == "r-traced"
+
+
 def test_a_clients_tracestate_goes_only_with_its_own_trace(exported: Exported) -> None:
     """An orphan tracestate (no traceparent) went on beside the new trace's traceparent."""
     tracing = exported.tracing("stargate")

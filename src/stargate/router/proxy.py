@@ -116,9 +116,22 @@ class ProxyHandler:
             except StargateError as exc:
                 problem = exc
         if problem is not None:
-            return _refused(request.headers, problem)  # a body sent all the same is read and dropped
+            return self._refused(request.headers, problem)  # a body sent all the same is read and dropped
         await send_continue(request)
         return None
+
+    def _refused(self, headers: Mapping[str, str], problem: StargateError) -> web.Response:
+        """A request refused before it was parsed still carries the client's own ``x-request-id``
+        (every answer does), where the client sent a usable one, and has its span."""
+        response = error_response(problem)
+        request_id = h.text_value(headers.get(h.REQUEST_ID))
+        if request_id is not None:
+            response.headers[h.REQUEST_ID] = request_id
+        if self._tracing is not None:
+            attributes = {} if request_id is None else {"request.id": request_id}
+            span = self._tracing.start("proxy_openai_request", headers, attributes)
+            self._tracing.end(span, response.status, {})
+        return response
 
     def _head_problem(self, request: web.Request) -> StargateError | None:
         if (too_many := h.too_many_fields(len(request.headers))) is not None:
@@ -139,7 +152,7 @@ class ProxyHandler:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received_at = self._clock()
         if (problem := self._head_problem(request)) is not None:
-            return _refused(request.headers, problem)
+            return self._refused(request.headers, problem)
         headers: Mapping[str, str] = request.headers
         replay: ReplayBody | None = None
         try:
@@ -151,7 +164,7 @@ class ProxyHandler:
         except StargateError as exc:
             if replay is not None:
                 replay.release()
-            return _refused(headers, exc)
+            return self._refused(headers, exc)
         if replay is None:
             source = request.content.iter_any() if request.body_exists else None
             replay = ReplayBody(source, self._settings.max_replay_body_bytes, self._budget)
@@ -321,12 +334,3 @@ class ProxyHandler:
     ) -> None:
         if report_client_gone(self._faults, request, parsed.request_id, started=started) and started:
             self._metrics.response_cut(parsed.target, backend_id, "client")
-
-
-def _refused(headers: Mapping[str, str], problem: StargateError) -> web.Response:
-    """A request refused before it was parsed still carries the client's own ``x-request-id`` (every
-    answer does), where the client sent a usable one."""
-    response = error_response(problem)
-    if (request_id := h.text_value(headers.get(h.REQUEST_ID))) is not None:
-        response.headers[h.REQUEST_ID] = request_id
-    return response
