@@ -83,6 +83,32 @@ async def test_chat_relay_streams_and_observes(engine: FakeEngine, client: aioht
         await app.close()
 
 
+async def test_health_does_not_wait_behind_relayed_requests_for_a_connection(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    """With every engine connection held by relayed streams, /health queued behind them and Stargate
+    took a healthy, busy backend out of routing."""
+    app = await started(engine, "--engine-stats-stream", "off", "--max-engine-connections", "1")
+    engine.end_gate = asyncio.Event()  # the stream holds its connection until released
+    try:
+        url = app.http_url + "/v1/chat/completions"
+        async with client.post(url, data=CHAT, headers=HEADERS) as held:
+            assert held.status == 200
+            await held.content.readany()
+            waiting = asyncio.ensure_future(
+                client.post(url, data=CHAT, headers={**HEADERS, "x-request-id": "r2"})
+            )
+            async with asyncio.timeout(5), client.get(app.http_url + "/health") as health:
+                assert health.status == 200
+            assert engine.hits("/v1/chat/completions") == 1 and not waiting.done()  # past the limit: waits
+            engine.end_gate.set()
+            await held.read()
+        async with await waiting as second:
+            assert second.status == 200 and (await second.read()).endswith(b"data: [DONE]\n\n")
+    finally:
+        await app.close()
+
+
 async def test_b76_queue_mismatch_rejected_before_engine(
     engine: FakeEngine, client: aiohttp.ClientSession
 ) -> None:

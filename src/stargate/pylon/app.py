@@ -96,6 +96,7 @@ class PylonApp:
         self.http_url = ""
         self.metrics_port = 0
         self._session: aiohttp.ClientSession | None = None
+        self._relay_session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
         self._critical: dict[asyncio.Task[Any], str] = {}
         self._optional: list[asyncio.Task[Any]] = []
@@ -178,7 +179,12 @@ class PylonApp:
         metrics_app.router.add_get("/metrics", self._metrics_handler)
         self.metrics_port = await self._serve(metrics_app, s.metrics_host, s.metrics_port, "--metrics-port")
         engine_auth = {"Authorization": s.upstream_authorization} if s.upstream_authorization else None
-        self._session = session = client_session(connect_timeout_s=10.0, limit=4096, headers=engine_auth)
+        # Relayed requests get a pool of their own: Pylon's /health, probes and canaries queued behind
+        # 4096 relayed streams and Stargate took a healthy, busy backend out of routing.
+        self._session = session = client_session(connect_timeout_s=10.0, headers=engine_auth)
+        self._relay_session = client_session(
+            connect_timeout_s=10.0, limit=s.max_engine_connections, headers=engine_auth
+        )
         stream: EngineStatsStream | None = None
         if s.stats_source is StatsSource.PROMETHEUS:
             self._spawn(
@@ -210,7 +216,8 @@ class PylonApp:
         prober = HealthProber(session, s.upstream_base_url, s.health_paths, clock=self.clock)
         self.relay = relay = Relay(
             settings=s,
-            session=session,
+            session=self._relay_session,
+            control_session=session,
             registry=self.registry,
             hub=self.hub,
             load=self.load,
@@ -324,5 +331,6 @@ class PylonApp:
         self._runners.clear()
         if self.tracing is not None:
             self.tracing.shutdown()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._relay_session, self._session):
+            if session is not None:
+                await session.close()

@@ -30,6 +30,9 @@ from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
 SERVICE_NAME = "pylon"
+MAX_ENGINE_CONNECTIONS = 4096
+"""Connections to the engine for relayed requests (``--max-engine-connections``); Pylon's own
+requests (health probes, canaries, the stats stream, pollers) have connections of their own."""
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 T = TypeVar("T")
 
@@ -105,6 +108,7 @@ class PylonSettings:
     upstream_backend: UpstreamBackend
     priority_ceiling: int
     max_engine_concurrency: int | None
+    max_engine_connections: int
     relay_non_streaming: bool
     otel_endpoint: str | None
     otel_service_name: str
@@ -387,6 +391,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
           help="dynamo priority band ceiling")
     a("--max-engine-concurrency", type=positive_int, default=None,
       help="engine slots per model until the engine reports its own")
+    a("--max-engine-connections", type=non_negative_int, default=MAX_ENGINE_CONNECTIONS,
+      help="connections to the engine for relayed requests, one per request in flight (a request "
+      "past them waits for one); 0 = no limit")
     a("--log-level", env_var="PYLON_LOG_LEVEL", type=_log_level, default="INFO", help="logging to stderr")
     return p
 
@@ -489,6 +496,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         upstream_backend=ns.pylon_upstream_backend,
         priority_ceiling=ns.pylon_priority_ceiling,
         max_engine_concurrency=ns.max_engine_concurrency,
+        max_engine_connections=ns.max_engine_connections,
         http_header_read_timeout_ms=ns.http_header_read_timeout_ms,
         http_body_read_timeout_ms=ns.http_body_read_timeout_ms,
         http_send_timeout_ms=ns.http_send_timeout_ms,

@@ -205,11 +205,15 @@ class Relay:
         timeouts: RelayTimeouts = RelayTimeouts(),
         tracing: Tracing | None = None,
         client_faults: ClientFaults | None = None,
+        control_session: aiohttp.ClientSession | None = None,
     ) -> None:
+        """``session``: relayed requests; ``control_session`` (default: the same): a forwarded
+        ``/health``, which must not queue behind relayed requests for a connection."""
         self.s = settings
         self.faults = client_faults or ClientFaults(logging.getLogger("stargate.pylon.clients"))
         self.tracing = tracing
         self.session = session
+        self.control_session = control_session or session
         self.registry = registry
         self.hub = hub
         self.load = load
@@ -484,7 +488,7 @@ class Relay:
             dynamo_ceiling=None,
         )
         body = await request.read()
-        return await self._relay(request, url, headers, body, None)
+        return await self._relay(request, url, headers, body, None, self.control_session)
 
     async def _relay(
         self,
@@ -493,11 +497,12 @@ class Relay:
         headers: CIMultiDict[str],
         body: bytes,
         observer: RequestObserver | None,
+        session: aiohttp.ClientSession | None = None,
     ) -> web.StreamResponse:
         if self.s.upstream_authorization is not None:
             headers["Authorization"] = self.s.upstream_authorization  # the operator's, for the engine
         try:
-            upstream = await self.session.request(
+            upstream = await (session or self.session).request(
                 request.method,
                 url,
                 headers=headers,
