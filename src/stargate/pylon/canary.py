@@ -190,6 +190,7 @@ class CanaryRunner:
         self._waiting = waiting
         self._occupying = occupying
         self._tasks: dict[Generation, asyncio.Task[None]] = {}
+        self._excused_since: dict[Generation, float] = {}  # first of a run of late canaries excused
 
     def start(self, gen: Generation) -> None:
         if self._interval_s <= 0 or gen in self._tasks:
@@ -198,6 +199,7 @@ class CanaryRunner:
         self._tasks[gen] = loop.create_task(self._loop(gen), name=f"canary-{gen.model_id}")
 
     def stop(self, gen: Generation) -> None:
+        self._excused_since.pop(gen, None)
         task = self._tasks.pop(gen, None)
         if task is not None:
             task.cancel()
@@ -212,13 +214,26 @@ class CanaryRunner:
             failure = await send_canary(
                 self._session, self._base, request_id, gen, threshold=self._threshold, timeout_s=timeout_s
             )
+        if failure is None or (failure == LATE and self._produced(gen.model_id, timeout_s)):
+            if failure is not None:
+                log.debug(
+                    "canary for model %s queued past its timeout behind answered requests", gen.model_id
+                )
+            self._excused_since.pop(gen, None)
+            return None
         if failure != LATE:
             return failure
-        if self._produced(gen.model_id, timeout_s):
-            log.debug("canary for model %s queued past its timeout behind answered requests", gen.model_id)
-            return None
+        # Behind a prompt sent before it and still without output: late, for MAX_WORK_AHEAD_S from
+        # the first canary so excused. Bounded by the request's age alone, a hung engine stayed in
+        # routing for as long as its clients gave up and sent new requests.
+        now = self._clock.monotonic()
+        since = self._excused_since.setdefault(gen, now)
         waited = self._waiting(gen)
-        if waited is not None and self._clock.monotonic() - started < waited <= MAX_WORK_AHEAD_S:
+        if (
+            waited is not None
+            and now - started < waited <= MAX_WORK_AHEAD_S
+            and now - since <= MAX_WORK_AHEAD_S
+        ):
             log.debug(
                 "canary for model %s queued past its timeout behind a request before its first output",
                 gen.model_id,

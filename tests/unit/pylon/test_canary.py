@@ -304,6 +304,26 @@ async def test_a_prompt_without_output_past_the_bound_does_not_excuse_a_late_can
     assert await runner.canary(gen) == LATE
 
 
+async def test_a_run_of_excused_canaries_ends_at_the_bound_though_clients_send_new_requests(
+    engine: Engine, session: aiohttp.ClientSession
+) -> None:
+    """A hung engine whose clients give up and send again always has a young request waiting:
+    bounded by that request's age, it stayed in routing for as long as they did."""
+    runner, load, clock, gen = late_canaries(engine, session)
+    for turn in range(4):  # each client gives up after 50 s and sends a new request
+        prefilling(load, gen, f"r{turn}")
+        clock.advance(50.0)
+        verdict = await runner.canary(gen)
+        load.release(f"r{turn}")
+        assert verdict == (None if turn < 3 else LATE), turn  # 120 s from the first excuse, at 50 s
+    engine.chat_delay_s = 0.0
+    assert await runner.canary(gen) is None  # answered: the next run starts afresh
+    engine.chat_delay_s = 0.2
+    prefilling(load, gen, "next")
+    clock.advance(1.0)
+    assert await runner.canary(gen) is None
+
+
 async def test_a_request_sent_after_the_canary_does_not_excuse_it(
     engine: Engine, session: aiohttp.ClientSession
 ) -> None:
