@@ -355,6 +355,14 @@ async def test_plain_client_compressed_body_is_read_away_from_the_event_loop(
         assert len(threads) == 1 and threads[0] != threading.get_ident()
 
 
+async def test_a_plain_client_refused_before_routing_gets_a_made_up_request_id() -> None:
+    async with running(plain_clients=PlainClientSettings()) as sg:
+        await sg.backend("b1")
+        for body, headers in ((b"not json", {}), (b"{}", {"content-encoding": "br"})):
+            async with sg.http.post(sg.base + CHAT, data=body, headers=headers) as resp:
+                assert resp.status in (400, 415) and resp.headers["x-request-id"].startswith("sg-")
+
+
 async def test_a_plain_clients_non_ascii_session_id_keys_it_by_digest() -> None:
     """Dropped as no header value before: such a conversation lost its replica."""
     body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})

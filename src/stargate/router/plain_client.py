@@ -140,7 +140,7 @@ class PlainClients:
         (holding ``len(body)`` bytes of the budget, for the caller to give back)."""
         headers = CIMultiDict(request.headers)
         if text_value(headers.get(h.REQUEST_ID)) is None:
-            headers[h.REQUEST_ID] = REQUEST_ID_PREFIX + uuid.uuid4().hex
+            headers[h.REQUEST_ID] = new_request_id()
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None and self._session_header is not None:
             session = body_key(headers.get(self._session_header))  # a non-ASCII id keeps its key too
             if session is not None:
@@ -223,6 +223,11 @@ class PlainClients:
 def _stored_response(path: str, body: Mapping[str, Any]) -> bool:
     """A Responses request whose answer the engine keeps for a later ``previous_response_id``."""
     return path.endswith("/responses") and body.get("store") is not False
+
+
+def new_request_id() -> str:
+    """An id for a plain client's request that came without one."""
+    return REQUEST_ID_PREFIX + uuid.uuid4().hex
 
 
 def body_key(value: object) -> str | None:

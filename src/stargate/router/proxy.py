@@ -35,7 +35,7 @@ from stargate.router.headers import (
     via_problem,
 )
 from stargate.router.metrics import RouterMetrics
-from stargate.router.plain_client import PlainClients
+from stargate.router.plain_client import PlainClients, new_request_id
 from stargate.router.replay import ReplayBody
 from stargate.tracing import RouteTrace
 from stargate.wire import headers as h
@@ -121,10 +121,12 @@ class ProxyHandler:
         return None
 
     def _refused(self, headers: Mapping[str, str], problem: StargateError) -> web.Response:
-        """A request refused before it was parsed still carries the client's own ``x-request-id``
-        (every answer does), where the client sent a usable one, and has its span."""
+        """A request refused before it was parsed still carries its ``x-request-id`` (every answer
+        does): the client's, or in plain-client mode one made up; and it has its span."""
         response = error_response(problem)
         request_id = h.text_value(headers.get(h.REQUEST_ID))
+        if request_id is None and self._plain is not None:
+            request_id = new_request_id()
         if request_id is not None:
             response.headers[h.REQUEST_ID] = request_id
         if self._tracing is not None:
