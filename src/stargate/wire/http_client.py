@@ -30,8 +30,8 @@ def client_session(
 ) -> aiohttp.ClientSession:
     """``limit``/``limit_per_host``: 0 = unbounded; a request past them waits for a pooled connection,
     under its caller's own deadline (a relay's wait for response headers), and the connect timeout
-    bounds only the TCP connect. ``relay``: a forwarding proxy's session (no added headers, no
-    cookies kept).
+    bounds only the TCP connect. ``relay``: a forwarding proxy's session (no added headers). Neither
+    keeps cookies: Pylon sent one client's engine cookies on the next client's requests.
 
     Neither decompresses, so the other asks for no compression (``Accept-Encoding: identity``, where
     aiohttp would offer gzip): a stock vLLM or SGLang ``/metrics`` page came gzipped and unreadable.
@@ -49,6 +49,7 @@ def client_session(
             timeout=timeout,
             auto_decompress=False,
             headers={"Accept-Encoding": "identity", **(headers or {})},
+            cookie_jar=aiohttp.DummyCookieJar(),
             max_headers=max_headers,
         )
     return aiohttp.ClientSession(
