@@ -2,7 +2,8 @@
 
 No total timeout (aiohttp's 300 s default cuts long generations) but a connect timeout; explicit
 pool limits (aiohttp's default total of 100 silently queues the rest); keep-alive of 15 s, shorter
-than an engine's idle timeout; bytes passed through untouched (no automatic decompression).
+than an aiohttp server's idle timeout (Pylon's, 75 s), and 4 s to an engine; bytes passed through
+untouched (no automatic decompression).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import aiohttp
 from stargate.wire.limits import MAX_RESPONSE_HEADER_FIELDS
 
 KEEPALIVE_TIMEOUT_S = 15.0
+ENGINE_KEEPALIVE_S = 4.0
+"""Pylon's idle connections to its engine close sooner than uvicorn's (vLLM's and SGLang's server)
+5 s: a request sent on one the engine had just closed was lost unread, answered 503
+``local_connect_failure`` and not retried."""
 RELAY_SKIPPED_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """A forwarding proxy adds none of these: the client's own (or none) go upstream."""
 
@@ -27,6 +32,7 @@ def client_session(
     relay: bool = False,
     headers: Mapping[str, str] | None = None,
     max_headers: int = MAX_RESPONSE_HEADER_FIELDS,
+    keepalive_s: float = KEEPALIVE_TIMEOUT_S,
 ) -> aiohttp.ClientSession:
     """``limit``/``limit_per_host``: 0 = unbounded; a request past them waits for a pooled connection,
     under its caller's own deadline (a relay's wait for response headers), and the connect timeout
@@ -38,7 +44,7 @@ def client_session(
     A request that names its own ``Accept-Encoding`` keeps it, as one naming any of ``headers``
     (sent with every request) keeps its own."""
     connector = aiohttp.TCPConnector(
-        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=KEEPALIVE_TIMEOUT_S
+        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive_s
     )
     timeout = aiohttp.ClientTimeout(
         total=None, connect=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
