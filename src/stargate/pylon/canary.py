@@ -14,7 +14,8 @@ measured input rate, at most ``MAX_WORK_AHEAD_S``), and one that still gets no a
 while the engine produced output for other requests of the model meanwhile (``produced``), or
 while a request sent to the engine before it still waits for its first output (``waiting``: an
 engine prefilling a long prompt produces nothing), as long as that request has waited at most
-``MAX_WORK_AHEAD_S``, so an engine that hangs with requests in flight is still found. Counted as
+``MAX_WORK_AHEAD_S`` and the run of canaries so excused began at most that long before, so an
+engine that hangs with requests in flight is still found. Counted as
 failures, every engine of a saturated fleet went ``INACTIVE`` at once and the routers answered the
 requests they were holding 503; a 45k-token prompt prefilling at 1000 tokens/s, behind a Pylon
 whose input rate was set 5x too high, took its engine out of routing mid-prefill, and the router
