@@ -499,6 +499,28 @@ async def test_stargate_closes_a_connection_whose_client_reads_nothing_and_cance
             pass
 
 
+async def test_a_client_reading_slowly_but_steadily_is_not_cut(
+    sg: Harness, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Writing resumes only once about half of what the kernel holds for the client drained: a
+    client reading 32 KB/s was cut, logged as having read nothing."""
+    caplog.set_level(logging.WARNING)
+    backend = await sg.backend("b1")
+    backend.chunks = (b"data: " + b"x" * 2**20 + b"\n\n",) * 16 + (b"data: [DONE]\n\n",)
+    reader = await conns.open(sg.base, head(CHAT, b"{}", "m", "slow") + b"{}", receive_buffer=4096)
+    got = 0
+    for _ in range(20):  # 2 s at 320 KB/s: more than six send timeouts, each with bytes read
+        got += len(await asyncio.wait_for(reader.readexactly(32_768), 5))
+        await asyncio.sleep(0.1)
+    assert got == 20 * 32_768 and client_lines(caplog, "test.router.clients") == []
+    tail = b""
+    async with asyncio.timeout(30):  # then the rest, at full speed, to its end
+        while b"data: [DONE]" not in tail:
+            chunk = await reader.read(2**16)
+            assert chunk, "the connection ended before the answer"
+            tail = (tail + chunk)[-64:]
+
+
 async def test_pylon_closes_a_request_body_that_stalls_and_never_counts_it(
     pylon: PylonApp, engine: FakeEngine, conns: Connections, caplog: pytest.LogCaptureFixture
 ) -> None:
