@@ -75,7 +75,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         help="close a connection whose client reads nothing of the answer for this long; 0 disables",
     )
     add("--advertise-addr", default=None, help="self gRPC address published in discovery (required)")
-    add("--metrics-port", type=port, default=_D.metrics_port, help="Prometheus port (0.0.0.0:PORT/metrics)")
+    add("--metrics-port", type=port, default=_D.metrics_port, help="Prometheus port (HOST:PORT/metrics)")
     add("--metrics-host", default=_D.metrics_host, help="Prometheus bind host")
     add(
         "--shutdown-drain-timeout-ms",
