@@ -83,16 +83,18 @@ async def test_chat_relay_streams_and_observes(engine: FakeEngine, client: aioht
         await app.close()
 
 
-async def test_pylon_closes_an_idle_engine_connection_before_the_engine_does(engine: FakeEngine) -> None:
+@pytest.mark.parametrize(("flags", "expected_s"), [((), 4.0), (("--engine-keepalive-ms", "1500"), 1.5)])
+async def test_pylon_closes_an_idle_engine_connection_before_the_engine_does(
+    engine: FakeEngine, flags: tuple[str, ...], expected_s: float
+) -> None:
     """uvicorn (vLLM's and SGLang's server) closes a connection idle for 5 s: a request Pylon sent
     on one just then was lost unread, a 503 ``local_connect_failure`` not retried (11 of 320
-    behind an engine closing at 1 s, sent after 1 s gaps)."""
-    uvicorn_keepalive_s = 5.0
-    app = await started(engine, "--engine-stats-stream", "off")
+    behind an engine closing at 1 s, sent after 1 s gaps). An engine closing sooner gets the flag."""
+    app = await started(engine, "--engine-stats-stream", "off", *flags)
     try:
         for session in (app._relay_session, app._session):  # the relayed requests' and Pylon's own
             assert session is not None and session.connector is not None
-            assert session.connector._keepalive_timeout < uvicorn_keepalive_s
+            assert session.connector._keepalive_timeout == expected_s < 5.0
     finally:
         await app.close()
 

@@ -38,7 +38,7 @@ from stargate.tracing import setup_tracing
 from stargate.wire.address import join_host_port
 from stargate.wire.client_faults import ClientFaults
 from stargate.wire.clock import Clock, SystemClock
-from stargate.wire.http_client import ENGINE_KEEPALIVE_S, client_session
+from stargate.wire.http_client import client_session
 from stargate.wire.http_server import ClientTimeouts, GuardedAppRunner
 from stargate.wire.listen import listen
 
@@ -181,14 +181,15 @@ class PylonApp:
         engine_auth = {"Authorization": s.upstream_authorization} if s.upstream_authorization else None
         # Relayed requests get a pool of their own: Pylon's /health, probes and canaries queued behind
         # 4096 relayed streams and Stargate took a healthy, busy backend out of routing.
+        keepalive_s = s.engine_keepalive_ms / 1000.0
         self._session = session = client_session(
-            connect_timeout_s=10.0, headers=engine_auth, keepalive_s=ENGINE_KEEPALIVE_S
+            connect_timeout_s=10.0, headers=engine_auth, keepalive_s=keepalive_s
         )
         self._relay_session = client_session(
             connect_timeout_s=10.0,
             limit=s.max_engine_connections,
             headers=engine_auth,
-            keepalive_s=ENGINE_KEEPALIVE_S,
+            keepalive_s=keepalive_s,
         )
         stream: EngineStatsStream | None = None
         if s.stats_source is StatsSource.PROMETHEUS:

@@ -26,6 +26,7 @@ from stargate.flags import FlagSet, non_negative_int, parse_bool, port, positive
 from stargate.pylon.registration import TOKEN_RULE, bearer_token
 from stargate.wire import headers as h
 from stargate.wire.address import dial_url, is_dialable, is_ip, split_host_port, unbracket
+from stargate.wire.http_client import ENGINE_KEEPALIVE_S
 from stargate.wire.limits import MAX_BODY_BYTES, MAX_BUFFERED_BODY_BYTES
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
@@ -109,6 +110,7 @@ class PylonSettings:
     priority_ceiling: int
     max_engine_concurrency: int | None
     max_engine_connections: int
+    engine_keepalive_ms: int
     relay_non_streaming: bool
     otel_endpoint: str | None
     otel_service_name: str
@@ -394,6 +396,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     a("--max-engine-connections", type=non_negative_int, default=MAX_ENGINE_CONNECTIONS,
       help="connections to the engine for relayed requests, one per request in flight (a request "
       "past them waits for one); 0 = no limit")
+    a("--engine-keepalive-ms", type=positive_int, default=round(ENGINE_KEEPALIVE_S * 1000),
+      help="an idle connection to the engine is closed after this long: keep it below the engine's "
+      "own idle timeout (uvicorn's, vLLM's and SGLang's server, is 5 s), or a request sent on one "
+      "the engine is closing is lost unread")
     a("--log-level", env_var="PYLON_LOG_LEVEL", type=_log_level, default="INFO", help="logging to stderr")
     return p
 
@@ -497,6 +503,7 @@ def parse_settings(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         priority_ceiling=ns.pylon_priority_ceiling,
         max_engine_concurrency=ns.max_engine_concurrency,
         max_engine_connections=ns.max_engine_connections,
+        engine_keepalive_ms=ns.engine_keepalive_ms,
         http_header_read_timeout_ms=ns.http_header_read_timeout_ms,
         http_body_read_timeout_ms=ns.http_body_read_timeout_ms,
         http_send_timeout_ms=ns.http_send_timeout_ms,

@@ -17,8 +17,8 @@ from stargate.wire.limits import MAX_RESPONSE_HEADER_FIELDS
 KEEPALIVE_TIMEOUT_S = 15.0
 ENGINE_KEEPALIVE_S = 4.0
 """Pylon's idle connections to its engine close sooner than uvicorn's (vLLM's and SGLang's server)
-5 s: a request sent on one the engine had just closed was lost unread, answered 503
-``local_connect_failure`` and not retried."""
+5 s (``--engine-keepalive-ms``): a request sent on one the engine had just closed was lost unread,
+answered 503 ``local_connect_failure`` and not retried."""
 RELAY_SKIPPED_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """A forwarding proxy adds none of these: the client's own (or none) go upstream."""
 
