@@ -361,6 +361,9 @@ async def test_engine_down_is_retryable_by_default(client: aiohttp.ClientSession
             assert resp.status == 503
             assert resp.headers["x-stargate-retryable"] == "true"
             assert resp.headers["x-stargate-retry-reason"] == "local_connect_failure"
+        # Counted as the engine's own refusals are: before, only as a failed request.
+        labels = {"inference_server_id": "pylon", "reason": "local_connect_failure", "status": "503"}
+        assert app.metrics.registry.get_sample_value("pylon_retryable_responses_total", labels) == 1
     finally:
         await app.close()
 
@@ -399,6 +402,14 @@ async def test_an_unanswered_request_is_retryable_only_once_the_engine_is_gone(
         # The code is the wire contract; the detail says what happened, not a connection failure.
         assert problem["error"]["code"] == "local_connect_failure"
         assert problem["detail"] == "the engine closed the connection without answering"
+        counted = (
+            app.metrics.registry.get_sample_value(name, {"inference_server_id": "pylon", **labels})
+            for name, labels in (
+                ("pylon_retryable_responses_total", {"reason": "local_connect_failure", "status": "503"}),
+                ("pylon_nonretryable_failures_total", {"reason": "local_connect_failure"}),
+            )
+        )
+        assert [value or 0 for value in counted] == ([1, 0] if expected == "true" else [0, 1])
     finally:
         await app.close()
         server.close()

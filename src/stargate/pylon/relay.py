@@ -512,15 +512,16 @@ class Relay:
             )
         except aiohttp.ConnectionTimeoutError:
             # Nothing reached the engine: safe to run elsewhere (unless configured off).
-            return _problem(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
+            return self._local_failure(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
         except TimeoutError:
             # Sent, then no answer in time: the engine may be running it, so never retryable.
             message = f"the engine sent no answer within {self.timeout.sock_read:g} s"
-            return _problem(LocalConnectFailure(retryable=False, message=message))
+            return self._local_failure(LocalConnectFailure(retryable=False, message=message))
         except aiohttp.ClientConnectorError:
             # Refused, or the connection failed: nothing reached the engine.
             gone = await engine_gone(str(url), self.prober.probe_path)
-            return _problem(LocalConnectFailure(retryable=gone and self.s.local_connect_failures_retryable))
+            retryable = gone and self.s.local_connect_failures_retryable
+            return self._local_failure(LocalConnectFailure(retryable=retryable))
         except aiohttp.ClientConnectionError:
             # Sent, then the connection closed unanswered. An engine that refuses or drops a fresh
             # connection is gone and runs nothing (a request written on a connection it was closing
@@ -528,12 +529,12 @@ class Relay:
             gone = await engine_gone(str(url), self.prober.probe_path)
             retryable = gone and self.s.local_connect_failures_retryable
             message = "the engine closed the connection without answering"
-            return _problem(LocalConnectFailure(retryable=retryable, message=message))
+            return self._local_failure(LocalConnectFailure(retryable=retryable, message=message))
         except aiohttp.ClientResponseError:
             # The engine answered with a head that is not HTTP (a bad status line, oversized
             # headers): it read the request and may be running it, so never retryable.
             message = "the engine's answer is not HTTP"
-            return _problem(LocalConnectFailure(retryable=False, message=message))
+            return self._local_failure(LocalConnectFailure(retryable=False, message=message))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy
@@ -595,6 +596,15 @@ class Relay:
                 if observer is None or not observer.delivered.done:
                     report_client_gone(self.faults, request, request_id, started=True)
             return response
+
+    def _local_failure(self, failure: LocalConnectFailure) -> web.Response:
+        """Pylon's own 503 for an engine that gave no answer, counted as the engine's refusals are:
+        it was only a failed request, and an operator could not tell why."""
+        if failure.retryable:
+            self.metrics.retryable.labels(self.s.inference_server_id, failure.code, "503").inc()
+        else:
+            self.metrics.nonretryable.labels(self.s.inference_server_id, failure.code).inc()
+        return _problem(failure)
 
     def _record_status(self, status: int, failure: str | None) -> None:
         if 200 <= status < 300:
