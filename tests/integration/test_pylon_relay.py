@@ -361,7 +361,11 @@ async def test_engine_down_is_retryable_by_default(client: aiohttp.ClientSession
             assert resp.status == 503
             assert resp.headers["x-stargate-retryable"] == "true"
             assert resp.headers["x-stargate-retry-reason"] == "local_connect_failure"
-        # Counted as the engine's own refusals are: before, only as a failed request.
+        # Counted as the engine's own refusals are: before, only as a failed request. Health probes
+        # are not requests: a dead engine's counted as dozens of refusals a minute.
+        for _ in range(3):
+            async with client.get(app.http_url + "/health") as health:
+                assert health.status == 503
         labels = {"inference_server_id": "pylon", "reason": "local_connect_failure", "status": "503"}
         assert app.metrics.registry.get_sample_value("pylon_retryable_responses_total", labels) == 1
     finally:

@@ -488,7 +488,7 @@ class Relay:
             dynamo_ceiling=None,
         )
         body = await request.read()
-        return await self._relay(request, url, headers, body, None, self.control_session)
+        return await self._relay(request, url, headers, body, None, health=True)
 
     async def _relay(
         self,
@@ -497,12 +497,17 @@ class Relay:
         headers: CIMultiDict[str],
         body: bytes,
         observer: RequestObserver | None,
-        session: aiohttp.ClientSession | None = None,
+        health: bool = False,
     ) -> web.StreamResponse:
+        """``health``: a forwarded ``/health``, on Pylon's own connections (not queued behind
+        relayed requests) and left out of the request counters (Stargate's probes of a dead engine
+        counted as dozens of refusals a minute)."""
+        refuse = _problem if health else self._local_failure
+        session = self.control_session if health else self.session
         if self.s.upstream_authorization is not None:
             headers["Authorization"] = self.s.upstream_authorization  # the operator's, for the engine
         try:
-            upstream = await (session or self.session).request(
+            upstream = await session.request(
                 request.method,
                 url,
                 headers=headers,
@@ -512,16 +517,16 @@ class Relay:
             )
         except aiohttp.ConnectionTimeoutError:
             # Nothing reached the engine: safe to run elsewhere (unless configured off).
-            return self._local_failure(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
+            return refuse(LocalConnectFailure(retryable=self.s.local_connect_failures_retryable))
         except TimeoutError:
             # Sent, then no answer in time: the engine may be running it, so never retryable.
             message = f"the engine sent no answer within {self.timeout.sock_read:g} s"
-            return self._local_failure(LocalConnectFailure(retryable=False, message=message))
+            return refuse(LocalConnectFailure(retryable=False, message=message))
         except aiohttp.ClientConnectorError:
             # Refused, or the connection failed: nothing reached the engine.
             gone = await engine_gone(str(url), self.prober.probe_path)
             retryable = gone and self.s.local_connect_failures_retryable
-            return self._local_failure(LocalConnectFailure(retryable=retryable))
+            return refuse(LocalConnectFailure(retryable=retryable))
         except aiohttp.ClientConnectionError:
             # Sent, then the connection closed unanswered. An engine that refuses or drops a fresh
             # connection is gone and runs nothing (a request written on a connection it was closing
@@ -529,17 +534,18 @@ class Relay:
             gone = await engine_gone(str(url), self.prober.probe_path)
             retryable = gone and self.s.local_connect_failures_retryable
             message = "the engine closed the connection without answering"
-            return self._local_failure(LocalConnectFailure(retryable=retryable, message=message))
+            return refuse(LocalConnectFailure(retryable=retryable, message=message))
         except aiohttp.ClientResponseError:
             # The engine answered with a head that is not HTTP (a bad status line, oversized
             # headers): it read the request and may be running it, so never retryable.
             message = "the engine's answer is not HTTP"
-            return self._local_failure(LocalConnectFailure(retryable=False, message=message))
+            return refuse(LocalConnectFailure(retryable=False, message=message))
         async with upstream:
             out_headers, failure = response_headers(
                 upstream.headers.items(), upstream.status, self.retry_policy
             )
-            self._record_status(upstream.status, failure)
+            if not health:
+                self._record_status(upstream.status, failure)
             if observer is not None:
                 observer.headers(upstream.status)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=out_headers)
