@@ -53,7 +53,6 @@ def decoded(body: bytes, content_encoding: str | None, limit: int) -> bytes:
     if ratio_cap < limit:
         limit = ratio_cap
         too_large = f"request body inflates past {MAX_INFLATION} times its {len(body)} bytes"
-    error: StargateError | None = None
     try:
         return _undo(body, codings, limit, too_large)
     except StargateError as exc:

@@ -10,7 +10,7 @@ import contextlib
 import gzip
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -209,6 +209,19 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 
 
 @contextlib.asynccontextmanager
+async def raw_server(
+    serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A raw HTTP/1.1 backend on a free loopback port, answering each connection with ``serve``:
+    its base URL."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@contextlib.asynccontextmanager
 async def one_write_backend(body: bytes) -> AsyncIterator[str]:
     """A raw HTTP/1.1 backend that sends each whole answer (headers, chunked body, end) in one write."""
 
@@ -223,11 +236,8 @@ async def one_write_backend(body: bytes) -> AsyncIterator[str]:
                     writer.write(b"%b\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (head, len(body), body))
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    async with raw_server(serve) as url:
+        yield url
 
 
 async def test_an_upstream_body_read_whole_is_relayed_with_the_end_in_one_write(
@@ -893,11 +903,8 @@ async def dies_before_its_body() -> AsyncIterator[tuple[str, list[int]]]:
                 answered.append(1)
         writer.transport.abort()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", answered
-    finally:
-        server.close()
+    async with raw_server(serve) as url:
+        yield url, answered
 
 
 async def test_a_request_with_more_header_fields_than_the_next_hop_takes_is_refused(sg: Harness) -> None:
@@ -943,11 +950,8 @@ async def answers_with_fields(count: int) -> AsyncIterator[tuple[str, list[int]]
             await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", answered
-    finally:
-        server.close()
+    async with raw_server(serve) as url:
+        yield url, answered
 
 
 async def test_an_answer_with_the_fields_pylon_adds_is_read(sg: Harness) -> None:
