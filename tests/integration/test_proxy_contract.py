@@ -371,6 +371,10 @@ async def test_a_plain_client_refused_before_routing_gets_a_made_up_request_id()
         for body, headers in ((b"not json", {}), (b"{}", {"content-encoding": "br"})):
             async with sg.http.post(sg.base + CHAT, data=body, headers=headers) as resp:
                 assert resp.status in (400, 415) and resp.headers["x-request-id"].startswith("sg-")
+        async with sg.http.post(sg.base + "/v1/other", data=b"{}") as resp:
+            assert resp.status == 404 and resp.headers["x-request-id"].startswith("sg-")
+        async with sg.http.get(sg.base + "/healthz") as resp:
+            assert resp.status == 200 and "x-request-id" not in resp.headers
 
 
 async def test_a_plain_clients_non_ascii_session_id_keys_it_by_digest() -> None:
@@ -737,15 +741,16 @@ async def test_metrics_served_on_separate_port_with_prefix() -> None:
 
 
 async def test_unknown_path_and_wrong_method_get_json_errors(sg: Harness) -> None:
-    async with sg.http.get(sg.base + CHAT) as resp:
+    async with sg.http.get(sg.base + CHAT, headers={"x-request-id": "req-9"}) as resp:
         assert (resp.status, resp.headers["Allow"]) == (405, "POST")
+        assert resp.headers["x-request-id"] == "req-9"  # every answer carries the client's id
         error = (await resp.json())["error"]
         assert (
             error["code"] == "method_not_allowed"
             and "GET is not allowed on /v1/chat/completions" in error["message"]
         )
     async with sg.http.post(sg.base + "/v1/other", headers=HEADERS) as resp:
-        assert resp.status == 404
+        assert resp.status == 404 and resp.headers["x-request-id"] == HEADERS["x-request-id"]
         assert (await resp.json())["error"] == {
             "message": "no such endpoint: POST /v1/other",
             "type": "invalid_request_error",

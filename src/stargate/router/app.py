@@ -29,12 +29,13 @@ from stargate.router.endpoints import Endpoints
 from stargate.router.headers import via_name
 from stargate.router.health import HealthSettings
 from stargate.router.metrics import DEFAULT_PREFIX, RouterMetrics
-from stargate.router.plain_client import PlainClients, PlainClientSettings
+from stargate.router.plain_client import PlainClients, PlainClientSettings, new_request_id
 from stargate.router.proxy import ProxyHandler, ProxySettings
 from stargate.router.state import RoutingState
 from stargate.router.transport import DEFAULT_LIMIT_PER_HOST, HttpTransport, make_session
 from stargate.tracing import setup_tracing
 from stargate.wire import address
+from stargate.wire import headers as h
 from stargate.wire.address import join_host_port
 from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults
@@ -285,7 +286,20 @@ class StargateServer:
             app.router.add_post(path, proxy.handle, expect_handler=proxy.expect)
         self.endpoints.add_routes(app)
         app.on_response_prepare.append(self._close_while_draining)
+        app.on_response_prepare.append(self._stamp_request_id)
         return app
+
+    async def _stamp_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
+        """An error answered outside the proxy (an unknown path or method) carries the request's
+        ``x-request-id`` too, as every proxied answer does: the client's, or in plain-client mode
+        one made up, so a client's log line can be matched to Stargate's."""
+        if response.status < 400 or h.REQUEST_ID in response.headers:
+            return
+        request_id = h.text_value(request.headers.get(h.REQUEST_ID))
+        if request_id is None and self.settings.plain_clients is not None:
+            request_id = new_request_id()
+        if request_id is not None:
+            response.headers[h.REQUEST_ID] = request_id
 
     async def _close_while_draining(self, _request: web.Request, response: web.StreamResponse) -> None:
         """A draining router closes each connection after its answer (``Connection: close``): a
