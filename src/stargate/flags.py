@@ -34,9 +34,12 @@ def non_negative_int(raw: str) -> int:
 
 
 def positive_int(raw: str) -> int:
-    value = non_negative_int(raw)
-    if value == 0:
-        raise argparse.ArgumentTypeError("value must be greater than 0")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {raw!r}")
     return value
 
 

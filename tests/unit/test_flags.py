@@ -10,7 +10,7 @@ import pytest
 from stargate.bench.cli import build_parser as bench_parser
 from stargate.cli import build_parser as stargate_parser
 from stargate.errors import ConfigError
-from stargate.flags import FlagSet, non_negative_int, parse_bool
+from stargate.flags import FlagSet, non_negative_int, parse_bool, positive_int
 from stargate.mock_engine.cli import build_parser as engine_parser
 from stargate.pylon.config import build_parser as pylon_parser
 from stargate.pylon.config import parse_settings
@@ -36,6 +36,15 @@ def test_environment_replaces_the_default_and_the_command_line_wins() -> None:
 def test_a_bad_environment_value_is_checked_by_the_flags_type() -> None:
     with pytest.raises(argparse.ArgumentError, match="--retries"):
         flag_set({"T_RETRIES": "-1"}).parse_args([])
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", " -3 ", "x", ""])
+def test_a_positive_flag_names_every_refused_value_alike(raw: str) -> None:
+    """0 said "must be greater than 0" where -1 said "expected a non-negative integer"."""
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        positive_int(raw)
+    assert str(refused.value) == f"expected a positive integer, got {raw!r}"
+    assert positive_int(" 7 ") == 7
 
 
 def test_help_shows_the_default_once_and_the_variable() -> None:
