@@ -21,6 +21,7 @@ from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
 from stargate.pylon.relay import RelayTimeouts
 from stargate.pylon.stats.ndjson import StatsEvent
+from stargate.wire.sse import MAX_PENDING_EVENT
 
 CHAT = orjson.dumps({"model": "llama", "messages": [], "stream": True})
 HEADERS = {
@@ -472,6 +473,30 @@ async def test_a_stream_whose_events_arrive_in_pieces_ends_whole(client: aiohttp
             assert await resp.read() == events.replace(b"|", b"")
         metrics = app.metrics.render().decode()
         assert 'status="complete"} 1.0' in metrics and 'status="failed"} 1.0' not in metrics
+    finally:
+        await app.close()
+        server.close()
+
+
+async def test_a_stream_cut_for_an_oversized_event_says_so_in_the_log(
+    client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spec's 1 MiB limit on one SSE event cut the client's stream without a word in any log."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    first = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    server = await _raw_engine(head + first + b"|data: " + b"x" * 2 * MAX_PENDING_EVENT + b"\n\n")
+    port = server.sockets[0].getsockname()[1]
+    app = await started(FakeEngine(url=f"http://127.0.0.1:{port}"), "--engine-stats-stream", "off")
+    try:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with client.post(app.http_url + "/v1/chat/completions", data=CHAT, headers=HEADERS) as resp:
+                await resp.read()
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(
+            f"request {HEADERS['x-request-id']}: stream cut: the engine sent an SSE event longer than "
+            f"{MAX_PENDING_EVENT} bytes" == m
+            for m in warned
+        ), warned
     finally:
         await app.close()
         server.close()

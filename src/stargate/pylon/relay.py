@@ -52,17 +52,18 @@ from stargate.wire import headers as h
 from stargate.wire import json_body
 from stargate.wire.address import join_host_port
 from stargate.wire.body_budget import BodyBudget
-from stargate.wire.client_faults import ClientFaults
+from stargate.wire.client_faults import ClientFaults, detail
 from stargate.wire.clock import Clock
 from stargate.wire.http_server import expectation_problem, report_client_gone, request_target, send_continue
 from stargate.wire.limits import HOP_HEADER_FIELDS, MAX_BODY_BYTES, MAX_REQUEST_HEADER_FIELDS
-from stargate.wire.sse import EventTooLarge
+from stargate.wire.sse import MAX_PENDING_EVENT, EventTooLarge
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue
 
     from stargate.otel import Span, Tracing
 
+log = logging.getLogger(__name__)
 MAX_BODY = MAX_BODY_BYTES
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint.CHAT,
@@ -675,7 +676,16 @@ class Relay:
                         observer.reported_input_tokens = scanner.prompt_tokens
                         observer.reported_cached_tokens = scanner.cached_tokens
                 stall.waiting()
-        except (TimeoutError, aiohttp.ClientError, ConnectionError, EventTooLarge):
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            return False, b""
+        except EventTooLarge:
+            # The spec's limit (pylon.md §10.1); without this line the client saw a stream cut for
+            # no reason any log gave.
+            log.warning(
+                "request %s: stream cut: the engine sent an SSE event longer than %d bytes",
+                detail(observer.request_id),
+                MAX_PENDING_EVENT,
+            )
             return False, b""
         finally:
             stall.stop()
