@@ -290,7 +290,7 @@ class AttemptMachine:
             limit = self.settings.max_held_requests
             refusal = CLOSING if event.closing else None
             if 0 < limit <= event.held:
-                refusal = f"the router already holds {limit} requests waiting for room"
+                refusal = f"the router already holds {limit} waiting requests (--max-held-requests)"
             return self._route(state, snapshot, now, rng, refusal, event.held)
         if isinstance(event, Woke):
             return self._route(state, snapshot, now, rng, CLOSING if event.closing else None, event.held)

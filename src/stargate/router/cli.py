@@ -135,7 +135,10 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         env_var="STARGATE_MAX_HELD_REQUESTS",
         type=non_negative_int,
         default=_D.retry.max_held_requests,
-        help="requests the router holds waiting for room at once; more get 503 at once (0 = no limit)",
+        help=(
+            "requests the router holds waiting at once (for room, a registration or a key's prefill);"
+            " more get 503 at once (0 = no limit)"
+        ),
     )
     add(
         "--proxy-require-pylon-retry-signal",

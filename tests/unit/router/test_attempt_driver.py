@@ -599,7 +599,7 @@ async def test_a_request_arriving_while_the_router_holds_its_limit_gets_503_the_
     assert isinstance(held, Passthrough) and held.response.status == 200
     (second,) = arrived
     assert isinstance(second, LocalFailure) and second.status == 503
-    assert str(second.error) == "the router already holds 1 requests waiting for room"
+    assert str(second.error) == "the router already holds 1 waiting requests (--max-held-requests)"
 
 
 @pytest.mark.parametrize(

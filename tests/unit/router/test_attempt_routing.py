@@ -348,7 +348,7 @@ def test_a_request_that_would_wait_while_the_router_holds_its_limit_gets_503_at_
         view, _ = scripted([decision])
         _, action = machine.step(fresh(max_wait_ms=1000), Start(held=3), view, 100.0, rng)
         assert isinstance(action, Fail) and type(action.error) is RoutingError
-        assert str(action.error) == "the router already holds 3 requests waiting for room"
+        assert str(action.error) == "the router already holds 3 waiting requests (--max-held-requests)"
         _, action = machine.step(fresh(max_wait_ms=1000), Start(held=2), view, 100.0, rng)
         assert isinstance(action, Sleep)  # room for one more
     view, _ = scripted([SELECT0])
