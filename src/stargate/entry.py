@@ -5,10 +5,12 @@ still imports (over a second on a loaded host) exits 0, as one after start does,
 The signal is only noted while the program imports (an exception raised inside a compiled
 module's initialisation crashed the interpreter), then honoured; after the import a signal ends the
 process at once until the server's own handlers replace these as its event loop starts. Python's
-own start, before this module runs (tens of milliseconds), stays the signal's."""
+own start, before this module runs (tens of milliseconds), stays the signal's. gRPC's own log is
+set to errors only here, before gRPC loads, unless the operator set ``GRPC_VERBOSITY``."""
 
 from __future__ import annotations
 
+import os
 import signal
 from types import FrameType
 
@@ -27,6 +29,9 @@ def _exit_cleanly(_signum: int, _frame: FrameType | None) -> None:
 def _guard() -> None:
     for sig in _SIGNALS:
         signal.signal(sig, _note)
+    # gRPC's own INFO lines ("Handshake failed ...") repeated on every retry of a link the
+    # program's log already reports once; set before gRPC loads, and an operator's value wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def _imported() -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import socket
+import sys
 from typing import Any
 
 import pytest
@@ -255,3 +256,57 @@ async def test_b113_dials_the_dial_address_with_advertise_authority(stargate: Fa
         await until("a registration through the dial address", lambda: len(stargate.messages) >= 1)
     finally:
         await reg.close()
+
+
+TLS_FRONT = """
+import asyncio, os, sys, tempfile
+import trustme
+
+ca = trustme.CA()
+roots = os.path.join(tempfile.mkdtemp(), "ca.pem")
+ca.cert_pem.write_to_path(roots)
+os.environ["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = roots  # read once, at the first TLS channel
+import grpc
+from stargate.pylon.registration import open_channel
+from stargate.proto import stargate_pb2, stargate_pb2_grpc
+
+
+class Front(stargate_pb2_grpc.StargateControlPlaneServicer):
+    async def WatchStargates(self, request, context):
+        yield stargate_pb2.WatchStargatesResponse()
+
+
+async def main() -> None:
+    cert = ca.issue_cert("localhost")
+    key_pem, chain_pem = cert.private_key_pem.bytes(), b"".join(b.bytes() for b in cert.cert_chain_pems)
+    server = grpc.aio.server()
+    stargate_pb2_grpc.add_StargateControlPlaneServicer_to_server(Front(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key_pem, chain_pem)]))
+    await server.start()
+    channel = open_channel(f"https://localhost:{port}", authority="stargate.internal:50071")
+    try:
+        call = stargate_pb2_grpc.StargateControlPlaneStub(channel).WatchStargates(
+            stargate_pb2.WatchStargatesRequest(), timeout=10
+        )
+        await call.read()
+        print("reached")
+    except grpc.aio.AioRpcError as exc:
+        print(exc.code().name, exc.details())
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_tls_dial_address_is_checked_against_the_host_dialled() -> None:
+    """Behind a TLS front whose certificate names the front, every registration failed with
+    "Hostname Verification Check failed": gRPC checked the certificate against the advertised
+    address presented as the authority (docs/compat.md)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", TLS_FRONT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert out.decode().strip().splitlines()[-1:] == ["reached"], out.decode()

@@ -19,7 +19,7 @@ from yarl import URL
 
 from stargate.pylon.app import PylonApp
 from stargate.pylon.config import parse_settings
-from stargate.pylon.relay import RelayTimeouts
+from stargate.pylon.relay import ENGINE_PROBE_TIMEOUT_S, RelayTimeouts
 from stargate.pylon.stats.ndjson import StatsEvent
 from stargate.wire.sse import MAX_PENDING_EVENT
 
@@ -369,6 +369,28 @@ async def test_engine_down_is_retryable_by_default(client: aiohttp.ClientSession
                 assert health.status == 503
         labels = {"inference_server_id": "pylon", "reason": "local_connect_failure", "status": "503"}
         assert app.metrics.registry.get_sample_value("pylon_retryable_responses_total", labels) == 1
+    finally:
+        await app.close()
+
+
+async def test_a_failed_tls_handshake_with_the_engine_is_a_prompt_retryable_refusal_naming_it(
+    engine: FakeEngine, client: aiohttp.ClientSession
+) -> None:
+    """Nothing reached the engine. Taken for a refused connection, the engine (up) was probed in
+    plain text for half a second and the refusal answered not retryable, "local upstream connection
+    failed"; Stargate's health probe through Pylon timed out on the same wait."""
+    tls = FakeEngine(url=engine.url.replace("http://", "https://"))
+    app = await started(tls, "--engine-stats-stream", "off")
+    try:
+        for path, data in (("/v1/chat/completions", CHAT), ("/health", None)):
+            started_at = asyncio.get_running_loop().time()
+            async with client.request(
+                "GET" if data is None else "POST", app.http_url + path, data=data, headers=HEADERS
+            ) as resp:
+                assert (resp.status, resp.headers.get("x-stargate-retryable")) == (503, "true"), path
+                problem = await resp.json(content_type=None)
+            assert asyncio.get_running_loop().time() - started_at < ENGINE_PROBE_TIMEOUT_S, path
+            assert problem["detail"].startswith("could not connect to the engine (TLS: "), problem
     finally:
         await app.close()
 

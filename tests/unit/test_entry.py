@@ -47,3 +47,16 @@ def test_a_server_signalled_while_it_imports_exits_zero() -> None:
             assert child.wait(timeout=30) == 0
         finally:
             child.kill()
+
+
+@pytest.mark.parametrize(("operators", "expected"), [(None, "ERROR"), ("DEBUG", "DEBUG")])
+def test_grpcs_own_log_is_quiet_unless_the_operator_says_otherwise(
+    operators: str | None, expected: str
+) -> None:
+    """gRPC's INFO lines repeated a failed TLS handshake on every retry of a link already reported."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    if operators is not None:
+        env["GRPC_VERBOSITY"] = operators
+    code = "import os; from stargate import entry; entry._guard(); print(os.environ['GRPC_VERBOSITY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == expected, out.stderr

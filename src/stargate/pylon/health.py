@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from stargate.wire.client_faults import detail
 from stargate.wire.clock import Clock, SystemClock
+from stargate.wire.http_client import failure_text
 
 log = logging.getLogger("stargate.pylon")
 REMIND_EVERY_S = 10.0
@@ -32,6 +34,9 @@ class HealthProber:
         self._base = base_url
         self.paths = tuple(paths)
         self._resolved: int | None = None
+        self.last_failure = ""
+        """What the last probe that found no 2xx saw: the warning names it (a certificate the
+        engine's TLS presents and Pylon does not trust said only "is --upstream-http-base-url right?")."""
 
     @property
     def probe_path(self) -> str:
@@ -55,8 +60,9 @@ class HealthProber:
                     if 200 <= resp.status < 300:
                         self._resolved = index
                         return True
-            except (TimeoutError, aiohttp.ClientError):
-                continue
+                    self.last_failure = f"HTTP {resp.status}"
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                self.last_failure = failure_text(exc)
         return False
 
     async def wait_healthy(self, *, timeout_s: float, wait_ms: int, retry_s: float = 0.5) -> bool:
@@ -77,10 +83,11 @@ class HealthProber:
             if now >= next_note:
                 next_note = now + REMIND_EVERY_S
                 log.warning(
-                    "engine not healthy at %s (tried %s); waiting up to %.0f s more "
+                    "engine not healthy at %s (tried %s; last: %s); waiting up to %.0f s more "
                     "(--upstream-health-wait-ms); is --upstream-http-base-url right?",
                     self._base,
                     ", ".join(self.paths),
+                    detail(self.last_failure),
                     max(0.0, deadline - now),
                 )
             if now + retry_s > deadline:

@@ -78,11 +78,15 @@ def router_from_info(info: stargate_pb2.StargateInfo) -> RouterInfo | None:
 
 
 def open_channel(url: str, authority: str | None = None) -> grpc.aio.Channel:
+    """``authority``: the ``:authority`` presented in plain text (spec pylon.md §5). Over TLS gRPC
+    checks the server's certificate against it, so a TLS front whose certificate names the host
+    dialled, not Stargate's advertised address, refused every registration: TLS presents the host
+    dialled (docs/compat.md)."""
     scheme, _, target = with_scheme(url).partition("://")
     target = target.rstrip("/")
-    options = [("grpc.default_authority", authority)] if authority else []
     if scheme == "https":
-        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(), options=options)
+        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials())
+    options = [("grpc.default_authority", authority)] if authority else []
     return grpc.aio.insecure_channel(target, options=options)
 
 

@@ -54,6 +54,7 @@ from stargate.wire.address import join_host_port
 from stargate.wire.body_budget import BodyBudget
 from stargate.wire.client_faults import ClientFaults, detail
 from stargate.wire.clock import Clock
+from stargate.wire.http_client import failure_text
 from stargate.wire.http_server import expectation_problem, report_client_gone, request_target, send_continue
 from stargate.wire.limits import HOP_HEADER_FIELDS, MAX_BODY_BYTES, MAX_REQUEST_HEADER_FIELDS
 from stargate.wire.sse import MAX_PENDING_EVENT, EventTooLarge
@@ -523,6 +524,13 @@ class Relay:
             # Sent, then no answer in time: the engine may be running it, so never retryable.
             message = f"the engine sent no answer within {self.timeout.sock_read:g} s"
             return refuse(LocalConnectFailure(retryable=False, message=message))
+        except aiohttp.ClientSSLError as exc:
+            # The TLS handshake failed: nothing reached the engine, which is up (probing it in
+            # plain text, as for a refusal, took half a second and called it alive).
+            message = f"could not connect to the engine ({detail(failure_text(exc))})"
+            return refuse(
+                LocalConnectFailure(retryable=self.s.local_connect_failures_retryable, message=message)
+            )
         except aiohttp.ClientConnectorError:
             # Refused, or the connection failed: nothing reached the engine.
             gone = await engine_gone(str(url), self.prober.probe_path)

@@ -23,6 +23,7 @@ from stargate.pylon.health import HealthProber
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.models import Generation, ModelRegistry
 from stargate.pylon.stats.hub import StatsHub
+from stargate.wire.client_faults import detail
 from stargate.wire.clock import Clock, SystemClock
 from stargate.wire.headers import model_id_problem
 
@@ -140,8 +141,8 @@ class ModelLifecycle:
                 raise StartupError(
                     f"upstream health check failed during pylon startup: no 2xx from "
                     f"{self.s.upstream_base_url} on {', '.join(self._prober.paths)} within "
-                    f"{self.s.health_wait_ms} ms (--upstream-http-base-url, --upstream-health-path, "
-                    "--upstream-health-wait-ms)"
+                    f"{self.s.health_wait_ms} ms (last: {detail(self._prober.last_failure)}; "
+                    "--upstream-http-base-url, --upstream-health-path, --upstream-health-wait-ms)"
                 )
         if self.s.discovery_mode:
             try:

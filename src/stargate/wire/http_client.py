@@ -67,3 +67,13 @@ def client_session(
         max_headers=max_headers,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
+
+
+def failure_text(exc: BaseException) -> str:
+    """What a failed request saw, short: a TLS handshake's own reason first (aiohttp's text buries
+    it after the address, and a log cut to one line lost it)."""
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return f"TLS: {getattr(exc, 'certificate_error', None) or exc.os_error}"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 from aiohttp import web
 from support.loopback import serving
 from support.waiting import until
@@ -88,3 +89,25 @@ async def test_an_answer_outside_2xx_is_no_stream_even_with_a_body() -> None:
     get = metrics.registry.get_sample_value
     assert get("pylon_engine_stats_stream_events_total", {"type": "ping"}) == 1  # the 200's only
     assert get("pylon_engine_stats_stream_reconnects_total", {"reason": "http_status"}) == 1
+
+
+async def test_a_failed_connection_names_its_cause_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """An engine whose TLS Pylon could not use was logged as a bare ``connect_error``."""
+
+    async def stream(_request: web.Request) -> web.StreamResponse:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/stats", stream)
+    rig = make_rig()
+    metrics = PylonMetrics()
+    async with serving(app) as url, client_session(connect_timeout_s=5.0) as session:
+        reader = stats_reader(session, url.replace("http://", "https://"), rig, metrics)
+        task = asyncio.create_task(reader.run())
+        try:
+            name, labels = "pylon_engine_stats_stream_reconnects_total", {"reason": "connect_error"}
+            await until("a failed attempt", lambda: metrics.registry.get_sample_value(name, labels))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert "failed (connect_error: TLS: " in caplog.text, caplog.text

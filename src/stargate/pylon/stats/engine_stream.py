@@ -21,6 +21,8 @@ from stargate.pylon.config import StatsStreamMode
 from stargate.pylon.metrics import PylonMetrics
 from stargate.pylon.stats.hub import StatsHub
 from stargate.pylon.stats.ndjson import Invalid, LineSplitter, PingEvent, StatsEvent, parse_line
+from stargate.wire.client_faults import detail
+from stargate.wire.http_client import failure_text
 from stargate.wire.link_log import LinkLog
 from stargate.wire.runner import unless_set
 
@@ -53,6 +55,7 @@ class EngineStatsStream:
         self._woken = asyncio.Event()
         self._link = LinkLog(log, "engine stats stream", f"engine at {url}")
         self.valid_event_seen = False
+        self._cause = ""
 
     def feed_line(self, line: bytes | Invalid) -> None:
         event = line if isinstance(line, Invalid) else parse_line(line)
@@ -97,7 +100,9 @@ class EngineStatsStream:
                     return "read_error"
                 finally:
                     gauge.set(0)
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # The log names the cause: an untrusted engine certificate read as a bare connect_error.
+            self._cause = failure_text(exc)
             return "connect_error"
 
     async def run(self) -> None:
@@ -114,7 +119,8 @@ class EngineStatsStream:
                     return
                 reason = "http_status"
             self._metrics.stream_reconnects.labels(reason).inc()
-            self._link.failed(reason, self._backoff)
+            cause, self._cause = self._cause, ""
+            self._link.failed(f"{reason}: {detail(cause)}" if cause else reason, self._backoff)
             await self._wait(self._backoff)
 
     def wake(self) -> None:
