@@ -45,6 +45,8 @@ REQUEST_ID_PREFIX = "sg-"
 # Body fields that hold the prompt, what stays the same from turn to turn first (the Responses API's
 # instructions): a conversation's prompt text then grows at its end.
 PROMPT_FIELDS = ("instructions", "messages", "prompt", "input")
+TOOL_FIELDS = ("tools", "functions")
+"""Tool definitions (``functions``: chat's older form), counted in the prompt's tokens."""
 # Inside messages/parts, only these keys carry prompt text (roles, types and ids do not).
 TEXT_KEYS = frozenset({"content", "text", "input", "output", "arguments"})
 
@@ -173,7 +175,7 @@ class PlainClients:
         text: str | None = None  # the prompt is walked only when a header needs it, and once
         if headers.get(h.INPUT_TOKENS) is None:
             text, token_ids = _prompt(body)
-            headers[h.INPUT_TOKENS] = str(self._count(text, token_ids))
+            headers[h.INPUT_TOKENS] = str(self._count(text, token_ids) + self._tool_tokens(body))
         if text_value(headers.get(h.CACHE_AFFINITY_KEY)) is None:
             key = body_key(body.get("prompt_cache_key"))
             if key is None:
@@ -198,7 +200,14 @@ class PlainClients:
 
     def input_tokens(self, body: Mapping[str, Any]) -> int:
         """Prompt tokens of an OpenAI request body (at least 1)."""
-        return self._count(*_prompt(body))
+        return self._count(*_prompt(body)) + self._tool_tokens(body)
+
+    def _tool_tokens(self, body: Mapping[str, Any]) -> int:
+        """The tool definitions, which the engine's chat template puts in the prompt: counted as
+        their JSON (an agent's 37 KB of tool schemas was counted as no work at all), though not
+        part of the text that keys a conversation."""
+        tools = [body[name] for name in TOOL_FIELDS if body.get(name)]
+        return self._counter.count(orjson.dumps(tools).decode()) if tools else 0
 
     def _count(self, text: str, token_ids: int) -> int:
         return max(1, (self._counter.count(text) if text else 0) + token_ids)

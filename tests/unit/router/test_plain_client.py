@@ -59,6 +59,20 @@ def test_input_tokens_of_each_endpoint_body() -> None:
     assert clients.input_tokens({"model": "m"}) == 1  # never 0
 
 
+def test_tool_definitions_count_in_the_prompt_but_do_not_key_it() -> None:
+    """An agent's 37 KB of tool schemas beside a short message was estimated at 4 tokens."""
+    clients = plain(bytes_per_token=1)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    size = len(orjson.dumps([tools]))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert clients.input_tokens({**chat, "tools": tools}) == len("hi") + size
+    assert clients.input_tokens({**chat, "functions": tools}) == len("hi") + size
+    assert clients.input_tokens({**chat, "tools": []}) == len("hi")
+    long = {"messages": [{"role": "user", "content": "x" * 600}]}
+    first = _key(clients, long)
+    assert first is not None and _key(clients, {**long, "tools": tools}) is None  # the same text: a repeat
+
+
 def test_prompts_nested_as_deep_as_json_allows_are_counted_in_order() -> None:
     clients = plain(bytes_per_token=1)
     deep = orjson.loads(b"[" * 1000 + b'"abc"' + b"]" * 1000)  # orjson's limit is 1024 levels
