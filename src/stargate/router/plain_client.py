@@ -4,8 +4,8 @@ A gateway normally sets ``x-request-id``, ``x-model`` and ``x-input-tokens`` (sp
 one, ``stargate --plain-clients`` completes a request whose headers are missing: a request id is
 generated, the model comes from the body's ``model``, the input tokens are counted from the prompt
 (with a configured tokenizer, else one token per ``bytes_per_token`` UTF-8 bytes, rounded up), and
-the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``) becomes the
-cache-affinity key; without either, a prompt that starts with a whole earlier prompt gets that
+the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``, unless it names a
+group of conversations: ``SharedKeys``) becomes the cache-affinity key; without either, a prompt that starts with a whole earlier prompt gets that
 prompt's key (``prefix_keys``: the next turn of a conversation), and the body's ``user`` is the
 key of what the text gives none. The body is read,
 with a size cap, only when ``x-model`` or ``x-input-tokens`` is missing: a request carrying the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,9 @@ REQUEST_ID_PREFIX = "sg-"
 # Body fields that hold the prompt, what stays the same from turn to turn first (the Responses API's
 # instructions): a conversation's prompt text then grows at its end.
 PROMPT_FIELDS = ("instructions", "messages", "prompt", "input")
+SHARED_AT = 4
+"""Conversations started under one ``prompt_cache_key`` that make it a group's (``SharedKeys``)."""
+SHARED_KEYS_CAPACITY = 16_384
 TOOL_FIELDS = ("tools", "functions")
 """Tool definitions (``functions``: chat's older form), counted in the prompt's tokens."""
 # Inside messages/parts, only these keys carry prompt text (roles, types and ids do not).
@@ -123,6 +127,7 @@ class PlainClients:
         self._counter = counter or settings.counter()
         self._session_header = settings.session_header
         self._prefixes = PrefixKeys() if settings.prefix_keys else None
+        self._shared = SharedKeys()
 
     def incomplete(self, headers: Mapping[str, str]) -> bool:
         """True when a header this mode fills is missing (a few dictionary lookups)."""
@@ -180,6 +185,10 @@ class PlainClients:
             key = body_key(body.get("prompt_cache_key"))
             if key is None:
                 key = self._conversation_key(body, text, stored=_stored_response(path, body))
+            elif self._prefixes is not None:
+                conversation = self._prefixes.key(_prompt(body)[0] if text is None else text)
+                if self._shared.shared(key, conversation) and conversation is not None:
+                    key = conversation
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
 
@@ -227,6 +236,32 @@ class PlainClients:
             return await self._budget.read_whole(request, limit)
         except PayloadTooLarge:  # chunked: nothing declared (a length is exact, aiohttp's check)
             raise _too_large(f"more than {limit}", limit) from None
+
+
+class SharedKeys:
+    """The conversations (keys from the prompt text) seen under each ``prompt_cache_key``, up to
+    ``SHARED_AT``: a key that many conversations started under names a group of them, not one.
+    OpenAI combines the key with the prompt's prefix; an app that sent one constant key for all
+    its users had every conversation on one replica (24 conversations of 8k-token prompts on 1-2
+    of 4 engines, queued behind each other's prefills, while the rest idled). Such a key's
+    requests are keyed by their conversation; a key per conversation, as clients.md asks, keeps
+    its requests together as before (replicas agree on it, where text keys are each router's own)."""
+
+    def __init__(self, capacity: int = SHARED_KEYS_CAPACITY) -> None:
+        self._capacity = capacity
+        self._seen: OrderedDict[str, set[str]] = OrderedDict()
+
+    def shared(self, key: str, conversation: str | None) -> bool:
+        seen = self._seen.get(key)
+        if seen is None:
+            seen = self._seen[key] = set()
+            if len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(key)
+        if conversation is not None and len(seen) < SHARED_AT:
+            seen.add(conversation)
+        return len(seen) >= SHARED_AT
 
 
 def _stored_response(path: str, body: Mapping[str, Any]) -> bool:

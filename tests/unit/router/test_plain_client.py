@@ -14,9 +14,11 @@ from stargate.errors import ConfigError, RequestError
 from stargate.router.cli import build_parser, settings_from_args
 from stargate.router.plain_client import (
     MAX_BODY_KEY_CHARS,
+    SHARED_AT,
     BytesPerToken,
     PlainClients,
     PlainClientSettings,
+    SharedKeys,
     _json_object,
     body_key,
 )
@@ -149,13 +151,45 @@ def test_a_body_without_a_key_field_gets_the_key_of_the_turn_it_continues() -> N
     assert first is not None and first.startswith("prefix:")
     history += [{"role": "assistant", "content": "answer"}, {"role": "user", "content": "second"}]
     assert _key(clients, {"messages": history}) == first
-    # prompt_cache_key wins and its request is not remembered as a turn.
+    # prompt_cache_key wins; its prompt is remembered (its key may name a group, SharedKeys).
     keyed = [*history, {"role": "user", "content": "x"}]
     assert _key(clients, {"messages": keyed, "prompt_cache_key": "c"}) == "c"
-    assert _key(clients, {"messages": keyed}) == first  # not a repeat: it continues the turn before
+    assert _key(clients, {"messages": keyed}) is None  # a repeat
+    again = [*keyed, {"role": "user", "content": "y"}]
+    assert _key(clients, {"messages": again}) == first  # it continues the turns before
     # Too short to be worth a key.
     assert _key(clients, {"messages": [{"role": "user", "content": "hi"}]}) is None
     assert _key(plain(prefix_keys=False), {"messages": history}) is None
+
+
+def test_one_prompt_cache_key_for_every_conversation_keys_each_by_its_text() -> None:
+    """An app that sends one ``prompt_cache_key`` for all its users had every conversation on one
+    replica: once ``SHARED_AT`` conversations started under it, each is keyed by its text; a key
+    per conversation stays the key, whatever its turns' text."""
+    clients = plain()
+    system = {"role": "system", "content": "s" * 600}
+    chats = [[system, {"role": "user", "content": f"chat {n}"}] for n in range(SHARED_AT + 2)]
+    keys = [_key(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in chats]
+    assert keys[: SHARED_AT - 1] == ["app"] * (SHARED_AT - 1)
+    assert len(set(keys[SHARED_AT - 1 :])) == 3 and "app" not in keys[SHARED_AT - 1 :]
+    grown = [*chats[0], {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    assert _key(clients, {"messages": grown, "prompt_cache_key": "app"}) not in ("app", None)
+    short = {"messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "app"}
+    assert _key(clients, short) == "app"  # no text key: the body's
+    # One key per conversation, its history rewritten twice: still its key.
+    for n in range(3):
+        turn = [{"role": "system", "content": f"summary {n} " + "s" * 600}, {"role": "user", "content": "q"}]
+        assert _key(clients, {"messages": turn, "prompt_cache_key": "conversation-9"}) == "conversation-9"
+
+
+def test_shared_keys_are_bounded() -> None:
+    shared = SharedKeys(capacity=2)
+    for key in ("a", "b"):
+        for n in range(SHARED_AT):
+            shared.shared(key, f"c{n}")
+    assert shared.shared("a", None)  # used last: "b" is forgotten first
+    shared.shared("c", "c0")
+    assert shared.shared("a", None) and not shared.shared("b", None)
 
 
 def test_one_user_for_every_conversation_does_not_make_them_one_key() -> None:
