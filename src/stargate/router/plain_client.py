@@ -5,9 +5,9 @@ one, ``stargate --plain-clients`` completes a request whose headers are missing:
 generated, the model comes from the body's ``model``, the input tokens are counted from the prompt
 (with a configured tokenizer, else one token per ``bytes_per_token`` UTF-8 bytes, rounded up), and
 the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``, unless it names a
-group of conversations: ``SharedKeys``) becomes the cache-affinity key; without either, a prompt that starts with a whole earlier prompt gets that
-prompt's key (``prefix_keys``: the next turn of a conversation), and the body's ``user`` is the
-key of what the text gives none. The body is read,
+group of conversations: ``SharedKeys``) becomes the cache-affinity key; without either, a prompt
+that starts with a whole earlier prompt gets that prompt's key (``prefix_keys``: the next turn of a
+conversation), and the body's ``user`` is the key of what the text gives none. The body is read,
 with a size cap, only when ``x-model`` or ``x-input-tokens`` is missing: a request carrying the
 headers is forwarded exactly as without the mode and its body is never parsed.
 """
