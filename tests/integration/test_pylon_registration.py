@@ -13,8 +13,14 @@ import pytest
 from support.pylon_fakes import FakeStargate
 from support.waiting import until
 
-from stargate.proto import stargate_pb2
-from stargate.pylon.registration import RegistrationClient, RouterInfo, StargateDiscovery, router_from_info
+from stargate.proto import stargate_pb2, stargate_pb2_grpc
+from stargate.pylon.registration import (
+    RegistrationClient,
+    RouterInfo,
+    StargateDiscovery,
+    open_channel,
+    router_from_info,
+)
 from stargate.wire.clock import ManualClock
 
 
@@ -242,6 +248,82 @@ async def test_b112_unanswered_extra_watch_url_waits_for_initial_timeout(stargat
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_stream_whose_acks_stop_is_reopened(stargate: FakeStargate) -> None:
+    """A connection gone silent without a FIN or a reset (a lost NAT entry) left Pylon waiting on
+    its stream for ever, out of routing once Stargate's idle timeout passed."""
+    stargate.silent_registrations = 1
+    reg = client(retry_s=0.05, ack_timeout_s=0.3)
+    reg.update_routers(route_to(stargate))
+    try:
+        await until("a second stream", lambda: stargate.register_calls >= 2)
+        messages = len(stargate.messages)
+        await until("the second stream acked", lambda: len(stargate.messages) > messages + 2)
+        assert stargate.register_calls == 2  # acked: kept
+    finally:
+        await reg.close()
+
+
+class SilencingProxy:
+    """Forwards TCP to ``port``; ``silence()`` stops forwarding on the connections open then (no FIN,
+    no reset: a lost NAT entry) while new ones pass."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.silenced: set[asyncio.StreamWriter] = set()
+        self.open: set[asyncio.StreamWriter] = set()
+        self.accepted = 0
+
+    async def start(self) -> asyncio.Server:
+        return await asyncio.start_server(self._serve, "127.0.0.1", 0)
+
+    def silence(self) -> None:
+        self.silenced |= self.open
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.open.add(writer)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while (data := await src.read(65536)) and writer not in self.silenced:
+                dst.write(data)
+            await asyncio.sleep(3600) if writer in self.silenced else dst.close()
+
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        finally:
+            writer.close()
+            up_writer.close()
+
+
+async def test_a_stream_on_a_connection_gone_silent_is_reopened_on_a_new_one(stargate: FakeStargate) -> None:
+    """The stream reopened after its acks stopped took, through gRPC's process-wide pool of
+    connections, the very connection that had gone silent."""
+    proxy = SilencingProxy(int(stargate.address.rsplit(":", 1)[1]))
+    server = await proxy.start()
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    # The discovery watch keeps a channel to the same address open, as a Pylon does.
+    watch = open_channel("http://" + address)
+    watching = stargate_pb2_grpc.StargateControlPlaneStub(watch).WatchStargates(  # type: ignore[no-untyped-call]
+        stargate_pb2.WatchStargatesRequest()
+    )
+    reg = client(retry_s=0.05, ack_timeout_s=0.3)
+    reg.update_routers({"sg-1": RouterInfo("sg-1", address, "http://" + address)})
+    try:
+        await watching.read()
+        await until("a first stream", lambda: len(stargate.messages) >= 2)
+        proxy.silence()
+        await until("a stream on a new connection", lambda: stargate.register_calls >= 2)
+        messages = len(stargate.messages)
+        await until("messages on it", lambda: len(stargate.messages) > messages + 2)
+        assert proxy.accepted >= 2
+    finally:
+        await reg.close()
+        watching.cancel()
+        await watch.close()
+        server.close()
+
+
 async def test_b113_dials_the_dial_address_with_advertise_authority(stargate: FakeStargate) -> None:
     """The stream reaches the server at the dial address even though the authority names another host."""
     router = router_from_info(
@@ -306,7 +388,7 @@ async def test_a_tls_dial_address_is_checked_against_the_host_dialled() -> None:
     "Hostname Verification Check failed": gRPC checked the certificate against the advertised
     address presented as the authority (docs/compat.md)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", TLS_FRONT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        sys.executable, "-c", TLS_FRONT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), 30)
-    assert out.decode().strip().splitlines()[-1:] == ["reached"], out.decode()
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert out.decode().split() == ["reached"], (out + err).decode()

@@ -121,7 +121,8 @@ async def test_b28_unhealthy_upstream_fails_once(engine: FakeEngine, stargate: F
     engine.health_status = {"/health": 503, "/v1/health/ready": 503}
     app = make_app(engine, stargate, "--model-name", "llama")
     try:
-        with pytest.raises(StargateError, match="upstream health check failed during pylon startup.*last: HTTP 503"):
+        failed = r"upstream health check failed during pylon startup.*last: HTTP 503"
+        with pytest.raises(StargateError, match=failed):
             await app.start()
         assert engine.hits("/health") == 1 and stargate.watch_calls == 0
     finally:

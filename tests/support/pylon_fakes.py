@@ -159,6 +159,7 @@ class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
         self.end_watches = 0
         self.refuse_registrations = 0
         self.end_registrations = 0
+        self.silent_registrations = 0  # streams that read on but ack nothing after their first ack
         self.register_times: list[float] = []
         self.watch_times: list[float] = []
 
@@ -188,10 +189,15 @@ class FakeStargate(stargate_pb2_grpc.StargateControlPlaneServicer):
         if self.refuse_registrations > 0:
             self.refuse_registrations -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
+        silent, acked = self.silent_registrations > 0, False
+        self.silent_registrations -= silent
         async for msg in request_iterator:
             self.messages.append(msg)
             self.got_message.set()
+            if silent and acked:
+                continue
             yield stargate_pb2.InferenceServerAck()
+            acked = True
             if self.end_registrations > 0:
                 self.end_registrations -= 1
                 return

@@ -53,6 +53,9 @@ MAX_RETRY_S = 4.0
 """1, 2, 4, 4 ... s (plus up to 25 % jitter): a Pylon is back within 5 s of a router that restarts
 after any outage, inside the 10 s in which a new router holds requests for its models."""
 INITIAL_DISCOVERY_TIMEOUT_S = 5.0
+ACK_TIMEOUT_FLOOR_S = 15.0
+ACK_TIMEOUT_HEARTBEATS = 5
+"""A registration stream with no ack for 5 heartbeats (at least 15 s) is reopened."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +87,13 @@ def open_channel(url: str, authority: str | None = None) -> grpc.aio.Channel:
     dialled (docs/compat.md)."""
     scheme, _, target = with_scheme(url).partition("://")
     target = target.rstrip("/")
+    # A channel of its own connection: a stream reopened after its acks stopped reused, through
+    # gRPC's process-wide pool, the connection that had gone silent.
+    options: list[tuple[str, str | int]] = [("grpc.use_local_subchannel_pool", 1)]
     if scheme == "https":
-        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials())
-    options = [("grpc.default_authority", authority)] if authority else []
+        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(), options=options)
+    if authority:
+        options.append(("grpc.default_authority", authority))
     return grpc.aio.insecure_channel(target, options=options)
 
 
@@ -202,6 +209,10 @@ class StargateDiscovery:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
 
+class AckTimeout(Exception):
+    """A registration stream whose acks stopped: it is reopened."""
+
+
 class _Attempt:
     """What one stream attempt saw: whether Stargate acked, and a message that could not be built."""
 
@@ -233,6 +244,7 @@ class RegistrationClient:
         coalesce_ms: int = 0,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        ack_timeout_s: float | None = None,
     ) -> None:
         self._snapshot = snapshot
         self._coalesce_s = coalesce_ms / 1000.0
@@ -246,6 +258,9 @@ class RegistrationClient:
         self._clock = clock or SystemClock()
         self._rng = rng or random.Random()
         self._streams: dict[str, asyncio.Task[None]] = {}
+        self._ack_timeout_s = ack_timeout_s or max(
+            ACK_TIMEOUT_FLOOR_S, ACK_TIMEOUT_HEARTBEATS * self._interval_s
+        )
 
     @property
     def routers(self) -> list[str]:
@@ -335,7 +350,19 @@ class RegistrationClient:
         try:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
             call = stub.RegisterInferenceServer(self._messages(attempt), metadata=self._metadata())
-            async for _ack in call:
+            acks = aiter(call)
+            while True:
+                # Stargate acks every message. A connection gone silent without a FIN or a reset
+                # (a lost NAT entry) left Pylon waiting on it for ever, out of routing once
+                # Stargate's idle timeout passed, and never registering again.
+                try:
+                    async with asyncio.timeout(self._ack_timeout_s):
+                        await anext(acks)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    call.cancel()
+                    raise AckTimeout(f"no ack from Stargate within {self._ack_timeout_s:g} s") from None
                 if not attempt.acked:
                     attempt.acked = True
                     backoff.reset()
