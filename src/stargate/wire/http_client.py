@@ -8,7 +8,9 @@ untouched (no automatic decompression).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 
@@ -19,8 +21,31 @@ ENGINE_KEEPALIVE_S = 4.0
 """Pylon's idle connections to its engine close sooner than uvicorn's (vLLM's and SGLang's server)
 5 s (``--engine-keepalive-ms``): a request sent on one the engine had just closed was lost unread,
 answered 503 ``local_connect_failure`` and not retried."""
+TCP_USER_TIMEOUT_S = 30.0
+TCP_KEEPALIVE_IDLE_S = 10
+TCP_KEEPALIVE_INTERVAL_S = 5
+TCP_KEEPALIVE_PROBES = 3
 RELAY_SKIPPED_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """A forwarding proxy adds none of these: the client's own (or none) go upstream."""
+
+
+def tcp_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """A client socket that fails once the peer stops acknowledging: data unacknowledged for
+    ``TCP_USER_TIMEOUT_S``, or an idle connection whose keepalive probes go unanswered. A request
+    sent on a connection whose packets were dropped (a peer host gone, a firewall's lost state)
+    otherwise waited for its answer as long as its backend stayed in routing, up to 30 minutes."""
+    family, kind, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", TCP_KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", TCP_KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", TCP_KEEPALIVE_PROBES),
+        ("TCP_USER_TIMEOUT", int(TCP_USER_TIMEOUT_S * 1000)),
+    ):
+        if hasattr(socket, option):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    return sock
 
 
 def client_session(
@@ -44,7 +69,7 @@ def client_session(
     A request that names its own ``Accept-Encoding`` keeps it, as one naming any of ``headers``
     (sent with every request) keeps its own."""
     connector = aiohttp.TCPConnector(
-        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive_s
+        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive_s, socket_factory=tcp_socket
     )
     timeout = aiohttp.ClientTimeout(
         total=None, connect=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
