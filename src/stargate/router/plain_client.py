@@ -51,8 +51,12 @@ SHARED_AT = 4
 SHARED_KEYS_CAPACITY = 16_384
 TOOL_FIELDS = ("tools", "functions")
 """Tool definitions (``functions``: chat's older form), counted in the prompt's tokens."""
-# Inside messages/parts, only these keys carry prompt text (roles, types and ids do not).
-TEXT_KEYS = frozenset({"content", "text", "input", "output", "arguments"})
+# Inside messages/parts, only these keys carry prompt text (roles, types and ids do not); an
+# assistant turn's tool calls carry theirs in ``tool_calls[].function.arguments`` (chat's older
+# form: ``function_call.arguments``), which went uncounted (44 KB of arguments as 3 tokens).
+TEXT_KEYS = frozenset(
+    {"content", "text", "input", "output", "arguments", "tool_calls", "function", "function_call"}
+)
 
 
 class TokenCounter(Protocol):

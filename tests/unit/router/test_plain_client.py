@@ -59,6 +59,12 @@ def test_input_tokens_of_each_endpoint_body() -> None:
     assert clients.input_tokens({"input": "abcd", "instructions": "xy"}) == len("abcd\nxy")
     assert clients.input_tokens({"input": ["a", "b"]}) == len("a\nb")
     assert clients.input_tokens({"model": "m"}) == 1  # never 0
+    # An assistant turn's tool calls (44 KB of arguments counted as 3 tokens).
+    call = {"id": "c1", "type": "function", "function": {"name": "write", "arguments": '{"a":1}'}}
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert clients.input_tokens({"messages": [turn]}) == len('{"a":1}')
+    legacy = {"role": "assistant", "function_call": {"name": "write", "arguments": "xyz"}}
+    assert clients.input_tokens({"messages": [legacy]}) == 3
 
 
 def test_tool_definitions_count_in_the_prompt_but_do_not_key_it() -> None:
