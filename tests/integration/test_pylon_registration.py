@@ -263,6 +263,18 @@ async def test_a_stream_whose_acks_stop_is_reopened(stargate: FakeStargate) -> N
         await reg.close()
 
 
+async def test_a_discovery_watch_that_sends_nothing_is_reopened(stargate: FakeStargate) -> None:
+    """Stargate sends its snapshot every --watch-heartbeat-ms; a watch on a connection gone silent
+    waited for ever, and Pylon missed every Stargate added since."""
+    discovery = StargateDiscovery([stargate.address], lambda _routers: None, retry_s=0.05, silence_s=0.3)
+    task = asyncio.get_running_loop().create_task(discovery.run())
+    try:
+        await until("a second watch", lambda: stargate.watch_calls >= 2)  # the fake sends one snapshot
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 class SilencingProxy:
     """Forwards TCP to ``port``; ``silence()`` stops forwarding on the connections open then (no FIN,
     no reset: a lost NAT entry) while new ones pass."""

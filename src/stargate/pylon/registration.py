@@ -22,9 +22,10 @@ import asyncio
 import logging
 import random
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -53,6 +54,9 @@ MAX_RETRY_S = 4.0
 """1, 2, 4, 4 ... s (plus up to 25 % jitter): a Pylon is back within 5 s of a router that restarts
 after any outage, inside the 10 s in which a new router holds requests for its models."""
 INITIAL_DISCOVERY_TIMEOUT_S = 5.0
+T = TypeVar("T")
+WATCH_SILENCE_S = 60.0
+"""A discovery watch with no snapshot for this long is reopened."""
 ACK_TIMEOUT_FLOOR_S = 15.0
 ACK_TIMEOUT_HEARTBEATS = 5
 """A registration stream with no ack for 5 heartbeats (at least 15 s) is reopened."""
@@ -121,8 +125,10 @@ class StargateDiscovery:
         initial_timeout_s: float = INITIAL_DISCOVERY_TIMEOUT_S,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        silence_s: float = WATCH_SILENCE_S,
     ) -> None:
         self._seeds = [with_scheme(s) for s in seeds if s.strip()]
+        self._silence_s = silence_s
         if not self._seeds:
             raise ValueError("no Stargate seed address")
         self._on_change = on_change
@@ -182,7 +188,9 @@ class StargateDiscovery:
         channel = open_channel(url)
         try:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
-            async for msg in stub.WatchStargates(stargate_pb2.WatchStargatesRequest()):
+            watch = stub.WatchStargates(stargate_pb2.WatchStargatesRequest())
+            # Stargate sends its snapshot every --watch-heartbeat-ms (5 s by default).
+            async for msg in each_within(watch, self._silence_s, "snapshot from Stargate"):
                 link.connected()
                 backoff.reset()
                 routers = [r for info in msg.stargates if (r := router_from_info(info)) is not None]
@@ -209,8 +217,22 @@ class StargateDiscovery:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
 
-class AckTimeout(Exception):
-    """A registration stream whose acks stopped: it is reopened."""
+class Silent(Exception):
+    """A stream that sent nothing for longer than it should (``each_within``): it is reopened."""
+
+
+async def each_within(stream: AsyncIterable[T], timeout_s: float, what: str) -> AsyncIterator[T]:
+    """``stream``'s items, each within ``timeout_s`` of the one before, else ``Silent``."""
+    items = aiter(stream)
+    while True:
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await anext(items)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Silent(f"no {what} within {timeout_s:g} s") from None
+        yield item
 
 
 class _Attempt:
@@ -350,19 +372,10 @@ class RegistrationClient:
         try:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
             call = stub.RegisterInferenceServer(self._messages(attempt), metadata=self._metadata())
-            acks = aiter(call)
-            while True:
-                # Stargate acks every message. A connection gone silent without a FIN or a reset
-                # (a lost NAT entry) left Pylon waiting on it for ever, out of routing once
-                # Stargate's idle timeout passed, and never registering again.
-                try:
-                    async with asyncio.timeout(self._ack_timeout_s):
-                        await anext(acks)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    call.cancel()
-                    raise AckTimeout(f"no ack from Stargate within {self._ack_timeout_s:g} s") from None
+            # Stargate acks every message. A connection gone silent without a FIN or a reset (a
+            # lost NAT entry) left Pylon waiting on it for ever, out of routing once Stargate's
+            # idle timeout passed, and never registering again.
+            async for _ack in each_within(call, self._ack_timeout_s, "ack from Stargate"):
                 if not attempt.acked:
                     attempt.acked = True
                     backoff.reset()
