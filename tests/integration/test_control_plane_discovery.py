@@ -98,6 +98,8 @@ async def test_138_watch_self_only_snapshot_repeats_every_heartbeat() -> None:
                 )
                 assert list(models.model_ids) == []
                 call = stub.WatchStargates(pb.WatchStargatesRequest(), timeout=CALL_TIMEOUT_S)
+                # The heartbeat is said, so Pylon can tell a silent connection from a quiet one.
+                assert dict(await call.initial_metadata())["x-stargate-watch-heartbeat-ms"] == "20"
                 snapshots = [await call.read()]
                 for _ in range(2):
                     await clock.sleeping(2)  # the discovery poll and this stream's heartbeat

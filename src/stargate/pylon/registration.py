@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import weakref
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -55,8 +55,10 @@ MAX_RETRY_S = 4.0
 after any outage, inside the 10 s in which a new router holds requests for its models."""
 INITIAL_DISCOVERY_TIMEOUT_S = 5.0
 T = TypeVar("T")
-WATCH_SILENCE_S = 60.0
-"""A discovery watch with no snapshot for this long is reopened."""
+WATCH_SILENCE_S = 300.0
+"""A discovery watch with no snapshot for this long is reopened, where Stargate does not say how
+often it sends one (``watch_silence_s``)."""
+WATCH_SILENCE_FLOOR_S = 15.0
 ACK_TIMEOUT_FLOOR_S = 15.0
 ACK_TIMEOUT_HEARTBEATS = 5
 """A registration stream with no ack for 5 heartbeats (at least 15 s) is reopened."""
@@ -189,8 +191,10 @@ class StargateDiscovery:
         try:
             stub = stargate_pb2_grpc.StargateControlPlaneStub(channel)  # type: ignore[no-untyped-call]
             watch = stub.WatchStargates(stargate_pb2.WatchStargatesRequest())
-            # Stargate sends its snapshot every --watch-heartbeat-ms (5 s by default).
-            async for msg in each_within(watch, self._silence_s, "snapshot from Stargate"):
+            async with asyncio.timeout(self._silence_s):
+                metadata = await watch.initial_metadata()
+            silence_s = watch_silence_s(metadata, self._silence_s)
+            async for msg in each_within(watch, silence_s, "snapshot from Stargate"):
                 link.connected()
                 backoff.reset()
                 routers = [r for info in msg.stargates if (r := router_from_info(info)) is not None]
@@ -215,6 +219,16 @@ class StargateDiscovery:
             for task in self._tasks.values():
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+
+def watch_silence_s(metadata: Iterable[tuple[str, str | bytes]] | None, default_s: float) -> float:
+    """How long a watch may send nothing: three of the heartbeats Stargate says it sends
+    (``WATCH_HEARTBEAT_METADATA``), at least ``WATCH_SILENCE_FLOOR_S``; ``default_s`` where it says
+    none (the original's Stargate)."""
+    for key, value in metadata or ():
+        if key == h.WATCH_HEARTBEAT_METADATA and isinstance(value, str) and value.isdigit():
+            return max(WATCH_SILENCE_FLOOR_S, 3 * int(value[:12]) / 1000.0)
+    return default_s
 
 
 class Silent(Exception):

@@ -498,6 +498,8 @@ class _ControlPlaneServicer(stargate_pb2_grpc.StargateControlPlaneServicer):
     async def WatchStargates(
         self, request: stargate_pb2.WatchStargatesRequest, context: aio.ServicerContext[object, object]
     ) -> AsyncIterator[stargate_pb2.WatchStargatesResponse]:
+        heartbeat_ms = round(self._plane.watch_heartbeat_s * 1000)
+        await context.send_initial_metadata(((h.WATCH_HEARTBEAT_METADATA, str(heartbeat_ms)),))
         async for snapshot in self._plane.watch_stream():
             yield snapshot
 

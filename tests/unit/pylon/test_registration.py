@@ -8,7 +8,13 @@ from stargate.balancer.types import ModelStats
 from stargate.proto import stargate_pb2
 from stargate.pylon.load import Phase
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
-from stargate.pylon.registration import RouterInfo, router_from_info, stats_to_proto
+from stargate.pylon.registration import (
+    WATCH_SILENCE_FLOOR_S,
+    RouterInfo,
+    router_from_info,
+    stats_to_proto,
+    watch_silence_s,
+)
 from stargate.pylon.stats.hub import ConcurrencyUpdate, LimitSource
 from stargate.wire.limits import U64_MAX
 
@@ -110,3 +116,13 @@ def test_every_change_of_pylons_own_load_asks_for_a_prompt_publication() -> None
     r.clock.advance(2.0)
     r.load.track("b", r.gen, 0, 5)
     assert r.hub.snapshot(r.gen).stats_observed_at_unix_ms == changes[-1]
+
+
+def test_a_watch_may_be_silent_for_three_of_the_heartbeats_stargate_says_it_sends() -> None:
+    """A fixed 60 s reopened the watch of a Stargate sending one every 90 s, once a minute."""
+    said = [("x-stargate-watch-heartbeat-ms", "90000")]
+    assert watch_silence_s(said, 300.0) == 270.0
+    assert watch_silence_s([("x-stargate-watch-heartbeat-ms", "20")], 300.0) == WATCH_SILENCE_FLOOR_S
+    assert watch_silence_s([("other", "1")], 300.0) == 300.0  # the original's Stargate says nothing
+    assert watch_silence_s([("x-stargate-watch-heartbeat-ms", "-5")], 300.0) == 300.0
+    assert watch_silence_s(None, 300.0) == 300.0
