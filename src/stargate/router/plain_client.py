@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,7 +49,11 @@ REQUEST_ID_PREFIX = "sg-"
 # instructions): a conversation's prompt text then grows at its end.
 PROMPT_FIELDS = ("instructions", "messages", "prompt", "input")
 SHARED_AT = 4
-"""Conversations started under one ``prompt_cache_key`` that make it a group's (``SharedKeys``)."""
+"""Conversations under way at once under one ``prompt_cache_key`` that make it a group's
+(``SharedKeys``), the latest of them within ``SHARED_WINDOW_S``; a key keeps the ``SHARED_SPANS``
+latest."""
+SHARED_WINDOW_S = 120.0
+SHARED_SPANS = 2 * SHARED_AT
 SHARED_KEYS_CAPACITY = 16_384
 TOOL_FIELDS = ("tools", "functions")
 """Tool definitions (``functions``: chat's older form), counted in the prompt's tokens."""
@@ -146,9 +152,12 @@ class PlainClients:
             )
         )
 
-    async def complete(self, request: web.Request) -> tuple[CIMultiDict[str], bytes | None]:
-        """The request's headers with the missing ones filled, and its body when it had to be read
-        (holding ``len(body)`` bytes of the budget, for the caller to give back)."""
+    async def complete(
+        self, request: web.Request
+    ) -> tuple[CIMultiDict[str], bytes | None, Callable[[], None] | None]:
+        """The request's headers with the missing ones filled, its body when it had to be read
+        (holding ``len(body)`` bytes of the budget, for the caller to give back), and what to call
+        once when the request ends (``SharedKeys``), if anything."""
         headers = CIMultiDict(request.headers)
         if text_value(headers.get(h.REQUEST_ID)) is None:
             headers[h.REQUEST_ID] = new_request_id()
@@ -157,19 +166,23 @@ class PlainClients:
             if session is not None:
                 headers[h.CACHE_AFFINITY_KEY] = session
         if headers.get(h.INPUT_TOKENS) is not None and text_value(headers.get(h.MODEL)) is not None:
-            return headers, None
+            return headers, None, None
         raw = await self._read(request)
         try:
             # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
             coding = content_coding(headers)
             parse = functools.partial(_json_object, raw, coding, self.settings.max_body_bytes)
-            self._fill(headers, await off_loop(parse) if coding else parse(), request.path)
+            ended = self._fill(headers, await off_loop(parse) if coding else parse(), request.path)
         except BaseException:
             self._budget.give(len(raw))
             raise
-        return headers, raw
+        return headers, raw, ended
 
-    def _fill(self, headers: CIMultiDict[str], body: dict[str, Any], path: str = "") -> None:
+    def _fill(
+        self, headers: CIMultiDict[str], body: dict[str, Any], path: str = ""
+    ) -> Callable[[], None] | None:
+        """Fills the missing headers; returns what to call when the request ends, for a request
+        whose ``prompt_cache_key`` ``SharedKeys`` follows."""
         if text_value(headers.get(h.MODEL)) is None:
             model = body.get("model")
             value = text_value(model) if isinstance(model, str) else None
@@ -189,12 +202,19 @@ class PlainClients:
             key = body_key(body.get("prompt_cache_key"))
             if key is None:
                 key = self._conversation_key(body, text, stored=_stored_response(path, body))
-            elif self._prefixes is not None:
-                conversation = self._prefixes.key(_prompt(body)[0] if text is None else text)
-                if self._shared.shared(key, conversation) and conversation is not None:
-                    key = conversation
+            elif self._prefixes is not None and not _stored_response(path, body):
+                # A stored Responses request keeps the body's key: a later turn may name it by
+                # ``previous_response_id``, which the text cannot follow (as with ``user``).
+                conversation, continues = self._prefixes.lookup(_prompt(body)[0] if text is None else text)
+                if conversation is not None:
+                    group = key
+                    if self._shared.begin(group, conversation, continues):
+                        key = conversation
+                    headers[h.CACHE_AFFINITY_KEY] = key
+                    return functools.partial(self._shared.end, group, conversation)
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
+        return None
 
     def _conversation_key(self, body: Mapping[str, Any], text: str | None, *, stored: bool) -> str | None:
         """The conversation the prompt continues (``prefix_keys``), else the body's ``user``.
@@ -243,29 +263,52 @@ class PlainClients:
 
 
 class SharedKeys:
-    """The conversations (keys from the prompt text) seen under each ``prompt_cache_key``, up to
-    ``SHARED_AT``: a key that many conversations started under names a group of them, not one.
-    OpenAI combines the key with the prompt's prefix; an app that sent one constant key for all
-    its users had every conversation on one replica (24 conversations of 8k-token prompts on 1-2
-    of 4 engines, queued behind each other's prefills, while the rest idled). Such a key's
-    requests are keyed by their conversation; a key per conversation, as clients.md asks, keeps
-    its requests together as before (replicas agree on it, where text keys are each router's own)."""
+    """The conversations under each ``prompt_cache_key`` (keys from the prompt text), each under
+    way from its first turn to the end of its last request. A key under which ``SHARED_AT`` are
+    under way at once (the latest within ``SHARED_WINDOW_S``) names a group of conversations, not
+    one: OpenAI combines the key with the prompt's prefix, and an app that sent one constant key for
+    all its users or documents had every conversation on one replica (24 conversations of 8k-token
+    prompts on 1-2 of 4 engines, queued behind each other's prefills, while the rest idled). Such a
+    key's requests are keyed by their conversation. A key per conversation, as clients.md asks, has
+    one under way at a time, whatever its turns' text (a sliding window of history, a summary end
+    one and start the next), and stays the key: replicas agree on it, where text keys are each
+    router's own."""
 
-    def __init__(self, capacity: int = SHARED_KEYS_CAPACITY) -> None:
+    def __init__(
+        self, capacity: int = SHARED_KEYS_CAPACITY, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._capacity = capacity
-        self._seen: OrderedDict[str, set[str]] = OrderedDict()
+        self._clock = clock
+        self._spans: OrderedDict[str, dict[str, list[float]]] = OrderedDict()
+        """key -> conversation -> [begun, last request's end, requests in flight], the
+        ``SHARED_SPANS`` latest; one continued but not seen to begin began before all of them."""
 
-    def shared(self, key: str, conversation: str | None) -> bool:
-        seen = self._seen.get(key)
-        if seen is None:
-            seen = self._seen[key] = set()
-            if len(self._seen) > self._capacity:
-                self._seen.popitem(last=False)
+    def begin(self, key: str, conversation: str, continues: bool) -> bool:
+        """A request of ``conversation`` under ``key`` begins; whether ``key`` names a group."""
+        spans = self._spans.get(key)
+        if spans is None:
+            spans = self._spans[key] = {}
+            if len(self._spans) > self._capacity:
+                self._spans.popitem(last=False)
         else:
-            self._seen.move_to_end(key)
-        if conversation is not None and len(seen) < SHARED_AT:
-            seen.add(conversation)
-        return len(seen) >= SHARED_AT
+            self._spans.move_to_end(key)
+        now = self._clock()
+        span = spans.pop(conversation, None) or [-math.inf if continues else now, now, 0.0]
+        span[2] += 1
+        spans[conversation] = span  # the latest last
+        if len(spans) > SHARED_SPANS:
+            del spans[next(iter(spans))]
+        live = [
+            (begun, now if running else until)
+            for begun, until, running in spans.values()
+            if running or now - until <= SHARED_WINDOW_S
+        ]
+        return any(sum(1 for begun, until in live if begun <= t <= until) >= SHARED_AT for t, _ in live)
+
+    def end(self, key: str, conversation: str) -> None:
+        span = self._spans.get(key, {}).get(conversation)
+        if span is not None and span[2] > 0:
+            span[1], span[2] = self._clock(), span[2] - 1
 
 
 def _stored_response(path: str, body: Mapping[str, Any]) -> bool:

@@ -70,21 +70,27 @@ class PrefixKeys:
     def key(self, text: str) -> str | None:
         """The key of the longest earlier prompt ``text`` continues, else a new one; None for a
         prompt shorter than a block and for one seen before as it is. ``text`` is remembered."""
+        return self.lookup(text)[0]
+
+    def lookup(self, text: str) -> tuple[str | None, bool]:
+        """``key(text)``, and whether ``text`` continues an earlier prompt (a conversation's next
+        turn, which keeps its key)."""
         chain = _chain(text, self._block)
         if not chain:
-            return None
+            return None, False
         earlier = self._earlier(text, chain)
         if earlier is not None and earlier.length == len(text):
             self._recent.move_to_end(earlier.whole)
-            return None  # a repeat, not a continuation: placed by load like a request without a key
+            return None, False  # a repeat, not a continuation: placed by load like a keyless request
         whole = _digest(chain[-1], text[len(chain) * self._block :])
+        continues = earlier is not None and not earlier.continued
         if earlier is None or earlier.continued:
             key = KEY_PREFIX + whole.hex()
         else:
             earlier.continued = True
             key = earlier.key
         self._remember(_Prompt(chain[-1], len(text), text[-TAIL_CHARS:], whole, key))
-        return key
+        return key, continues
 
     def _earlier(self, text: str, chain: list[bytes]) -> _Prompt | None:
         """The longest remembered prompt that ``text`` starts with (itself included), within the

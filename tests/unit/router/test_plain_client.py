@@ -15,6 +15,8 @@ from stargate.router.cli import build_parser, settings_from_args
 from stargate.router.plain_client import (
     MAX_BODY_KEY_CHARS,
     SHARED_AT,
+    SHARED_SPANS,
+    SHARED_WINDOW_S,
     BytesPerToken,
     PlainClients,
     PlainClientSettings,
@@ -50,8 +52,12 @@ def test_bytes_per_token_rounds_up() -> None:
 
 def test_input_tokens_of_each_endpoint_body() -> None:
     clients = plain(bytes_per_token=1)
-    chat = {"messages": [{"role": "system", "content": "abc"},
-                         {"role": "user", "content": [{"type": "text", "text": "de"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "abc"},
+            {"role": "user", "content": [{"type": "text", "text": "de"}]},
+        ]
+    }
     assert clients.input_tokens(chat) == len("abc\nde")
     assert clients.input_tokens({"prompt": "hello"}) == 5
     assert clients.input_tokens({"prompt": [1, 2, 3]}) == 3  # pre-tokenized
@@ -118,9 +124,12 @@ def test_cli_mode_flags() -> None:
     with pytest.raises(ConfigError, match="--plain-client-session-header"):
         settings_from_args(bad)
     small = [*base, "--plain-clients", "--plain-client-max-body-bytes", "1000"]
-    assert settings_from_args(
-        build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "1000"])
-    ).proxy.max_buffered_body_bytes == 1000
+    assert (
+        settings_from_args(
+            build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "1000"])
+        ).proxy.max_buffered_body_bytes
+        == 1000
+    )
     too_small = build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "999"])
     with pytest.raises(ConfigError, match="--proxy-max-buffered-body-bytes"):  # a body is read whole
         settings_from_args(too_small)
@@ -146,7 +155,9 @@ def test_a_long_or_non_ascii_key_is_sent_as_its_digest(value: str) -> None:
 
 def _key(clients: PlainClients, body: dict[str, object], path: str = "/v1/chat/completions") -> str | None:
     headers = CIMultiDict({"x-request-id": "r"})
-    clients._fill(headers, {"model": "m", **body}, path)
+    ended = clients._fill(headers, {"model": "m", **body}, path)
+    if ended is not None:
+        ended()  # answered before the next request
     return headers.get("x-cache-affinity-key")
 
 
@@ -170,32 +181,104 @@ def test_a_body_without_a_key_field_gets_the_key_of_the_turn_it_continues() -> N
 
 def test_one_prompt_cache_key_for_every_conversation_keys_each_by_its_text() -> None:
     """An app that sends one ``prompt_cache_key`` for all its users had every conversation on one
-    replica: once ``SHARED_AT`` conversations started under it, each is keyed by its text; a key
-    per conversation stays the key, whatever its turns' text."""
+    replica: once ``SHARED_AT`` conversations are under way under it at once, each is keyed by its
+    text."""
     clients = plain()
     system = {"role": "system", "content": "s" * 600}
     chats = [[system, {"role": "user", "content": f"chat {n}"}] for n in range(SHARED_AT + 2)]
-    keys = [_key(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in chats]
-    assert keys[: SHARED_AT - 1] == ["app"] * (SHARED_AT - 1)
-    assert len(set(keys[SHARED_AT - 1 :])) == 3 and "app" not in keys[SHARED_AT - 1 :]
-    grown = [*chats[0], {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
-    assert _key(clients, {"messages": grown, "prompt_cache_key": "app"}) not in ("app", None)
+    assert [_key(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in chats] == ["app"] * len(
+        chats
+    )
+    grown = [
+        [*chat, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}] for chat in chats
+    ]
+    keys = [_key(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in grown]
+    # Three continued after the last first turn: four under way as it began.
+    assert keys[: SHARED_AT - 2] == ["app"] * (SHARED_AT - 2)
+    assert len(set(keys[SHARED_AT - 2 :])) == 4 and "app" not in keys[SHARED_AT - 2 :]
+    again = [*grown[0], {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]
+    assert _key(clients, {"messages": again, "prompt_cache_key": "app"}) not in ("app", None)
     short = {"messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "app"}
     assert _key(clients, short) == "app"  # no text key: the body's
-    # One key per conversation, its history rewritten twice: still its key.
-    for n in range(3):
-        turn = [{"role": "system", "content": f"summary {n} " + "s" * 600}, {"role": "user", "content": "q"}]
-        assert _key(clients, {"messages": turn, "prompt_cache_key": "conversation-9"}) == "conversation-9"
+    # A stored Responses request keeps the key: a later turn may name it by previous_response_id.
+    stored = {"input": "q " * 400, "prompt_cache_key": "app"}
+    assert _key(clients, stored, "/v1/responses") == "app"
+
+
+def test_a_key_per_conversation_stays_its_key_whatever_its_turns_text() -> None:
+    """Turns that do not start with the whole turn before (a sliding window of history, a summary)
+    split a conversation sent with its own key after four turns: each counted as another."""
+    clients = plain()
+    for n in range(12):
+        window = [{"role": "user", "content": f"turn {n} " + "w" * 600}]
+        assert _key(clients, {"messages": window, "prompt_cache_key": "conversation-9"}) == "conversation-9"
+    history = [{"role": "system", "content": "s" * 600}]
+    for n in range(12):  # a growing history with a summary every third turn
+        if n % 3 == 0:
+            history = [{"role": "system", "content": f"summary {n} " + "s" * 600}]
+        history = [*history, {"role": "user", "content": f"q{n}"}]
+        assert _key(clients, {"messages": history, "prompt_cache_key": "c-10"}) == "c-10"
+        history.append({"role": "assistant", "content": f"a{n}"})
+
+
+def test_requests_of_one_key_at_once_are_a_group() -> None:
+    """One-off prompts (documents) sent together under one key: each its own conversation, once
+    ``SHARED_AT`` are in flight; one after another they are not a group."""
+    shared = SharedKeys()
+    assert [shared.begin("a", f"d{n}", False) for n in range(SHARED_AT + 1)] == [False] * (SHARED_AT - 1) + [
+        True,
+        True,
+    ]
+    for n in range(SHARED_SPANS + 3):
+        assert not shared.begin("b", f"w{n}", False)
+        shared.end("b", f"w{n}")
+
+
+def test_a_group_of_conversations_under_one_key_ends_when_they_do() -> None:
+    now = [0.0]
+    shared = SharedKeys(clock=lambda: now[0])
+    for n in range(SHARED_AT):
+        now[0] += 1.0
+        assert not shared.begin("a", f"c{n}", False)  # first turns, one after another
+        shared.end("a", f"c{n}")
+    now[0] += 1.0
+    verdicts = []
+    for n in range(SHARED_AT):
+        verdicts.append(shared.begin("a", f"c{n}", True))
+        shared.end("a", f"c{n}")
+    # Three continued after the last began: four under way as it began.
+    assert verdicts == [False] * (SHARED_AT - 2) + [True, True]
+    now[0] += SHARED_WINDOW_S + 1.0
+    assert not shared.begin("a", "c1", True)  # the others' last turns are past the window
+
+
+def test_conversations_not_seen_to_begin_count_as_under_way() -> None:
+    """Past ``SHARED_SPANS`` conversations a key forgets first turns; their continuations still
+    show a group (40 users' turns interleave between one user's two)."""
+    now = [0.0]
+    shared = SharedKeys(clock=lambda: now[0])
+    for n in range(3 * SHARED_SPANS):
+        now[0] += 1.0
+        shared.begin("a", f"c{n}", False)
+        shared.end("a", f"c{n}")
+    now[0] += SHARED_WINDOW_S + 1.0  # the first turns seen are stale by then
+    verdicts = []
+    for n in range(SHARED_AT):
+        verdicts.append(shared.begin("a", f"c{n}", True))
+        shared.end("a", f"c{n}")
+    assert verdicts == [False] * (SHARED_AT - 1) + [True]
 
 
 def test_shared_keys_are_bounded() -> None:
     shared = SharedKeys(capacity=2)
     for key in ("a", "b"):
-        for n in range(SHARED_AT):
-            shared.shared(key, f"c{n}")
-    assert shared.shared("a", None)  # used last: "b" is forgotten first
-    shared.shared("c", "c0")
-    assert shared.shared("a", None) and not shared.shared("b", None)
+        for n in range(SHARED_SPANS + 5):
+            shared.begin(key, f"c{n}", True)
+    assert shared.begin("a", "x", True)  # used last: "b" is forgotten first
+    shared.begin("c", "c0", True)
+    assert "b" not in shared._spans and shared.begin("a", "y", True)
+    assert all(len(spans) <= SHARED_SPANS for spans in shared._spans.values())
+    shared.end("gone", "c0")  # an end for a forgotten key is ignored
 
 
 def test_one_user_for_every_conversation_does_not_make_them_one_key() -> None:
