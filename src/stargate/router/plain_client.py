@@ -236,11 +236,11 @@ class PlainClients:
         return self._count(*_prompt(body)) + self._tool_tokens(body)
 
     def _tool_tokens(self, body: Mapping[str, Any]) -> int:
-        """The tool definitions, which the engine's chat template puts in the prompt: counted as
-        their JSON (an agent's 37 KB of tool schemas was counted as no work at all), though not
-        part of the text that keys a conversation."""
+        """The tool definitions, which the engine's chat template puts in the prompt: counted by
+        their names and values (an agent's 37 KB of tool schemas was counted as no work at all),
+        though not part of the text that keys a conversation."""
         tools = [body[name] for name in TOOL_FIELDS if body.get(name)]
-        return self._counter.count(orjson.dumps(tools).decode()) if tools else 0
+        return self._counter.count(" ".join(_words(tools))) if tools else 0
 
     def _count(self, text: str, token_ids: int) -> int:
         return max(1, (self._counter.count(text) if text else 0) + token_ids)
@@ -353,6 +353,23 @@ def _prompt(body: Mapping[str, Any]) -> tuple[str, int]:
     for name in PROMPT_FIELDS:
         token_ids += _collect(body.get(name), texts)
     return "\n".join(texts), token_ids
+
+
+def _words(value: Any) -> list[str]:
+    """Every name and value under ``value`` as text, walked with a stack: ``orjson.dumps`` stops
+    at 255 levels where the parser takes 1 024, and a deeper tool schema was a 500."""
+    words: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            words.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif item is not None:
+            words.append(item if isinstance(item, str) else str(item))
+    return words
 
 
 def _collect(value: Any, texts: list[str]) -> int:

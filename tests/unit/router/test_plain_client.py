@@ -77,11 +77,17 @@ def test_tool_definitions_count_in_the_prompt_but_do_not_key_it() -> None:
     """An agent's 37 KB of tool schemas beside a short message was estimated at 4 tokens."""
     clients = plain(bytes_per_token=1)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    size = len(orjson.dumps([tools]))
+    size = len("type function function name parameters f type object")  # every name and value
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert clients.input_tokens({**chat, "tools": tools}) == len("hi") + size
     assert clients.input_tokens({**chat, "functions": tools}) == len("hi") + size
     assert clients.input_tokens({**chat, "tools": []}) == len("hi")
+    deep: dict[str, object] = {"type": "string"}
+    for _ in range(600):  # past orjson's 255 levels (a 500 before), within the parser's 1 024
+        deep = {"items": deep}
+    assert clients.input_tokens({**chat, "tools": [deep]}) == len("hi") + len(
+        " ".join(["items"] * 600 + ["type string"])
+    )
     long = {"messages": [{"role": "user", "content": "x" * 600}]}
     first = _key(clients, long)
     assert first is not None and _key(clients, {**long, "tools": tools}) is None  # the same text: a repeat
