@@ -252,3 +252,31 @@ async def test_continuous_batching_shares_prefill_throughput() -> None:
         together = time.monotonic() - start
     assert alone >= 0.095
     assert together >= 0.28  # three prefills share 1000 tok/s: 300 tokens take 0.3 s
+
+
+async def test_an_embeddings_request_takes_the_faults_and_logs_of_any_other(tmp_path: Path) -> None:
+    """An armed hang or drop was used up by an embeddings request without being applied, and the
+    request and arrival logs left embeddings out."""
+    embed = {"model": "mock-model", "input": "hello"}
+    config = {
+        "request_log": str(tmp_path / "requests.jsonl"),
+        "arrival_log": str(tmp_path / "arrivals.jsonl"),
+    }
+    async with running(**config) as (url, engine, session):
+        await put_faults(session, url, {"hang_next": 1, "hang_ms": 300})
+        start = time.monotonic()
+        async with session.post(url + "/v1/embeddings", json=embed, headers={"x-request-id": "e1"}) as r:
+            assert r.status == 200
+        assert time.monotonic() - start >= 0.29
+        await put_faults(session, url, {"drop_next": 1})
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            async with session.post(url + "/v1/embeddings", json=embed, headers={"x-request-id": "e2"}) as r:
+                await r.read()
+        assert engine.slots.running == 0
+    rows = [orjson.loads(line) for line in (tmp_path / "requests.jsonl").read_bytes().splitlines()]
+    assert [(row["request_id"], row["endpoint"], row["outcome"]) for row in rows] == [
+        ("e1", "embeddings", "ok"),
+        ("e2", "embeddings", "dropped"),
+    ]
+    arrivals = [orjson.loads(line) for line in (tmp_path / "arrivals.jsonl").read_bytes().splitlines()]
+    assert [row["request_id"] for row in arrivals] == ["e1", "e2"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -22,14 +23,17 @@ from . import tokens as tok
 from .control import request_class
 from .engine import Engine
 from .generate import (
+    abort,
     error_response,
     failure_response,
     generate,
+    log_request,
     new_id,
     queue_full_response,
     read_json,
     resolve_model,
 )
+from .request_log import RequestRecord
 from .steps import QueueFull
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -45,6 +49,9 @@ def _json(payload: Any, status: int = 200) -> web.Response:
 
 
 async def embeddings(engine: Engine, request: web.Request) -> web.Response:
+    """Answered at once, with the faults, the pause and the logs the generating endpoints have
+    (an armed hang or drop was used up by an embeddings request without being applied)."""
+    arrival = engine.clock()
     body = await read_json(request)
     if "input" not in body:
         raise web.HTTPUnprocessableEntity(text="field 'input' is required")
@@ -53,25 +60,44 @@ async def embeddings(engine: Engine, request: web.Request) -> web.Response:
         raise web.HTTPUnprocessableEntity(text="field 'encoding_format' must be 'float' or 'base64'")
     model = resolve_model(engine, body)
     header_id = request.headers.get(h.REQUEST_ID, "")
+    request_id = header_id or new_id("embd-mock-")
+    if engine.arrivals is not None:
+        engine.arrivals.add(request_id, engine.to_wall(arrival))
     klass = request_class(header_id)
     engine.control.count("embeddings", model, klass)
     await engine.control.bringup_hold(model, klass)
     plan = engine.control.faults.take()
     if plan.failure is not None:
         return failure_response(plan.failure)
+    if engine.control.paused:
+        await engine.control.wait_resumed()
+    record = RequestRecord(request_id, "embeddings", model, engine.to_wall(arrival))
     try:
         await engine.slots.acquire()
     except QueueFull:
+        record.status, record.outcome = 429, "queue_full"
+        log_request(engine, record)
         return queue_full_response(engine)
     try:
+        if plan.delay_s > 0:
+            await engine.sleep(plan.delay_s)
+        if plan.drop_after_chunks is not None:  # no answer at all, as for a JSON generation
+            record.outcome = "dropped"
+            abort(request)
+            return web.Response(status=200)
         value = body["input"]
         items = tok.embeddings_item_count(value)
         header = tok.parse_token_header(request.headers.get(h.INPUT_TOKENS))
-        prompt_tokens = max(1, header) if header is not None else tok.embeddings_input_estimate(value)
-        engine.stats.emit(header_id or new_id("embd-mock-"), model, prompt_tokens, None, True)
-        return _json(fmt.embeddings_body(model, items, prompt_tokens, encoding == "base64"))
+        record.input_tokens = max(1, header) if header is not None else tok.embeddings_input_estimate(value)
+        engine.stats.emit(request_id, model, record.input_tokens, None, True)
+        return _json(fmt.embeddings_body(model, items, record.input_tokens, encoding == "base64"))
+    except asyncio.CancelledError:
+        record.status, record.outcome = 499, "client_disconnected"
+        raise
     finally:
         engine.slots.release()
+        record.finish = engine.to_wall(engine.clock())
+        log_request(engine, record)
 
 
 @web.middleware

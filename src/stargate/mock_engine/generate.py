@@ -190,7 +190,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
     )
     if input_tokens > engine.config.max_model_len:  # vLLM refuses it too; it would hold the engine for ages
         record.status, record.outcome = 400, "prompt_too_long"
-        _log(engine, record)
+        log_request(engine, record)
         return error_response(
             400,
             f"This model's maximum context length is {engine.config.max_model_len} "
@@ -202,7 +202,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
         seat = await engine.enter(admit, immediate=immediate, scheduled=admit.scheduled)
     except QueueFull:
         record.status, record.outcome = 429, "queue_full"
-        _log(engine, record)
+        log_request(engine, record)
         return queue_full_response(engine)
     try:
         await engine.prefill_seat(seat)
@@ -239,7 +239,7 @@ async def generate(engine: Engine, request: web.Request, kind: Kind) -> web.Stre
         engine.leave(seat)
         if record.finish is None:
             record.finish = engine.to_wall(engine.clock())
-        _log(engine, record)
+        log_request(engine, record)
 
 
 class _Admit:
@@ -289,7 +289,7 @@ class _Admit:
         return self.lookup.uncached
 
 
-def _log(engine: Engine, record: RequestRecord) -> None:
+def log_request(engine: Engine, record: RequestRecord) -> None:
     if engine.log is not None:
         engine.log.add(record)
 
@@ -361,7 +361,7 @@ async def _stream(
             record.status, record.outcome = 499, "client_disconnected"
         else:
             record.outcome = "dropped"
-            _abort(request)
+            abort(request)
         return response
     final = encoder.finish(inp, n)
     stats.emit(request_id, model, inp, n, True)
@@ -400,7 +400,7 @@ def _accept(_: int) -> bool:
     return True
 
 
-def _abort(request: web.Request) -> None:
+def abort(request: web.Request) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()
@@ -424,7 +424,7 @@ async def _respond(
     await _run_decode(engine, seat, request_id, n, _accept, record)
     if drop_after is not None:
         record.outcome = "dropped"
-        _abort(request)
+        abort(request)
         return web.Response(status=200)
     engine.stats.emit(request_id, model, inp, n, True)
     created = int(engine.wall_clock())
