@@ -49,11 +49,9 @@ REQUEST_ID_PREFIX = "sg-"
 # instructions): a conversation's prompt text then grows at its end.
 PROMPT_FIELDS = ("instructions", "messages", "prompt", "input")
 SHARED_AT = 4
-"""Conversations under way at once under one ``prompt_cache_key`` that make it a group's
-(``SharedKeys``), the latest of them within ``SHARED_WINDOW_S``; a key keeps the ``SHARED_SPANS``
-latest."""
+"""Conversations with requests in flight at once under one ``prompt_cache_key`` that make it a
+group's, for ``SHARED_WINDOW_S`` after (``SharedKeys``)."""
 SHARED_WINDOW_S = 120.0
-SHARED_SPANS = 2 * SHARED_AT
 SHARED_KEYS_CAPACITY = 16_384
 TOOL_FIELDS = ("tools", "functions")
 """Tool definitions (``functions``: chat's older form), counted in the prompt's tokens."""
@@ -205,13 +203,13 @@ class PlainClients:
             elif self._prefixes is not None and not _stored_response(path, body):
                 # A stored Responses request keeps the body's key: a later turn may name it by
                 # ``previous_response_id``, which the text cannot follow (as with ``user``).
-                conversation, continues = self._prefixes.lookup(_prompt(body)[0] if text is None else text)
-                if conversation is not None:
+                conversation, family = self._prefixes.lookup(_prompt(body)[0] if text is None else text)
+                if conversation is not None and family is not None:
                     group = key
-                    if self._shared.begin(group, conversation, continues):
+                    if self._shared.begin(group, family):
                         key = conversation
                     headers[h.CACHE_AFFINITY_KEY] = key
-                    return functools.partial(self._shared.end, group, conversation)
+                    return functools.partial(self._shared.end, group, family)
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
         return None
@@ -263,52 +261,57 @@ class PlainClients:
 
 
 class SharedKeys:
-    """The conversations under each ``prompt_cache_key`` (keys from the prompt text), each under
-    way from its first turn to the end of its last request. A key under which ``SHARED_AT`` are
-    under way at once (the latest within ``SHARED_WINDOW_S``) names a group of conversations, not
-    one: OpenAI combines the key with the prompt's prefix, and an app that sent one constant key for
-    all its users or documents had every conversation on one replica (24 conversations of 8k-token
-    prompts on 1-2 of 4 engines, queued behind each other's prefills, while the rest idled). Such a
-    key's requests are keyed by their conversation. A key per conversation, as clients.md asks, has
-    one under way at a time, whatever its turns' text (a sliding window of history, a summary end
-    one and start the next), and stays the key: replicas agree on it, where text keys are each
-    router's own."""
+    """The conversations with requests in flight under each ``prompt_cache_key``. A key under
+    which ``SHARED_AT`` conversations have requests in flight at once names a group of them, not
+    one, for ``SHARED_WINDOW_S`` after the last time it did: OpenAI combines the key with the
+    prompt's prefix, and an app that sent one constant key for all its users or documents had every
+    conversation on one replica (24 conversations of 8k-token prompts on 1-2 of 4 engines, queued
+    behind each other's prefills, while the rest idled). Such a key's requests are keyed by their
+    conversation. A key per session, as clients.md asks, stays the key however many conversations
+    it holds one after another (a sliding window of history, a summary, sub-agents' threads):
+    replicas agree on it, where text keys are each router's own. Requests that continue one prompt
+    at once (branches of a conversation) count as its one conversation."""
 
     def __init__(
         self, capacity: int = SHARED_KEYS_CAPACITY, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._capacity = capacity
         self._clock = clock
-        self._spans: OrderedDict[str, dict[str, list[float]]] = OrderedDict()
-        """key -> conversation -> [begun, last request's end, requests in flight], the
-        ``SHARED_SPANS`` latest; one continued but not seen to begin began before all of them."""
+        self._keys: OrderedDict[str, _Group] = OrderedDict()
 
-    def begin(self, key: str, conversation: str, continues: bool) -> bool:
+    def begin(self, key: str, conversation: str) -> bool:
         """A request of ``conversation`` under ``key`` begins; whether ``key`` names a group."""
-        spans = self._spans.get(key)
-        if spans is None:
-            spans = self._spans[key] = {}
-            if len(self._spans) > self._capacity:
-                self._spans.popitem(last=False)
+        group = self._keys.get(key)
+        if group is None:
+            group = self._keys[key] = _Group()
+            if len(self._keys) > self._capacity:
+                self._keys.popitem(last=False)
         else:
-            self._spans.move_to_end(key)
+            self._keys.move_to_end(key)
+        running = group.running
+        running[conversation] = running.get(conversation, 0) + 1
         now = self._clock()
-        span = spans.pop(conversation, None) or [-math.inf if continues else now, now, 0.0]
-        span[2] += 1
-        spans[conversation] = span  # the latest last
-        if len(spans) > SHARED_SPANS:
-            del spans[next(iter(spans))]
-        live = [
-            (begun, now if running else until)
-            for begun, until, running in spans.values()
-            if running or now - until <= SHARED_WINDOW_S
-        ]
-        return any(sum(1 for begun, until in live if begun <= t <= until) >= SHARED_AT for t, _ in live)
+        if len(running) >= SHARED_AT:
+            group.until = now + SHARED_WINDOW_S
+        return now < group.until
 
     def end(self, key: str, conversation: str) -> None:
-        span = self._spans.get(key, {}).get(conversation)
-        if span is not None and span[2] > 0:
-            span[1], span[2] = self._clock(), span[2] - 1
+        group = self._keys.get(key)
+        if group is not None and (left := group.running.get(conversation, 0)) > 0:
+            if left == 1:
+                del group.running[conversation]
+            else:
+                group.running[conversation] = left - 1
+
+
+class _Group:
+    __slots__ = ("running", "until")
+
+    def __init__(self) -> None:
+        self.running: dict[str, int] = {}
+        """Conversation -> its requests in flight."""
+        self.until = -math.inf
+        """A group until then."""
 
 
 def _stored_response(path: str, body: Mapping[str, Any]) -> bool:

@@ -72,25 +72,25 @@ class PrefixKeys:
         prompt shorter than a block and for one seen before as it is. ``text`` is remembered."""
         return self.lookup(text)[0]
 
-    def lookup(self, text: str) -> tuple[str | None, bool]:
-        """``key(text)``, and whether ``text`` continues an earlier prompt (a conversation's next
-        turn, which keeps its key)."""
+    def lookup(self, text: str) -> tuple[str | None, str | None]:
+        """``key(text)``, and the key of the prompt ``text`` continues, its own if none: a branch of
+        a conversation (one of several requests that continue one prompt) has a key of its own and
+        the conversation's."""
         chain = _chain(text, self._block)
         if not chain:
-            return None, False
+            return None, None
         earlier = self._earlier(text, chain)
         if earlier is not None and earlier.length == len(text):
             self._recent.move_to_end(earlier.whole)
-            return None, False  # a repeat, not a continuation: placed by load like a keyless request
+            return None, None  # a repeat, not a continuation: placed by load like a keyless request
         whole = _digest(chain[-1], text[len(chain) * self._block :])
-        continues = earlier is not None and not earlier.continued
         if earlier is None or earlier.continued:
             key = KEY_PREFIX + whole.hex()
         else:
             earlier.continued = True
             key = earlier.key
         self._remember(_Prompt(chain[-1], len(text), text[-TAIL_CHARS:], whole, key))
-        return key, continues
+        return key, key if earlier is None else earlier.key
 
     def _earlier(self, text: str, chain: list[bytes]) -> _Prompt | None:
         """The longest remembered prompt that ``text`` starts with (itself included), within the

@@ -3,6 +3,7 @@ the cache-affinity key a body field gives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -15,7 +16,6 @@ from stargate.router.cli import build_parser, settings_from_args
 from stargate.router.plain_client import (
     MAX_BODY_KEY_CHARS,
     SHARED_AT,
-    SHARED_SPANS,
     SHARED_WINDOW_S,
     BytesPerToken,
     PlainClients,
@@ -185,25 +185,28 @@ def test_a_body_without_a_key_field_gets_the_key_of_the_turn_it_continues() -> N
     assert _key(plain(prefix_keys=False), {"messages": history}) is None
 
 
+def _key_held(clients: PlainClients, body: dict[str, object]) -> tuple[str | None, Callable[[], None]]:
+    """The key of a request still in flight, and what ends it."""
+    headers = CIMultiDict({"x-request-id": "r"})
+    ended = clients._fill(headers, {"model": "m", **body}, "/v1/chat/completions")
+    return headers.get("x-cache-affinity-key"), ended or (lambda: None)
+
+
 def test_one_prompt_cache_key_for_every_conversation_keys_each_by_its_text() -> None:
     """An app that sends one ``prompt_cache_key`` for all its users had every conversation on one
-    replica: once ``SHARED_AT`` conversations are under way under it at once, each is keyed by its
-    text."""
+    replica: once ``SHARED_AT`` conversations have requests in flight under it at once, each is
+    keyed by its text."""
     clients = plain()
     system = {"role": "system", "content": "s" * 600}
     chats = [[system, {"role": "user", "content": f"chat {n}"}] for n in range(SHARED_AT + 2)]
-    assert [_key(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in chats] == ["app"] * len(
-        chats
-    )
-    grown = [
-        [*chat, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}] for chat in chats
-    ]
-    keys = [_key(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in grown]
-    # Three continued after the last first turn: four under way as it began.
-    assert keys[: SHARED_AT - 2] == ["app"] * (SHARED_AT - 2)
-    assert len(set(keys[SHARED_AT - 2 :])) == 4 and "app" not in keys[SHARED_AT - 2 :]
-    again = [*grown[0], {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]
-    assert _key(clients, {"messages": again, "prompt_cache_key": "app"}) not in ("app", None)
+    held = [_key_held(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in chats]
+    keys = [key for key, _ in held]
+    assert keys[: SHARED_AT - 1] == ["app"] * (SHARED_AT - 1)
+    assert len(set(keys[SHARED_AT - 1 :])) == 3 and "app" not in keys[SHARED_AT - 1 :]
+    for _, ended in held:
+        ended()
+    grown = [*chats[0], {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    assert _key(clients, {"messages": grown, "prompt_cache_key": "app"}) not in ("app", None)  # still a group
     short = {"messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "app"}
     assert _key(clients, short) == "app"  # no text key: the body's
     # A stored Responses request keeps the key: a later turn may name it by previous_response_id.
@@ -211,80 +214,62 @@ def test_one_prompt_cache_key_for_every_conversation_keys_each_by_its_text() -> 
     assert _key(clients, stored, "/v1/responses") == "app"
 
 
-def test_a_key_per_conversation_stays_its_key_whatever_its_turns_text() -> None:
+def test_a_session_key_stays_its_key_one_request_after_another() -> None:
     """Turns that do not start with the whole turn before (a sliding window of history, a summary)
-    split a conversation sent with its own key after four turns: each counted as another."""
+    and threads taken up in turn split a session sent with its own key: each counted as another
+    conversation, and those seen over time as under way at once."""
     clients = plain()
     for n in range(12):
         window = [{"role": "user", "content": f"turn {n} " + "w" * 600}]
-        assert _key(clients, {"messages": window, "prompt_cache_key": "conversation-9"}) == "conversation-9"
-    history = [{"role": "system", "content": "s" * 600}]
-    for n in range(12):  # a growing history with a summary every third turn
-        if n % 3 == 0:
-            history = [{"role": "system", "content": f"summary {n} " + "s" * 600}]
-        history = [*history, {"role": "user", "content": f"q{n}"}]
-        assert _key(clients, {"messages": history, "prompt_cache_key": "c-10"}) == "c-10"
-        history.append({"role": "assistant", "content": f"a{n}"})
+        assert _key(clients, {"messages": window, "prompt_cache_key": "session-9"}) == "session-9"
+    threads = [[{"role": "user", "content": f"thread {n} " + "t" * 600}] for n in range(2 * SHARED_AT)]
+    for _ in range(3):
+        for n, thread in enumerate(threads):
+            assert _key(clients, {"messages": thread, "prompt_cache_key": "session-10"}) == "session-10"
+            threads[n] = [*thread, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
 
 
-def test_requests_of_one_key_at_once_are_a_group() -> None:
-    """One-off prompts (documents) sent together under one key: each its own conversation, once
-    ``SHARED_AT`` are in flight; one after another they are not a group."""
-    shared = SharedKeys()
-    assert [shared.begin("a", f"d{n}", False) for n in range(SHARED_AT + 1)] == [False] * (SHARED_AT - 1) + [
-        True,
-        True,
+def test_branches_of_one_conversation_at_once_are_not_a_group() -> None:
+    """Requests that continue one history at once (an agent's parallel calls) kept their key only
+    up to three: the fourth was keyed by its text and prefilled the history elsewhere."""
+    clients = plain()
+    history = [{"role": "user", "content": "h" * 600}]
+    assert _key(clients, {"messages": history, "prompt_cache_key": "c"}) == "c"
+    branches = [
+        [*history, {"role": "assistant", "content": "a"}, {"role": "user", "content": f"q{n}"}]
+        for n in range(6)
     ]
-    for n in range(SHARED_SPANS + 3):
-        assert not shared.begin("b", f"w{n}", False)
-        shared.end("b", f"w{n}")
+    held = [_key_held(clients, {"messages": branch, "prompt_cache_key": "c"}) for branch in branches]
+    assert [key for key, _ in held] == ["c"] * 6
 
 
-def test_a_group_of_conversations_under_one_key_ends_when_they_do() -> None:
+def test_a_group_of_conversations_under_one_key_ends_a_window_after() -> None:
     now = [0.0]
     shared = SharedKeys(clock=lambda: now[0])
+    assert [shared.begin("a", f"c{n}") for n in range(SHARED_AT)] == [False] * (SHARED_AT - 1) + [True]
     for n in range(SHARED_AT):
-        now[0] += 1.0
-        assert not shared.begin("a", f"c{n}", False)  # first turns, one after another
         shared.end("a", f"c{n}")
-    now[0] += 1.0
-    verdicts = []
-    for n in range(SHARED_AT):
-        verdicts.append(shared.begin("a", f"c{n}", True))
-        shared.end("a", f"c{n}")
-    # Three continued after the last began: four under way as it began.
-    assert verdicts == [False] * (SHARED_AT - 2) + [True, True]
-    now[0] += SHARED_WINDOW_S + 1.0
-    assert not shared.begin("a", "c1", True)  # the others' last turns are past the window
-
-
-def test_conversations_not_seen_to_begin_count_as_under_way() -> None:
-    """Past ``SHARED_SPANS`` conversations a key forgets first turns; their continuations still
-    show a group (40 users' turns interleave between one user's two)."""
-    now = [0.0]
-    shared = SharedKeys(clock=lambda: now[0])
-    for n in range(3 * SHARED_SPANS):
-        now[0] += 1.0
-        shared.begin("a", f"c{n}", False)
-        shared.end("a", f"c{n}")
-    now[0] += SHARED_WINDOW_S + 1.0  # the first turns seen are stale by then
-    verdicts = []
-    for n in range(SHARED_AT):
-        verdicts.append(shared.begin("a", f"c{n}", True))
-        shared.end("a", f"c{n}")
-    assert verdicts == [False] * (SHARED_AT - 1) + [True]
+    now[0] += SHARED_WINDOW_S - 1.0
+    assert shared.begin("a", "c0")  # still a group
+    shared.end("a", "c0")
+    now[0] += 2.0
+    assert not shared.begin("a", "c0")
+    assert not shared.begin("a", "c0")  # two requests of one conversation are one
+    shared.end("a", "c0")
+    shared.end("a", "c0")
+    shared.end("a", "c0")  # one end too many is ignored
+    assert shared._keys["a"].running == {}
 
 
 def test_shared_keys_are_bounded() -> None:
     shared = SharedKeys(capacity=2)
     for key in ("a", "b"):
-        for n in range(SHARED_SPANS + 5):
-            shared.begin(key, f"c{n}", True)
-    assert shared.begin("a", "x", True)  # used last: "b" is forgotten first
-    shared.begin("c", "c0", True)
-    assert "b" not in shared._spans and shared.begin("a", "y", True)
-    assert all(len(spans) <= SHARED_SPANS for spans in shared._spans.values())
-    shared.end("gone", "c0")  # an end for a forgotten key is ignored
+        for n in range(SHARED_AT):
+            shared.begin(key, f"c{n}")
+    assert shared.begin("a", "x")  # used last: "b" is forgotten first
+    shared.begin("c", "c0")
+    assert list(shared._keys) == ["a", "c"]
+    shared.end("b", "c0")  # an end for a forgotten key is ignored
 
 
 def test_one_user_for_every_conversation_does_not_make_them_one_key() -> None:
