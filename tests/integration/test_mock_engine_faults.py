@@ -280,3 +280,22 @@ async def test_an_embeddings_request_takes_the_faults_and_logs_of_any_other(tmp_
     ]
     arrivals = [orjson.loads(line) for line in (tmp_path / "arrivals.jsonl").read_bytes().splitlines()]
     assert [row["request_id"] for row in arrivals] == ["e1", "e2"]
+
+
+async def test_an_embeddings_request_waiting_for_a_slot_logs_its_wait(tmp_path: Path) -> None:
+    embed = {"model": "mock-model", "input": "hello"}
+    log = tmp_path / "requests.jsonl"
+    async with running(request_log=str(log), max_concurrent_requests=1) as (url, engine, session):
+        await put_faults(session, url, {"hang_next": 1, "hang_ms": 300})
+
+        async def post(request_id: str) -> int:
+            async with session.post(
+                url + "/v1/embeddings", json=embed, headers={"x-request-id": request_id}
+            ) as r:
+                return r.status
+
+        holder = asyncio.create_task(post("holder"))
+        await until("the slot held", lambda: engine.slots.running == 1)
+        assert await asyncio.gather(holder, post("waiter")) == [200, 200]
+    rows = {row["request_id"]: row for row in map(orjson.loads, log.read_bytes().splitlines())}
+    assert rows["holder"]["queue_wait_ms"] < 250 <= rows["waiter"]["queue_wait_ms"]

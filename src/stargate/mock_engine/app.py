@@ -72,8 +72,10 @@ async def embeddings(engine: Engine, request: web.Request) -> web.Response:
     if engine.control.paused:
         await engine.control.wait_resumed()
     record = RequestRecord(request_id, "embeddings", model, engine.to_wall(arrival))
+    queued_at = engine.clock()
     try:
         await engine.slots.acquire()
+        record.queue_wait_ms = (engine.clock() - queued_at) * 1000.0
     except QueueFull:
         record.status, record.outcome = 429, "queue_full"
         log_request(engine, record)
