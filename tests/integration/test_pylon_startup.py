@@ -302,3 +302,22 @@ async def test_a_listen_address_in_use_names_its_flag_and_exits_2() -> None:
     assert proc.returncode == 2
     assert f"pylon: error: --http-listen-addr: cannot listen on 127.0.0.1:{port}" in err.decode()
     assert "Traceback" not in err.decode()
+
+
+async def test_the_stargates_registered_with_are_counted_from_the_start(
+    engine: FakeEngine, stargate: FakeStargate
+) -> None:
+    """A Pylon that never reached a Stargate had no per-router series, so no alert could see it."""
+    unreached = make_app(engine, "127.0.0.1:9", "--model-name", "llama")
+    app = make_app(engine, stargate, "--model-name", "llama")
+    gauge = "pylon_registered_stargates"
+    try:
+        await unreached.start()
+        assert unreached.metrics.registry.get_sample_value(gauge) == 0
+        await app.start()
+        await until("the stream acked", lambda: app.metrics.registry.get_sample_value(gauge) == 1)
+        await stargate.close()
+        await until("the stream lost", lambda: app.metrics.registry.get_sample_value(gauge) == 0)
+    finally:
+        await unreached.close()
+        await app.close()

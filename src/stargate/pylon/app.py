@@ -168,6 +168,7 @@ class PylonApp:
         else:
             self._routers_up.discard(router)
             self.metrics.router_lost(router)
+        self.metrics.registered_stargates.set(len(self._routers_up))
         if self.registration is not None:
             self.metrics.router_discovered(router, router in self.registration.routers)
 

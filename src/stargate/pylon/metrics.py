@@ -42,6 +42,11 @@ class PylonMetrics:
         self.registration_connected = Gauge(
             "pylon_registration_stream_connected", "Registration stream open", ["router"], registry=r
         )
+        # Present from the start, whatever discovery found: with no Stargate ever reached there is
+        # no per-router series, and an alert on one at 0 never fired.
+        self.registered_stargates = Gauge(
+            "pylon_registered_stargates", "Stargates whose registration stream is open", registry=r
+        )
         self.advertised_status = Gauge(
             "pylon_model_advertised_status",
             "Advertised model status",
