@@ -39,7 +39,7 @@ from stargate.balancer.types import Target
 from stargate.proto import stargate_pb2 as pb
 from stargate.router.attempt import RetrySettings
 from stargate.router.health import HealthSettings
-from stargate.router.plain_client import SHARED_AT, PlainClientSettings, body_key
+from stargate.router.plain_client import PlainClientSettings, body_key
 from stargate.router.proxy import ProxySettings
 from stargate.router.state import SERVER_ERRORS_IN_A_ROW
 
@@ -387,38 +387,6 @@ async def test_a_plain_clients_non_ascii_session_id_keys_it_by_digest() -> None:
                 assert resp.status == 200
         keys = [headers.get("x-cache-affinity-key") for _, headers, _ in backend.requests]
     assert keys == [body_key("jos\u00e9"), "plain-7"] and keys[0].startswith("sha256:")
-
-
-async def test_a_prompt_cache_key_names_a_group_only_while_its_conversations_run_at_once() -> None:
-    """A conversation with its own key whose turns do not continue each other (a sliding window of
-    history) stays on its key one request after another; the same key on requests in flight at once
-    is a group, each keyed by its text (one key for all of an app's documents held them on one
-    replica)."""
-
-    def body(n: int) -> bytes:
-        messages = [{"role": "user", "content": f"document {n} " + "w" * 600}]
-        return orjson.dumps({"model": MODEL, "messages": messages, "prompt_cache_key": "app"})
-
-    async with running(plain_clients=PlainClientSettings()) as sg:
-        backend = await sg.backend("b1")
-        for n in range(2 * SHARED_AT):
-            async with sg.http.post(sg.base + CHAT, data=body(n)) as resp:
-                assert resp.status == 200
-        one_by_one = [headers.get("x-cache-affinity-key") for _, headers, _ in backend.requests]
-        backend.requests.clear()
-        backend.hold_headers = asyncio.Event()
-
-        async def post(n: int) -> int:
-            async with sg.http.post(sg.base + CHAT, data=body(100 + n)) as resp:
-                return resp.status
-
-        posts = [asyncio.create_task(post(n)) for n in range(SHARED_AT + 1)]
-        await until("every request at the backend", lambda: len(backend.requests) == SHARED_AT + 1)
-        backend.hold_headers.set()
-        assert await asyncio.gather(*posts) == [200] * (SHARED_AT + 1)
-        at_once = [headers.get("x-cache-affinity-key") for _, headers, _ in backend.requests]
-    assert one_by_one == ["app"] * 2 * SHARED_AT
-    assert sorted(at_once).count("app") == SHARED_AT - 1 and len(set(at_once)) == 3
 
 
 async def test_bodies_read_whole_wait_for_room_and_get_503_when_none_frees() -> None:

@@ -4,10 +4,10 @@ A gateway normally sets ``x-request-id``, ``x-model`` and ``x-input-tokens`` (sp
 one, ``stargate --plain-clients`` completes a request whose headers are missing: a request id is
 generated, the model comes from the body's ``model``, the input tokens are counted from the prompt
 (with a configured tokenizer, else one token per ``bytes_per_token`` UTF-8 bytes, rounded up), and
-the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``, unless it names a
-group of conversations: ``SharedKeys``) becomes the cache-affinity key; without either, a prompt
-that starts with a whole earlier prompt gets that prompt's key (``prefix_keys``: the next turn of a
-conversation), and the body's ``user`` is the key of what the text gives none. The body is read,
+the ``--plain-client-session-header`` value (then the body's ``prompt_cache_key``) becomes the
+cache-affinity key; without either, a prompt that starts with a whole earlier prompt gets that
+prompt's key (``prefix_keys``: the next turn of a conversation), and the body's ``user`` is the
+key of what the text gives none. The body is read,
 with a size cap, only when ``x-model`` or ``x-input-tokens`` is missing: a request carrying the
 headers is forwarded exactly as without the mode and its body is never parsed.
 """
@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
-import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,11 +45,6 @@ REQUEST_ID_PREFIX = "sg-"
 # Body fields that hold the prompt, what stays the same from turn to turn first (the Responses API's
 # instructions): a conversation's prompt text then grows at its end.
 PROMPT_FIELDS = ("instructions", "messages", "prompt", "input")
-SHARED_AT = 4
-"""Conversations with requests in flight at once under one ``prompt_cache_key`` that make it a
-group's, for ``SHARED_WINDOW_S`` after (``SharedKeys``)."""
-SHARED_WINDOW_S = 120.0
-SHARED_KEYS_CAPACITY = 16_384
 TOOL_FIELDS = ("tools", "functions")
 """Tool definitions (``functions``: chat's older form), counted in the prompt's tokens."""
 # Inside messages/parts, only these keys carry prompt text (roles, types and ids do not); an
@@ -135,7 +127,6 @@ class PlainClients:
         self._counter = counter or settings.counter()
         self._session_header = settings.session_header
         self._prefixes = PrefixKeys() if settings.prefix_keys else None
-        self._shared = SharedKeys()
 
     def incomplete(self, headers: Mapping[str, str]) -> bool:
         """True when a header this mode fills is missing (a few dictionary lookups)."""
@@ -150,12 +141,9 @@ class PlainClients:
             )
         )
 
-    async def complete(
-        self, request: web.Request
-    ) -> tuple[CIMultiDict[str], bytes | None, Callable[[], None] | None]:
-        """The request's headers with the missing ones filled, its body when it had to be read
-        (holding ``len(body)`` bytes of the budget, for the caller to give back), and what to call
-        once when the request ends (``SharedKeys``), if anything."""
+    async def complete(self, request: web.Request) -> tuple[CIMultiDict[str], bytes | None]:
+        """The request's headers with the missing ones filled, and its body when it had to be read
+        (holding ``len(body)`` bytes of the budget, for the caller to give back)."""
         headers = CIMultiDict(request.headers)
         if text_value(headers.get(h.REQUEST_ID)) is None:
             headers[h.REQUEST_ID] = new_request_id()
@@ -164,23 +152,19 @@ class PlainClients:
             if session is not None:
                 headers[h.CACHE_AFFINITY_KEY] = session
         if headers.get(h.INPUT_TOKENS) is not None and text_value(headers.get(h.MODEL)) is not None:
-            return headers, None, None
+            return headers, None
         raw = await self._read(request)
         try:
             # A compressed body is read decoded and forwarded as received (bytes in, bytes out).
             coding = content_coding(headers)
             parse = functools.partial(_json_object, raw, coding, self.settings.max_body_bytes)
-            ended = self._fill(headers, await off_loop(parse) if coding else parse(), request.path)
+            self._fill(headers, await off_loop(parse) if coding else parse(), request.path)
         except BaseException:
             self._budget.give(len(raw))
             raise
-        return headers, raw, ended
+        return headers, raw
 
-    def _fill(
-        self, headers: CIMultiDict[str], body: dict[str, Any], path: str = ""
-    ) -> Callable[[], None] | None:
-        """Fills the missing headers; returns what to call when the request ends, for a request
-        whose ``prompt_cache_key`` ``SharedKeys`` follows."""
+    def _fill(self, headers: CIMultiDict[str], body: dict[str, Any], path: str = "") -> None:
         if text_value(headers.get(h.MODEL)) is None:
             model = body.get("model")
             value = text_value(model) if isinstance(model, str) else None
@@ -200,19 +184,8 @@ class PlainClients:
             key = body_key(body.get("prompt_cache_key"))
             if key is None:
                 key = self._conversation_key(body, text, stored=_stored_response(path, body))
-            elif self._prefixes is not None and not _stored_response(path, body):
-                # A stored Responses request keeps the body's key: a later turn may name it by
-                # ``previous_response_id``, which the text cannot follow (as with ``user``).
-                conversation, family = self._prefixes.lookup(_prompt(body)[0] if text is None else text)
-                if conversation is not None and family is not None:
-                    group = key
-                    if self._shared.begin(group, family):
-                        key = conversation
-                    headers[h.CACHE_AFFINITY_KEY] = key
-                    return functools.partial(self._shared.end, group, family)
             if key is not None:
                 headers[h.CACHE_AFFINITY_KEY] = key
-        return None
 
     def _conversation_key(self, body: Mapping[str, Any], text: str | None, *, stored: bool) -> str | None:
         """The conversation the prompt continues (``prefix_keys``), else the body's ``user``.
@@ -258,60 +231,6 @@ class PlainClients:
             return await self._budget.read_whole(request, limit)
         except PayloadTooLarge:  # chunked: nothing declared (a length is exact, aiohttp's check)
             raise _too_large(f"more than {limit}", limit) from None
-
-
-class SharedKeys:
-    """The conversations with requests in flight under each ``prompt_cache_key``. A key under
-    which ``SHARED_AT`` conversations have requests in flight at once names a group of them, not
-    one, for ``SHARED_WINDOW_S`` after the last time it did: OpenAI combines the key with the
-    prompt's prefix, and an app that sent one constant key for all its users or documents had every
-    conversation on one replica (24 conversations of 8k-token prompts on 1-2 of 4 engines, queued
-    behind each other's prefills, while the rest idled). Such a key's requests are keyed by their
-    conversation. A key per session, as clients.md asks, stays the key however many conversations
-    it holds one after another (a sliding window of history, a summary, sub-agents' threads):
-    replicas agree on it, where text keys are each router's own. Requests that continue one prompt
-    at once (branches of a conversation) count as its one conversation."""
-
-    def __init__(
-        self, capacity: int = SHARED_KEYS_CAPACITY, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._capacity = capacity
-        self._clock = clock
-        self._keys: OrderedDict[str, _Group] = OrderedDict()
-
-    def begin(self, key: str, conversation: str) -> bool:
-        """A request of ``conversation`` under ``key`` begins; whether ``key`` names a group."""
-        group = self._keys.get(key)
-        if group is None:
-            group = self._keys[key] = _Group()
-            if len(self._keys) > self._capacity:
-                self._keys.popitem(last=False)
-        else:
-            self._keys.move_to_end(key)
-        running = group.running
-        running[conversation] = running.get(conversation, 0) + 1
-        now = self._clock()
-        if len(running) >= SHARED_AT:
-            group.until = now + SHARED_WINDOW_S
-        return now < group.until
-
-    def end(self, key: str, conversation: str) -> None:
-        group = self._keys.get(key)
-        if group is not None and (left := group.running.get(conversation, 0)) > 0:
-            if left == 1:
-                del group.running[conversation]
-            else:
-                group.running[conversation] = left - 1
-
-
-class _Group:
-    __slots__ = ("running", "until")
-
-    def __init__(self) -> None:
-        self.running: dict[str, int] = {}
-        """Conversation -> its requests in flight."""
-        self.until = -math.inf
-        """A group until then."""
 
 
 def _stored_response(path: str, body: Mapping[str, Any]) -> bool:

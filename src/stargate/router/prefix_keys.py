@@ -70,19 +70,13 @@ class PrefixKeys:
     def key(self, text: str) -> str | None:
         """The key of the longest earlier prompt ``text`` continues, else a new one; None for a
         prompt shorter than a block and for one seen before as it is. ``text`` is remembered."""
-        return self.lookup(text)[0]
-
-    def lookup(self, text: str) -> tuple[str | None, str | None]:
-        """``key(text)``, and the key of the prompt ``text`` continues, its own if none: a branch of
-        a conversation (one of several requests that continue one prompt) has a key of its own and
-        the conversation's."""
         chain = _chain(text, self._block)
         if not chain:
-            return None, None
+            return None
         earlier = self._earlier(text, chain)
         if earlier is not None and earlier.length == len(text):
             self._recent.move_to_end(earlier.whole)
-            return None, None  # a repeat, not a continuation: placed by load like a keyless request
+            return None  # a repeat, not a continuation: placed by load like a request without a key
         whole = _digest(chain[-1], text[len(chain) * self._block :])
         if earlier is None or earlier.continued:
             key = KEY_PREFIX + whole.hex()
@@ -90,7 +84,7 @@ class PrefixKeys:
             earlier.continued = True
             key = earlier.key
         self._remember(_Prompt(chain[-1], len(text), text[-TAIL_CHARS:], whole, key))
-        return key, key if earlier is None else earlier.key
+        return key
 
     def _earlier(self, text: str, chain: list[bytes]) -> _Prompt | None:
         """The longest remembered prompt that ``text`` starts with (itself included), within the

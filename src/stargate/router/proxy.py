@@ -157,18 +157,15 @@ class ProxyHandler:
             return self._refused(request.headers, problem)
         headers: Mapping[str, str] = request.headers
         replay: ReplayBody | None = None
-        ended: Callable[[], None] | None = None  # a plain client's request ends: call it once
         try:
             if self._plain is not None and self._plain.incomplete(headers):
-                headers, body, ended = await self._plain.complete(request)
+                headers, body = await self._plain.complete(request)
                 if body is not None:
                     replay = ReplayBody.read(body, self._budget)
             parsed = self._parse(headers, received_at)
         except StargateError as exc:
             if replay is not None:
                 replay.release()
-            if ended is not None:
-                ended()
             return self._refused(headers, exc)
         if replay is None:
             source = request.content.iter_any() if request.body_exists else None
@@ -190,8 +187,6 @@ class ProxyHandler:
             raise
         finally:
             replay.release()
-            if ended is not None:
-                ended()
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

@@ -3,7 +3,6 @@ the cache-affinity key a body field gives."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -15,12 +14,9 @@ from stargate.errors import ConfigError, RequestError
 from stargate.router.cli import build_parser, settings_from_args
 from stargate.router.plain_client import (
     MAX_BODY_KEY_CHARS,
-    SHARED_AT,
-    SHARED_WINDOW_S,
     BytesPerToken,
     PlainClients,
     PlainClientSettings,
-    SharedKeys,
     _json_object,
     body_key,
 )
@@ -52,12 +48,8 @@ def test_bytes_per_token_rounds_up() -> None:
 
 def test_input_tokens_of_each_endpoint_body() -> None:
     clients = plain(bytes_per_token=1)
-    chat = {
-        "messages": [
-            {"role": "system", "content": "abc"},
-            {"role": "user", "content": [{"type": "text", "text": "de"}]},
-        ]
-    }
+    chat = {"messages": [{"role": "system", "content": "abc"},
+                         {"role": "user", "content": [{"type": "text", "text": "de"}]}]}
     assert clients.input_tokens(chat) == len("abc\nde")
     assert clients.input_tokens({"prompt": "hello"}) == 5
     assert clients.input_tokens({"prompt": [1, 2, 3]}) == 3  # pre-tokenized
@@ -85,9 +77,8 @@ def test_tool_definitions_count_in_the_prompt_but_do_not_key_it() -> None:
     deep: dict[str, object] = {"type": "string"}
     for _ in range(600):  # past orjson's 255 levels (a 500 before), within the parser's 1 024
         deep = {"items": deep}
-    assert clients.input_tokens({**chat, "tools": [deep]}) == len("hi") + len(
-        " ".join(["items"] * 600 + ["type string"])
-    )
+    words = " ".join(["items"] * 600 + ["type string"])
+    assert clients.input_tokens({**chat, "tools": [deep]}) == len("hi") + len(words)
     long = {"messages": [{"role": "user", "content": "x" * 600}]}
     first = _key(clients, long)
     assert first is not None and _key(clients, {**long, "tools": tools}) is None  # the same text: a repeat
@@ -130,12 +121,9 @@ def test_cli_mode_flags() -> None:
     with pytest.raises(ConfigError, match="--plain-client-session-header"):
         settings_from_args(bad)
     small = [*base, "--plain-clients", "--plain-client-max-body-bytes", "1000"]
-    assert (
-        settings_from_args(
-            build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "1000"])
-        ).proxy.max_buffered_body_bytes
-        == 1000
-    )
+    assert settings_from_args(
+        build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "1000"])
+    ).proxy.max_buffered_body_bytes == 1000
     too_small = build_parser({}).parse_args([*small, "--proxy-max-buffered-body-bytes", "999"])
     with pytest.raises(ConfigError, match="--proxy-max-buffered-body-bytes"):  # a body is read whole
         settings_from_args(too_small)
@@ -161,9 +149,7 @@ def test_a_long_or_non_ascii_key_is_sent_as_its_digest(value: str) -> None:
 
 def _key(clients: PlainClients, body: dict[str, object], path: str = "/v1/chat/completions") -> str | None:
     headers = CIMultiDict({"x-request-id": "r"})
-    ended = clients._fill(headers, {"model": "m", **body}, path)
-    if ended is not None:
-        ended()  # answered before the next request
+    clients._fill(headers, {"model": "m", **body}, path)
     return headers.get("x-cache-affinity-key")
 
 
@@ -174,102 +160,13 @@ def test_a_body_without_a_key_field_gets_the_key_of_the_turn_it_continues() -> N
     assert first is not None and first.startswith("prefix:")
     history += [{"role": "assistant", "content": "answer"}, {"role": "user", "content": "second"}]
     assert _key(clients, {"messages": history}) == first
-    # prompt_cache_key wins; its prompt is remembered (its key may name a group, SharedKeys).
+    # prompt_cache_key wins and its request is not remembered as a turn.
     keyed = [*history, {"role": "user", "content": "x"}]
     assert _key(clients, {"messages": keyed, "prompt_cache_key": "c"}) == "c"
-    assert _key(clients, {"messages": keyed}) is None  # a repeat
-    again = [*keyed, {"role": "user", "content": "y"}]
-    assert _key(clients, {"messages": again}) == first  # it continues the turns before
+    assert _key(clients, {"messages": keyed}) == first  # not a repeat: it continues the turn before
     # Too short to be worth a key.
     assert _key(clients, {"messages": [{"role": "user", "content": "hi"}]}) is None
     assert _key(plain(prefix_keys=False), {"messages": history}) is None
-
-
-def _key_held(clients: PlainClients, body: dict[str, object]) -> tuple[str | None, Callable[[], None]]:
-    """The key of a request still in flight, and what ends it."""
-    headers = CIMultiDict({"x-request-id": "r"})
-    ended = clients._fill(headers, {"model": "m", **body}, "/v1/chat/completions")
-    return headers.get("x-cache-affinity-key"), ended or (lambda: None)
-
-
-def test_one_prompt_cache_key_for_every_conversation_keys_each_by_its_text() -> None:
-    """An app that sends one ``prompt_cache_key`` for all its users had every conversation on one
-    replica: once ``SHARED_AT`` conversations have requests in flight under it at once, each is
-    keyed by its text."""
-    clients = plain()
-    system = {"role": "system", "content": "s" * 600}
-    chats = [[system, {"role": "user", "content": f"chat {n}"}] for n in range(SHARED_AT + 2)]
-    held = [_key_held(clients, {"messages": chat, "prompt_cache_key": "app"}) for chat in chats]
-    keys = [key for key, _ in held]
-    assert keys[: SHARED_AT - 1] == ["app"] * (SHARED_AT - 1)
-    assert len(set(keys[SHARED_AT - 1 :])) == 3 and "app" not in keys[SHARED_AT - 1 :]
-    for _, ended in held:
-        ended()
-    grown = [*chats[0], {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
-    assert _key(clients, {"messages": grown, "prompt_cache_key": "app"}) not in ("app", None)  # still a group
-    short = {"messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "app"}
-    assert _key(clients, short) == "app"  # no text key: the body's
-    # A stored Responses request keeps the key: a later turn may name it by previous_response_id.
-    stored = {"input": "q " * 400, "prompt_cache_key": "app"}
-    assert _key(clients, stored, "/v1/responses") == "app"
-
-
-def test_a_session_key_stays_its_key_one_request_after_another() -> None:
-    """Turns that do not start with the whole turn before (a sliding window of history, a summary)
-    and threads taken up in turn split a session sent with its own key: each counted as another
-    conversation, and those seen over time as under way at once."""
-    clients = plain()
-    for n in range(12):
-        window = [{"role": "user", "content": f"turn {n} " + "w" * 600}]
-        assert _key(clients, {"messages": window, "prompt_cache_key": "session-9"}) == "session-9"
-    threads = [[{"role": "user", "content": f"thread {n} " + "t" * 600}] for n in range(2 * SHARED_AT)]
-    for _ in range(3):
-        for n, thread in enumerate(threads):
-            assert _key(clients, {"messages": thread, "prompt_cache_key": "session-10"}) == "session-10"
-            threads[n] = [*thread, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
-
-
-def test_branches_of_one_conversation_at_once_are_not_a_group() -> None:
-    """Requests that continue one history at once (an agent's parallel calls) kept their key only
-    up to three: the fourth was keyed by its text and prefilled the history elsewhere."""
-    clients = plain()
-    history = [{"role": "user", "content": "h" * 600}]
-    assert _key(clients, {"messages": history, "prompt_cache_key": "c"}) == "c"
-    branches = [
-        [*history, {"role": "assistant", "content": "a"}, {"role": "user", "content": f"q{n}"}]
-        for n in range(6)
-    ]
-    held = [_key_held(clients, {"messages": branch, "prompt_cache_key": "c"}) for branch in branches]
-    assert [key for key, _ in held] == ["c"] * 6
-
-
-def test_a_group_of_conversations_under_one_key_ends_a_window_after() -> None:
-    now = [0.0]
-    shared = SharedKeys(clock=lambda: now[0])
-    assert [shared.begin("a", f"c{n}") for n in range(SHARED_AT)] == [False] * (SHARED_AT - 1) + [True]
-    for n in range(SHARED_AT):
-        shared.end("a", f"c{n}")
-    now[0] += SHARED_WINDOW_S - 1.0
-    assert shared.begin("a", "c0")  # still a group
-    shared.end("a", "c0")
-    now[0] += 2.0
-    assert not shared.begin("a", "c0")
-    assert not shared.begin("a", "c0")  # two requests of one conversation are one
-    shared.end("a", "c0")
-    shared.end("a", "c0")
-    shared.end("a", "c0")  # one end too many is ignored
-    assert shared._keys["a"].running == {}
-
-
-def test_shared_keys_are_bounded() -> None:
-    shared = SharedKeys(capacity=2)
-    for key in ("a", "b"):
-        for n in range(SHARED_AT):
-            shared.begin(key, f"c{n}")
-    assert shared.begin("a", "x")  # used last: "b" is forgotten first
-    shared.begin("c", "c0")
-    assert list(shared._keys) == ["a", "c"]
-    shared.end("b", "c0")  # an end for a forgotten key is ignored
 
 
 def test_one_user_for_every_conversation_does_not_make_them_one_key() -> None:
