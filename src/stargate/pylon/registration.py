@@ -58,10 +58,15 @@ T = TypeVar("T")
 WATCH_SILENCE_S = 300.0
 """A discovery watch with no snapshot for this long is reopened, where Stargate does not say how
 often it sends one (``watch_silence_s``)."""
-WATCH_SILENCE_FLOOR_S = 15.0
-ACK_TIMEOUT_FLOOR_S = 15.0
+WATCH_SILENCE_FLOOR_S = 60.0
+ACK_TIMEOUT_FLOOR_S = 60.0
 ACK_TIMEOUT_HEARTBEATS = 5
-"""A registration stream with no ack for 5 heartbeats (at least 15 s) is reopened."""
+"""A registration stream with no ack for 5 heartbeats, at least a minute, is reopened: past
+Stargate's registration idle timeout (60 s by default), and longer than Stargate is likely to stall
+(CPU throttling, a paused VM), since a stream reopened while Stargate stalls ends its registration
+on resume and the requests that waited through the stall are answered 404."""
+LATE_S = 1.0
+LATE_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,16 +241,27 @@ class Silent(Exception):
 
 
 async def each_within(stream: AsyncIterable[T], timeout_s: float, what: str) -> AsyncIterator[T]:
-    """``stream``'s items, each within ``timeout_s`` of the one before, else ``Silent``."""
+    """``stream``'s items, each within ``timeout_s`` of the one before, else ``Silent``. A wait whose
+    timer fired ``LATE_S`` past its deadline means this process was not running (SIGSTOP, a paused
+    VM): what arrived meanwhile is still to be read, and gets ``LATE_GRACE_S`` (a paused Pylon tore
+    its streams down on resume, blaming Stargate, with Stargate's messages unread in its buffers)."""
     items = aiter(stream)
+    loop = asyncio.get_running_loop()
     while True:
+        following = asyncio.ensure_future(anext(items))
         try:
-            async with asyncio.timeout(timeout_s):
-                item = await anext(items)
+            deadline = loop.time() + timeout_s
+            done, _ = await asyncio.wait({following}, timeout=timeout_s)
+            if not done and loop.time() - deadline > LATE_S:
+                done, _ = await asyncio.wait({following}, timeout=LATE_GRACE_S)
+            if not done:
+                raise Silent(f"no {what} within {timeout_s:g} s")
+            item = following.result()
         except StopAsyncIteration:
             return
-        except TimeoutError:
-            raise Silent(f"no {what} within {timeout_s:g} s") from None
+        finally:
+            if not following.done():
+                following.cancel()
         yield item
 
 

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
 from types import MappingProxyType
+
+import pytest
 
 from stargate.balancer.types import ModelStats
 from stargate.proto import stargate_pb2
 from stargate.pylon.load import Phase
 from stargate.pylon.models import Generation, ModelRegistry, ModelStatus
 from stargate.pylon.registration import (
+    LATE_S,
     WATCH_SILENCE_FLOOR_S,
     RouterInfo,
+    Silent,
+    each_within,
     router_from_info,
     stats_to_proto,
     watch_silence_s,
@@ -126,3 +134,26 @@ def test_a_watch_may_be_silent_for_three_of_the_heartbeats_stargate_says_it_send
     assert watch_silence_s([("other", "1")], 300.0) == 300.0  # the original's Stargate says nothing
     assert watch_silence_s([("x-stargate-watch-heartbeat-ms", "-5")], 300.0) == 300.0
     assert watch_silence_s(None, 300.0) == 300.0
+
+
+async def test_a_stream_is_not_silent_for_the_time_this_process_was_paused() -> None:
+    """A Pylon paused past the silence bound (SIGSTOP, a paused VM) tore its streams down on resume,
+    blaming Stargate, with Stargate's messages unread in its buffers: here the message is read a
+    moment after the late timer, as gRPC delivers it."""
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Queue[str] = asyncio.Queue()
+
+    async def messages() -> AsyncIterator[str]:
+        while True:
+            yield await arrived.get()
+
+    def pause() -> None:
+        time.sleep(0.2 + LATE_S + 0.3)  # the whole process stops: no timer, no read
+        loop.call_later(0.3, arrived.put_nowait, "snapshot")
+
+    stream = each_within(messages(), 0.2, "snapshot")
+    loop.call_soon(pause)
+    assert await anext(stream) == "snapshot"
+    with pytest.raises(Silent, match=r"no snapshot within 0\.2 s"):  # not paused: silent
+        await anext(stream)
+    await stream.aclose()
