@@ -58,13 +58,13 @@ T = TypeVar("T")
 WATCH_SILENCE_S = 300.0
 """A discovery watch with no snapshot for this long is reopened, where Stargate does not say how
 often it sends one (``watch_silence_s``)."""
-WATCH_SILENCE_FLOOR_S = 60.0
-ACK_TIMEOUT_FLOOR_S = 60.0
+WATCH_SILENCE_FLOOR_S = 300.0
+ACK_TIMEOUT_FLOOR_S = 300.0
 ACK_TIMEOUT_HEARTBEATS = 5
-"""A registration stream with no ack for 5 heartbeats, at least a minute, is reopened: past
-Stargate's registration idle timeout (60 s by default), and longer than Stargate is likely to stall
-(CPU throttling, a paused VM), since a stream reopened while Stargate stalls ends its registration
-on resume and the requests that waited through the stall are answered 404."""
+"""A registration stream with no ack for 5 heartbeats, at least five minutes, is reopened: longer
+than a Stargate that still runs is likely to stall (CPU throttling, a paused VM), since a stream
+reopened while Stargate stalls ends its registration on resume and the requests that waited through
+the stall are answered 404 (at 15 s and at 60 s they were); longer than gateways wait for an answer."""
 LATE_S = 1.0
 LATE_GRACE_S = 2.0
 
