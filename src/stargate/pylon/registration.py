@@ -25,7 +25,7 @@ import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -262,7 +262,15 @@ async def each_within(stream: AsyncIterable[T], timeout_s: float, what: str) -> 
         finally:
             if not following.done():
                 following.cancel()
+            # A gRPC read cancelled, or ended by the call while this wait was, ends in the call's
+            # error, which asyncio logs with a traceback unless it is retrieved.
+            following.add_done_callback(_retrieve)
         yield item
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class _Attempt:

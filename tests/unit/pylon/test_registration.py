@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator
 from types import MappingProxyType
@@ -157,3 +158,34 @@ async def test_a_stream_is_not_silent_for_the_time_this_process_was_paused() -> 
     with pytest.raises(Silent, match=r"no snapshot within 0\.2 s"):  # not paused: silent
         await anext(stream)
     await stream.aclose()
+
+
+async def test_a_read_that_ends_in_the_calls_error_as_it_is_cancelled_is_not_logged() -> None:
+    """asyncio logged "Task exception was never retrieved" with a gRPC traceback when a Pylon
+    closed its streams as Stargate shut them down."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+
+    async def call() -> AsyncIterator[str]:
+        yield "ack"
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise RuntimeError("the call's own error") from None
+
+    async def consume() -> None:
+        async for _ack in each_within(call(), 60.0, "ack"):
+            pass
+
+    consumer = asyncio.ensure_future(consume())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    consumer.cancel()
+    await asyncio.gather(consumer, return_exceptions=True)
+    del consumer  # with its traceback, the last reference to the read
+    for _ in range(5):
+        await asyncio.sleep(0)
+    gc.collect()
+    loop.set_exception_handler(None)
+    assert unretrieved == []
