@@ -33,6 +33,7 @@ from stargate.proto import stargate_pb2, stargate_pb2_grpc
 from stargate.wire import headers as h
 from stargate.wire.backoff import Backoff
 from stargate.wire.clock import Clock, SystemClock
+from stargate.wire.http_client import failure_text
 from stargate.wire.link_log import LinkLog
 from stargate.wire.proto import stats_to_proto
 
@@ -112,7 +113,7 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         details = (exc.details() or "").strip()
         return f"{exc.code().name}: {details}" if details else exc.code().name
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return failure_text(exc)
 
 
 def _library_cancelled() -> bool:
