@@ -1035,7 +1035,9 @@ async def test_a_request_past_a_backends_connections_waits_for_one_and_probes_ar
         first = asyncio.ensure_future(sg.post())
         await until("the first request holds the connection", lambda: len(backend.requests) == 1)
         second = asyncio.ensure_future(sg.post())
-        await asyncio.sleep(0.5)  # five connect timeouts and ten probe periods: neither may fire
+        checked = backend.health_checks
+        # Ten probes answered: ten probe periods, five connect timeouts; neither may fire.
+        await until("ten more health probes", lambda: backend.health_checks >= checked + 10)
         assert not second.done() and len(backend.requests) == 1
         assert sg.metric("stargate_active_inference_servers", **labels()) == 1
         backend.hold_headers.set()

@@ -299,7 +299,9 @@ class SilencingProxy:
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             while (data := await src.read(65536)) and writer not in self.silenced:
                 dst.write(data)
-            await asyncio.sleep(3600) if writer in self.silenced else dst.close()
+            if writer in self.silenced:
+                await asyncio.Event().wait()  # held open, silent, until the test's server closes
+            dst.close()
 
         try:
             await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))

@@ -50,6 +50,7 @@ class ScriptedBackend:
     abort_before_answer: bool = False  # read the request, then drop the connection unanswered
     hold_headers: asyncio.Event | None = None  # when set: wait for it before answering at all
     hold_health: asyncio.Event | None = None  # when set: /health waits for it (a frozen backend)
+    health_checks: int = 0  # /health requests answered
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set once a request was read
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # set when a caller hung up on one
     requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
@@ -59,6 +60,7 @@ class ScriptedBackend:
     async def health(self, request: web.Request) -> web.Response:
         if self.hold_health is not None:
             await asyncio.wait_for(self.hold_health.wait(), 10)
+        self.health_checks += 1
         return web.Response(text="ok")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

@@ -167,25 +167,27 @@ async def test_a_read_that_ends_in_the_calls_error_as_it_is_cancelled_is_not_log
     unretrieved: list[dict[str, object]] = []
     loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
 
+    acked, failed = asyncio.Event(), asyncio.Event()
+
     async def call() -> AsyncIterator[str]:
         yield "ack"
         try:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()
         except asyncio.CancelledError:
+            failed.set()
             raise RuntimeError("the call's own error") from None
 
     async def consume() -> None:
         async for _ack in each_within(call(), 60.0, "ack"):
-            pass
+            acked.set()
 
     consumer = asyncio.ensure_future(consume())
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await acked.wait()
     consumer.cancel()
     await asyncio.gather(consumer, return_exceptions=True)
     del consumer  # with its traceback, the last reference to the read
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await failed.wait()  # the read ended in the call's error in the step that set it
+    await asyncio.sleep(0)  # one loop turn: that step's task is released, and logged if unretrieved
     gc.collect()
     loop.set_exception_handler(None)
     assert unretrieved == []
